@@ -1,0 +1,177 @@
+"""A materialised SGLang tree: a git work tree whose package root holds `sglang/`.
+
+Wheel and snapshot trees keep `sglang/` at the repository root; an upstream checkout
+keeps it under `python/`. Patches name paths relative to the package root, so the
+same patch serves both (the prefix is added when applying).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import git
+
+from backport.errors import BadInput
+
+PACKAGE_PREFIXES = ("", "python/")
+
+# Fixed identity and date for commits the toolkit makes, so that the same inputs give
+# the same commit ids on every machine (receipts compare them).
+TOOL_ACTOR = git.Actor("sglang-backport", "sglang-backport@localhost")
+PRISTINE_DATE = "2000-01-01T00:00:00+00:00"
+
+
+@dataclass(frozen=True)
+class Tree:
+    path: Path                 # git work tree root
+    package_prefix: str        # "" or "python/": where `sglang/` lives inside `path`
+    version: str
+    spec: str
+    artifact_sha256: str | None
+    tree_digest: str
+    base_commit: str | None    # the pristine upstream commit
+    unpinned: bool = False
+
+    @property
+    def package_root(self) -> Path:
+        return self.path / self.package_prefix if self.package_prefix else self.path
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["path"] = str(self.path)
+        data["tree"] = str(self.path)
+        data["package_root"] = str(self.package_root)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Tree":
+        return cls(
+            path=Path(data["path"]),
+            package_prefix=data["package_prefix"],
+            version=data["version"],
+            spec=data["spec"],
+            artifact_sha256=data.get("artifact_sha256"),
+            tree_digest=data["tree_digest"],
+            base_commit=data.get("base_commit"),
+            unpinned=bool(data.get("unpinned", False)),
+        )
+
+
+def find_package_prefix(root: Path) -> str | None:
+    for prefix in PACKAGE_PREFIXES:
+        if (root / prefix / "sglang" / "__init__.py").is_file():
+            return prefix
+    return None
+
+
+def _manifest_files(package_root: Path):
+    top = package_root / "sglang"
+    for path in sorted(top.rglob("*")):
+        if "__pycache__" in path.parts or path.suffix == ".pyc":
+            continue  # importing a tree writes these; they are not the source
+        if path.is_symlink():
+            yield path, ("symlink:" + str(path.readlink())).encode()
+        elif path.is_file():
+            yield path, None
+
+
+def tree_manifest(package_root: Path) -> str:
+    """`sha256sum` lines for every file of the `sglang/` package, sorted by path."""
+    lines = []
+    for path, literal in _manifest_files(package_root):
+        if literal is not None:
+            digest = hashlib.sha256(literal).hexdigest()
+        else:
+            digest = hashlib.file_digest(path.open("rb"), "sha256").hexdigest()
+        lines.append(f"{digest}  {path.relative_to(package_root).as_posix()}\n")
+    lines.sort(key=lambda line: line[66:])
+    return "".join(lines)
+
+
+def tree_digest(package_root: Path) -> str:
+    """sha256 of the tree manifest: one digest that changes with any byte of the package."""
+    return hashlib.sha256(tree_manifest(package_root).encode()).hexdigest()
+
+
+_VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+
+
+def read_version(package_root: Path) -> str | None:
+    """The release version the package says it is (`_version.py` in wheels, `version.py` before)."""
+    for name in ("_version.py", "version.py"):
+        candidate = package_root / "sglang" / name
+        if candidate.is_file():
+            match = _VERSION_RE.search(candidate.read_text(errors="replace"))
+            if match:
+                return match.group(1)
+    return None
+
+
+def git_describe_version(repo: git.Repo) -> str | None:
+    """A PEP 440 version for an upstream checkout from its nearest release tag.
+
+    `v0.5.20-123-gabc` becomes `0.5.20.post0.dev123`: after 0.5.20, before 0.5.21, which
+    is what variant selection needs for a commit between releases.
+    """
+    try:
+        described = repo.git.describe("--tags", "--long", "--match", "v[0-9]*")
+    except git.GitCommandError:
+        return None
+    match = re.fullmatch(r"v(\d+(?:\.\d+)*)-(\d+)-g[0-9a-f]+", described.strip())
+    if not match:
+        return None
+    version, distance = match.group(1), int(match.group(2))
+    return version if distance == 0 else f"{version}.post0.dev{distance}"
+
+
+def open_tree(path: Path, *, spec: str | None = None) -> Tree:
+    """Describe an existing directory as a Tree without modifying it."""
+    path = path.expanduser().resolve()
+    if not path.is_dir():
+        raise BadInput(f"{path}: not a directory")
+    prefix = find_package_prefix(path)
+    if prefix is None:
+        raise BadInput(f"{path}: not an SGLang tree (no sglang/__init__.py or python/sglang/__init__.py)")
+    package_root = path / prefix if prefix else path
+    base_commit = None
+    version = read_version(package_root)
+    try:
+        repo = git.Repo(path)
+        if repo.working_tree_dir and Path(repo.working_tree_dir).resolve() == path and repo.head.is_valid():
+            base_commit = _pristine_commit(repo)
+            version = version or git_describe_version(repo)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        pass
+    return Tree(
+        path=path,
+        package_prefix=prefix,
+        version=version or "unknown",
+        spec=spec or str(path),
+        artifact_sha256=None,
+        tree_digest=tree_digest(package_root),
+        base_commit=base_commit,
+    )
+
+
+def _pristine_commit(repo: git.Repo) -> str:
+    """The first commit that is not the toolkit's own backport commit."""
+    for commit in repo.iter_commits("HEAD"):
+        if "Backport-Of:" not in commit.message:
+            return commit.hexsha
+    return repo.head.commit.hexsha
+
+
+def commit_all(repo: git.Repo, message: str, date: str = PRISTINE_DATE) -> str:
+    """Commit everything in the work tree as the toolkit, at a fixed date (reproducible ids)."""
+    repo.git.add("-A", "--force")
+    env = {
+        "GIT_AUTHOR_NAME": TOOL_ACTOR.name, "GIT_AUTHOR_EMAIL": TOOL_ACTOR.email,
+        "GIT_COMMITTER_NAME": TOOL_ACTOR.name, "GIT_COMMITTER_EMAIL": TOOL_ACTOR.email,
+        "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date,
+    }
+    with repo.git.custom_environment(**env):
+        repo.git.commit("--no-verify", "--allow-empty", "--no-gpg-sign", "-q", "-m", message)
+    return repo.head.commit.hexsha

@@ -1,0 +1,186 @@
+"""Run the differential probes on one SGLang tree and print one JSON document.
+
+Usage (the tree is the only ``sglang`` on the path)::
+
+    PYTHONPATH=<dir containing probes/>:<probes/shims>:<PKGROOT> \\
+        python -m probes.harness --tree PKGROOT [--probe NAME ...]
+
+PKGROOT is the directory that contains ``sglang/``. All probes of the tree run
+in this one interpreter: importing the SGLang modules costs ~8 s, paid once.
+
+Stdout carries exactly one JSON document; everything else (SGLang's logs,
+warnings, stray prints) goes to stderr. Exit code 0 when the harness ran,
+whatever the verdicts; 2 on bad input (no ``sglang/`` in the tree, another
+``sglang`` shadowing it, an unknown probe name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from enum import Enum
+from typing import Any, Dict, List
+
+from probes import (
+    ERROR,
+    NOT_APPLICABLE,
+    PROBE_NAMES,
+    SAFE,
+    UNSAFE,
+    Case,
+    NotApplicable,
+    Outcome,
+    ProbeContext,
+)
+
+# Imported once, timed, before any case runs. The probes import them again
+# (cached); a tree that fails here reports per-case errors, not a crash.
+CORE_MODULES = (
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.disaggregation.decode",
+    "sglang.srt.disaggregation.common.conn",
+    "sglang.srt.managers.scheduler",
+)
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+
+
+def _bad_input(tree: str, message: str, real_stdout) -> int:
+    real_stdout.write(json.dumps({"tree": tree, "error": message}) + "\n")
+    real_stdout.flush()
+    return 2
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values only; anything else by a stable text form."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [jsonable(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    return _ADDRESS.sub("0x?", repr(value))
+
+
+def run_case(probe: str, case: Case) -> Dict[str, Any]:
+    ctx = ProbeContext()
+    try:
+        outcome = case.run(ctx)
+        if outcome.verdict not in (SAFE, UNSAFE):
+            raise ValueError(f"case returned verdict {outcome.verdict!r}")
+    except NotApplicable as exc:
+        outcome = Outcome(NOT_APPLICABLE, f"Not applicable: {exc}", {"reason": str(exc)})
+    except Exception as exc:  # noqa: BLE001 - every failure is a verdict
+        print(f"[probe {probe}/{case.name}] error:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        message = _ADDRESS.sub("0x?", str(exc))
+        outcome = Outcome(
+            ERROR,
+            f"The case raised {type(exc).__name__}: {message}",
+            {"exception_type": type(exc).__name__, "message": message},
+        )
+    finally:
+        try:
+            ctx.close()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+    return {
+        "probe": probe,
+        "case": case.name,
+        "must_preserve": case.must_preserve,
+        "expect": case.expect,
+        "observed": outcome.observed,
+        "verdict": outcome.verdict,
+        "details": jsonable(outcome.details),
+    }
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m probes.harness")
+    parser.add_argument("--tree", required=True, help="directory that contains sglang/")
+    parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
+    args = parser.parse_args(argv)
+
+    # Keep stdout for the one JSON document: SGLang and its dependencies may
+    # print, at Python or at C level.
+    sys.stdout.flush()
+    real_stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    tree = os.path.abspath(args.tree)
+    unknown = [p for p in args.probe if p not in PROBE_NAMES]
+    if unknown:
+        return _bad_input(tree, f"unknown probe {unknown[0]!r}; known: {', '.join(PROBE_NAMES)}", real_stdout)
+    if not os.path.isfile(os.path.join(tree, "sglang", "__init__.py")):
+        return _bad_input(tree, f"{tree} has no sglang/ package", real_stdout)
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    started = time.monotonic()
+    try:
+        import sglang
+    except Exception as exc:  # noqa: BLE001
+        return _bad_input(tree, f"import sglang failed: {type(exc).__name__}: {exc}", real_stdout)
+    sglang_file = os.path.realpath(sglang.__file__ or "")
+    if os.path.commonpath([sglang_file, os.path.realpath(tree)]) != os.path.realpath(tree):
+        return _bad_input(
+            tree, f"sglang on the path is {sglang_file}, not the tree under test", real_stdout
+        )
+
+    for name in CORE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - reported by the cases
+            print(f"[harness] import {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    import_seconds = round(time.monotonic() - started, 3)
+
+    version = getattr(sglang, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.import_module("sglang.version").__version__
+        except Exception:  # noqa: BLE001
+            version = "unknown"
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except Exception:  # noqa: BLE001
+        torch_version = None
+
+    cases: List[Dict[str, Any]] = []
+    for probe in args.probe or list(PROBE_NAMES):
+        module = importlib.import_module(f"probes.{probe}")
+        for case in module.CASES:
+            cases.append(run_case(probe, case))
+
+    document = {
+        "tree": tree,
+        "version": str(version),
+        "sglang_file": sglang_file,
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "import_seconds": import_seconds,
+        "cases": cases,
+    }
+    real_stdout.write(json.dumps(document, indent=1, sort_keys=False) + "\n")
+    real_stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

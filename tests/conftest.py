@@ -1,0 +1,103 @@
+"""Shared fixtures: an isolated cache per test, real release trees and the probe interpreter.
+
+Real wheels are downloaded once per test session into a cache under the test workspace
+(`.cache/test-wheels` beside the repository, or SGLANG_BACKPORT_TEST_WHEELS), and the
+CPU probe environment is built once (or taken from SGLANG_BACKPORT_PROBE_PYTHON).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORKSPACE_CACHE = Path(os.environ.get("SGLANG_BACKPORT_TEST_CACHE") or REPO / ".cache" / "test-cache")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """An empty cache for one test; the session's downloaded wheels are linked in to avoid re-downloading."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_cache() -> Path:
+    """The session-wide cache holding real wheels, pristine trees and the probe environment."""
+    WORKSPACE_CACHE.mkdir(parents=True, exist_ok=True)
+    return WORKSPACE_CACHE
+
+
+def _with_cache(root: Path):
+    class _Ctx:
+        def __enter__(self):
+            self.old = os.environ.get("SGLANG_BACKPORT_CACHE")
+            os.environ["SGLANG_BACKPORT_CACHE"] = str(root)
+
+        def __exit__(self, *exc):
+            if self.old is None:
+                os.environ.pop("SGLANG_BACKPORT_CACHE", None)
+            else:
+                os.environ["SGLANG_BACKPORT_CACHE"] = self.old
+
+    return _Ctx()
+
+
+@pytest.fixture(scope="session")
+def release_tree(shared_cache):
+    """release_tree("0.5.19") -> the pristine cached Tree of that pinned release (real PyPI wheel)."""
+    from backport.sources import materialise
+
+    def get(version: str):
+        with _with_cache(shared_cache):
+            return materialise(f"sglang=={version}").tree
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def patched_tree(shared_cache, release_tree, tmp_path_factory):
+    """patched_tree("0.5.19") -> (Tree of a fresh clone with the whole pack applied, ApplyReport)."""
+    import git
+
+    from backport.apply import apply_series
+    from backport.series import load_pack
+    from backport.tree import Tree
+
+    made: dict[str, tuple] = {}
+
+    def get(version: str):
+        if version not in made:
+            pristine = release_tree(version)
+            dest = tmp_path_factory.mktemp(f"patched-{version}") / "tree"
+            git.Repo.clone_from(str(pristine.path), str(dest)).close()
+            report = apply_series(dest, load_pack(REPO / "patches"), version)
+            tree = Tree(dest, "", version, pristine.spec, pristine.artifact_sha256,
+                        pristine.tree_digest, pristine.base_commit)
+            made[version] = (tree, report)
+        return made[version]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def probe_python(shared_cache) -> str:
+    """The CPU probe interpreter: SGLANG_BACKPORT_PROBE_PYTHON, else the cached env (built once)."""
+    from backport.probeenv import ensure_env
+
+    with _with_cache(shared_cache):
+        return str(ensure_env())
+
+
+@pytest.fixture
+def scratch_copy(tmp_path):
+    def copy(src: Path, name: str = "copy") -> Path:
+        dest = tmp_path / name
+        shutil.copytree(src, dest, symlinks=True)
+        return dest
+
+    return copy

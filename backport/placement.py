@@ -104,6 +104,12 @@ class FileImage:
     @classmethod
     def from_bytes(cls, data: bytes) -> "FileImage":
         text = data.decode("utf-8", "surrogateescape")
+        if "\r" not in text:  # fast path: plain LF file
+            lines = text.split("\n")
+            if lines[-1] == "":
+                lines.pop()
+                return cls(lines, ["\n"] * len(lines))
+            return cls(lines, ["\n"] * (len(lines) - 1) + [""])
         lines: list[str] = []
         eols: list[str] = []
         parts = text.split("\n")
@@ -156,9 +162,15 @@ class _Index:
 
     def __init__(self, lines: Sequence[str]):
         self.lines = lines
-        self.pos: dict[str, list[int]] = {}
-        for i, l in enumerate(lines):
-            self.pos.setdefault(l, []).append(i)
+        self._pos: dict[str, list[int]] | None = None
+
+    @property
+    def pos(self) -> dict[str, list[int]]:
+        if self._pos is None:  # built on the first search that needs it
+            self._pos = {}
+            for i, l in enumerate(self.lines):
+                self._pos.setdefault(l, []).append(i)
+        return self._pos
 
     def matches_at(self, p: int, pat: Sequence[str]) -> bool:
         lines = self.lines
@@ -211,10 +223,11 @@ def _trim(h: Hunk, fuzz: int) -> tuple[int, int, bool, bool]:
 
 
 def place_hunk(
-    index: _Index, h: Hunk, expected: int, lo: int, *, max_fuzz: int = MAX_FUZZ
+    index: _Index, h: Hunk, expected: int, lo: int, *, max_fuzz: int = MAX_FUZZ, detail: bool = True
 ) -> Placement:
     """Place one hunk. ``expected`` is the 0-based position to search from,
-    ``lo`` the first line it may start at (end of the previous hunk)."""
+    ``lo`` the first line it may start at (end of the previous hunk).
+    ``detail=False`` skips the search for the nearest partial match."""
     n = len(index.lines)
     old = h.old_lines
     stated = max(h.old_start - 1, 0) if h.old_len else h.old_start  # insertion after line old_start
@@ -233,7 +246,9 @@ def place_hunk(
             lo_p, hi_p = max(lo_p, 0), min(hi_p, 0)
         if a_end:
             lo_p = max(lo_p, n - len(pat))
-        if not pat:  # pure insertion into an empty old side
+        if pat and lo_p <= exp_p <= hi_p and index.matches_at(exp_p, pat):
+            cands = [exp_p]  # distance 0 is unique: no search needed
+        elif not pat:  # pure insertion into an empty old side
             p = min(max(exp_p, lo_p), max(hi_p, lo_p))
             if hi_p < lo_p:
                 break
@@ -260,6 +275,8 @@ def place_hunk(
         status = FUZZ if fuzz else (EXACT if offset == 0 else OFFSET)
         return Placement(status, offset=offset, fuzz=fuzz, line=start + 1, pos=best,
                          trim_lead=lead, trim_trail=trail)
+    if not detail:
+        return Placement(CONFLICT, line=expected + 1, reason="context not found")
     return _conflict(index, h, expected, stated)
 
 
@@ -287,16 +304,20 @@ def _conflict(index: _Index, h: Hunk, expected: int, stated: int) -> Placement:
                      expected=old, actual=actual, reason=reason)
 
 
-def place_hunks(lines: Sequence[str], hunks: Sequence[Hunk], *, max_fuzz: int = MAX_FUZZ) -> list[Placement]:
-    """Place every hunk of one file, in order, against the file before the patch."""
+def place_hunks(lines: Sequence[str], hunks: Sequence[Hunk], *, max_fuzz: int = MAX_FUZZ,
+                detail: bool = True) -> list[Placement]:
+    """Place every hunk of one file, in order, against the file before the patch.
+    With ``detail=False`` (a yes/no check) it stops at the first conflict."""
     index = _Index(lines)
     out: list[Placement] = []
     delta = 0
     lo = 0
     for h in hunks:
         stated = max(h.old_start - 1, 0) if h.old_len else h.old_start
-        pl = place_hunk(index, h, stated + delta, lo, max_fuzz=max_fuzz)
+        pl = place_hunk(index, h, stated + delta, lo, max_fuzz=max_fuzz, detail=detail)
         out.append(pl)
+        if pl.status == CONFLICT and not detail:
+            break
         if pl.status != CONFLICT:
             delta = pl.offset
             lo = pl.pos + len(h.old_lines) - pl.trim_lead - pl.trim_trail

@@ -315,6 +315,8 @@ def parse_header(text: str, where: str) -> tuple[dict[str, str], str]:
             fields[cur] += "\n" + ("" if cont == "." else cont)
             continue
         m = re.match(r"^([A-Za-z][A-Za-z0-9-]*):(.*)$", line)
+        if not m and line.startswith(("--- ", "+++ ", "diff ", "@@", "Index: ")):
+            raise BadInput(f"{where}: no '---' line ends the header before the diff at line {i + 1}")
         if not m:
             raise BadInput(f"{where}:{i + 1}: header line is not 'Field: value': {line[:60]!r}")
         name = canon.get(m.group(1).lower(), m.group(1))

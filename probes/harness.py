@@ -110,11 +110,23 @@ def run_case(probe: str, case: Case) -> Dict[str, Any]:
     }
 
 
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(message)
+
+
 def main(argv: List[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m probes.harness")
+    parser = _Parser(prog="python -m probes.harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        return _bad_input(None, f"usage: {exc}", sys.stdout)
 
     # Keep stdout for the one JSON document: SGLang and its dependencies may
     # print, at Python or at C level.

@@ -112,26 +112,56 @@ class ParallelStandIn(SimpleNamespace):
         )
 
 
-def pin_single_rank(ctx) -> None:
-    """Every module that reads ``get_parallel()`` sees TP rank 0 of 1.
+def release_disagg_defaults() -> SimpleNamespace:
+    """Stands for ``get_disagg()``: this release's own defaults of the
+    disaggregation settings (the ``Disagg`` config struct from 0.5.20, the
+    ``ServerArgs`` field defaults before), as an unconfigured server has them."""
+    import dataclasses
+
+    values: Dict[str, Any] = {}
+    server_args = sg_attr("server_args", "ServerArgs")
+    if server_args is not None and dataclasses.is_dataclass(server_args):
+        for f in dataclasses.fields(server_args):
+            if f.default is not dataclasses.MISSING:
+                values[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                values[f.name] = f.default_factory()  # type: ignore[misc]
+    disagg = sg_attr("arg_groups.fields.disagg", "Disagg")
+    if disagg is not None:
+        struct = disagg()
+        for name in getattr(disagg, "__struct_fields__", ()):
+            values[name] = getattr(struct, name)
+    return SimpleNamespace(**values)
+
+
+RUNTIME_MODULES = (
+    "managers.schedule_batch",
+    "disaggregation.prefill",
+    "disaggregation.decode",
+    "disaggregation.utils",
+    "disaggregation.common.conn",
+    "managers.scheduler",
+    "mem_cache.common",
+)
+
+
+def pin_runtime(ctx) -> None:
+    """Every module that reads the process-wide runtime context sees one rank
+    of one (``get_parallel``) and the release's default PD settings
+    (``get_disagg``), without publishing a real server configuration.
 
     ``Req.set_finish_with_abort`` logs on rank 0 only and reads the rank through
     ``get_parallel``; so do the retire paths of later releases.
     """
     parallel = ParallelStandIn()
-    for name in (
-        "managers.schedule_batch",
-        "disaggregation.prefill",
-        "disaggregation.decode",
-        "disaggregation.utils",
-        "disaggregation.common.conn",
-        "managers.scheduler",
-    ):
+    disagg = release_disagg_defaults()
+    for name in RUNTIME_MODULES:
         try:
             module = sg(name)
         except ImportError:
             continue
         ctx.patch_if_present(module, "get_parallel", lambda: parallel)
+        ctx.patch_if_present(module, "get_disagg", lambda: disagg)
 
 
 # ---------------------------------------------------------------------------
@@ -198,6 +228,13 @@ def drop_kv_row(req) -> None:
     req.req_pool_idx = None
     if hasattr(req, "kv"):
         req.kv = None
+
+
+def has_retraction_backup_slot(req) -> bool:
+    """Host KV retraction backups exist from 0.5.18 (on the request), and on
+    ``ReqKvInfo`` from 0.5.19."""
+    kv = getattr(req, "kv", None)
+    return (kv is not None and hasattr(kv, "retraction_backup")) or hasattr(req, "retraction_backup")
 
 
 def set_retraction_backup(req, backup: Any) -> None:
@@ -449,6 +486,9 @@ class RecordingTreeCache:
     def dec_lock_ref(self, *args, **kwargs):
         return None
 
+    def unlock(self, *args, **kwargs):
+        return None
+
 
 def patch_cache_helpers(ctx, ledger: Ledger, module, pages: Optional[CountingPageAllocator]):
     """Swap the module-level cache helpers ``module`` calls for recorders.
@@ -607,6 +647,30 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
     defaults.update(attrs)
     shell.__dict__.update(defaults)
     return shell
+
+
+class BatchShell:
+    """Stands for the ``ScheduleBatch`` of a finished forward: only what the
+    result path reads (its requests; no speculative or DP state)."""
+
+    def __init__(self, reqs) -> None:
+        self.reqs = list(reqs)
+        self.spec_info = None
+        self.prefill_stats = None
+        self.dp_cooperation_info = None
+        self.return_logprob = False
+
+
+def deliver_prefill_result(shell, reqs, sampled_token: int) -> None:
+    """One forward result for ``reqs`` reaches the tree's
+    ``process_batch_result_disagg_prefill`` (a real ``GenerationBatchResult``)."""
+    import torch
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    result = GenerationBatchResult(
+        next_token_ids=torch.tensor([sampled_token] * len(reqs), dtype=torch.int64)
+    )
+    type(shell).process_batch_result_disagg_prefill(shell, BatchShell(reqs), result)
 
 
 def wrap_beam_coordinator(shell) -> None:

@@ -1,0 +1,171 @@
+"""Benchmark: the engine against ``git apply`` on the same exact patches.
+
+    python benchmarks/bench_apply.py [--tree /tmp/sg/0.5.19] [--fixes 8] [--files 3] [--repeat 5]
+
+Uses a local clone of a real tree (default /tmp/sg/0.5.19 when it exists),
+else generates a synthetic tree of a few thousand Python files. It writes a
+pack of ``--fixes`` fixes, each touching ``--files`` files with two hunks
+each, made with ``git diff`` so every hunk is exact. Then, on fresh clones,
+in the same run:
+
+* engine: ``load_pack`` + ``apply_series`` in process (placement, one commit
+  per patch, files, index, HEAD);
+* ``git apply``: one ``git apply`` per patch file (working files only);
+* ``git apply --index`` + ``git commit`` per patch: the same work the
+  engine does.
+
+Each clone is settled first (one ``git status`` a second after the clone,
+as in any checkout that is not brand new: otherwise the engine's dirty check
+pays for git's racy-index re-hash of every file, which ``git apply``, reading
+no index, never sees). Prints the medians and the ratios (goal: engine / git apply <= 2). Prints,
+never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backport.apply import apply_series  # noqa: E402
+from backport.series import load_pack  # noqa: E402
+
+ENV = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost", GIT_COMMITTER_NAME="bench",
+           GIT_COMMITTER_EMAIL="bench@localhost", GIT_AUTHOR_DATE="2026-01-01T00:00:00+0000",
+           GIT_COMMITTER_DATE="2026-01-01T00:00:00+0000")
+
+
+def git(cwd: Path, *args: str, input: bytes | None = None) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], input=input, env=ENV, check=True,
+                          capture_output=True).stdout.decode()
+
+
+def synthetic_tree(root: Path, n_files: int = 3000) -> Path:
+    root.mkdir(parents=True)
+    git(root, "init", "-q", "-b", "main")
+    rnd = random.Random(0)
+    for i in range(n_files):
+        d = root / "sglang" / "srt" / f"mod{i % 40}"
+        d.mkdir(parents=True, exist_ok=True)
+        body = "".join(f"def fn_{i}_{j}(x):\n    y = x * {rnd.randint(0, 10**6)}\n    return y\n\n"
+                       for j in range(rnd.randint(20, 120)))
+        (d / f"file{i}.py").write_text(f'"""module {i}"""\n\n' + body)
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "pristine")
+    return root
+
+
+def pick_files(tree: Path, n: int) -> list[Path]:
+    files = sorted(p for p in (tree / "sglang").rglob("*.py") if p.stat().st_size > 4000)
+    rnd = random.Random(1)
+    return rnd.sample(files, n)
+
+
+def make_pack(tree: Path, work: Path, n_fixes: int, n_files: int) -> Path:
+    scratch = work / "scratch"
+    subprocess.run(["git", "clone", "-q", "--local", str(tree), str(scratch)], check=True)
+    pack = work / "pack"
+    pack.mkdir()
+    files = pick_files(scratch, n_fixes * n_files)
+    series = []
+    toml = []
+    for k in range(n_fixes):
+        fid = f"pr{90000 + k}"
+        series.append(fid)
+        toml += [f"[fixes.{fid}]", f'title = "bench fix {k}"', f"pr = {90000 + k}",
+                 'upstream_commit = "0000000000000000000000000000000000000000"', 'fixed_in = ""', ""]
+        for f in files[k * n_files:(k + 1) * n_files]:
+            lines = f.read_text(encoding="utf-8", errors="surrogateescape").split("\n")
+            for at in (len(lines) // 3, 2 * len(lines) // 3):  # two hunks per file
+                lines.insert(at, f"# sglang-backport bench {fid}")
+            f.write_text("\n".join(lines), encoding="utf-8", errors="surrogateescape")
+        git(scratch, "add", "-A")
+        diff = git(scratch, "diff", "--cached", "--no-color")
+        git(scratch, "commit", "-qm", fid)
+        (pack / fid).mkdir()
+        (pack / fid / f"{fid}-0.5.17.patch").write_text(
+            f"Description: bench fix {k}\nOrigin: bench\nApplies-To: >=0\nDepends-On: none\n"
+            f"Last-Update: 2026-11-30\n---\n" + diff)
+    (pack / "series").write_text("\n".join(series) + "\n")
+    (pack / "fixes.toml").write_text("\n".join(toml))
+    return pack
+
+
+def prefix_of(tree: Path) -> str:
+    return "" if (tree / "sglang").is_dir() else "python/"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", type=Path, default=Path("/tmp/sg/0.5.19"))
+    ap.add_argument("--fixes", type=int, default=8)
+    ap.add_argument("--files", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-apply-"))
+    try:
+        if (a.tree / ".git").exists():
+            tree, kind = a.tree, f"real tree {a.tree}"
+        else:
+            tree, kind = synthetic_tree(work / "synthetic"), "synthetic tree"
+        pack_dir = make_pack(tree, work, a.fixes, a.files)
+        patches = [pack_dir / fid / f"{fid}-0.5.17.patch" for fid in (pack_dir / "series").read_text().split()]
+        n_tracked = len(git(tree, "ls-files").splitlines())
+        t_engine, t_apply, t_commit = [], [], []
+        for r in range(a.repeat):
+            clones = []
+            for name in ("engine", "apply", "commit"):
+                c = work / f"{name}-{r}"
+                subprocess.run(["git", "clone", "-q", "--local", str(tree), str(c)], check=True)
+                # settle the fresh index (racy-git entries of files written in
+                # the same second as the index), as in any older checkout
+                time.sleep(1.0)
+                git(c, "status", "--porcelain")
+                clones.append(c)
+            # alternate the order so no side always gets a warm page cache
+            order = [0, 1, 2] if r % 2 == 0 else [2, 1, 0]
+            for which in order:
+                c = clones[which]
+                t0 = time.perf_counter()
+                if which == 0:
+                    rep = apply_series(c, load_pack(pack_dir), "0.5.19", package_prefix=prefix_of(c))
+                    assert rep.status == "applied", rep.to_json()
+                    assert all(h.status == "exact" for p in rep.patches for h in p.hunks)
+                    t_engine.append(time.perf_counter() - t0)
+                elif which == 1:
+                    extra = [f"--directory={prefix_of(c).rstrip('/')}"] if prefix_of(c) else []
+                    for p in patches:
+                        git(c, "apply", *extra, str(p))
+                    t_apply.append(time.perf_counter() - t0)
+                else:
+                    extra = [f"--directory={prefix_of(c).rstrip('/')}"] if prefix_of(c) else []
+                    for p in patches:
+                        git(c, "apply", "--index", *extra, str(p))
+                        git(c, "commit", "-qm", p.stem)
+                    t_commit.append(time.perf_counter() - t0)
+            for c in clones:
+                shutil.rmtree(c)
+        me, ma, mc = (statistics.median(x) for x in (t_engine, t_apply, t_commit))
+        n_hunks = a.fixes * a.files * 2
+        print(f"tree: {kind} ({n_tracked} tracked files); series: {a.fixes} patches, "
+              f"{a.fixes * a.files} files, {n_hunks} exact hunks; median of {a.repeat} runs")
+        print(f"engine (load + apply + {a.fixes} commits, in process): {me * 1000:8.1f} ms")
+        print(f"git apply ({a.fixes} invocations, files only):        {ma * 1000:8.1f} ms")
+        print(f"git apply --index + git commit per patch:          {mc * 1000:8.1f} ms")
+        print(f"ratio engine / git apply:                {me / ma:5.2f}x   (goal <= 2x)")
+        print(f"ratio engine / git apply --index+commit: {me / mc:5.2f}x")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

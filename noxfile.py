@@ -1,0 +1,101 @@
+"""nox sessions: tests, lint, bench, and one `pair` session per entry of patches/pairs.toml.
+
+    nox -l                            list the sessions
+    nox -s tests                      the test suite (extra pytest arguments after --)
+    nox -s "pair(name='0.5.19')"      one evidence bundle: sglang 0.5.19 against its backport
+    nox -s pair -- --no-upstream-tests   every pair; arguments after -- go to `sglang-backport run`
+
+Pair sessions with git targets need the upstream repository (`{upstream}` in pairs.toml,
+overridden by SGLANG_BACKPORT_UPSTREAM_GIT); when it cannot be reached they skip and say why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PAIRS_FILE = ROOT / "patches" / "pairs.toml"
+UPSTREAM_ENV = "SGLANG_BACKPORT_UPSTREAM_GIT"
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _pairs() -> dict:
+    document = tomllib.loads(PAIRS_FILE.read_text())
+    upstream = os.environ.get(UPSTREAM_ENV) or document.get("upstream", "")
+    pairs = {}
+    for entry in document.get("pair", []):
+        resolved = {key: value.replace("{upstream}", upstream) if isinstance(value, str) else value
+                    for key, value in entry.items()}
+        resolved["upstream"] = upstream
+        pairs[entry["name"]] = resolved
+    return pairs
+
+
+PAIRS = _pairs()
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (set SGLANG_BACKPORT_PROBE_PYTHON to reuse a probe interpreter)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *(session.posargs or ["-q", "-ra"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "backport", "probes", "tests")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark in benchmarks/ (each prints its own measurements)."""
+    session.install("-e", ".")
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        session.run("python", str(script), *session.posargs)
+
+
+def _reachable(url: str) -> str | None:
+    """None when `git ls-remote` reaches the repository, else the reason it could not."""
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true"}
+    try:
+        proc = subprocess.run(["git", "ls-remote", "--exit-code", url, "HEAD"], capture_output=True, text=True,
+                              env=env, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        return "git ls-remote timed out after 60 s"
+    except OSError as exc:
+        return f"cannot run git ({exc.strerror})"
+    if proc.returncode == 0:
+        return None
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"git ls-remote exited {proc.returncode}"
+
+
+@nox.session
+@nox.parametrize("name", list(PAIRS), ids=[f"name={name!r}" for name in PAIRS])
+def pair(session: nox.Session, name: str) -> None:
+    """One base/head pair of patches/pairs.toml through `sglang-backport run`, writing a bundle."""
+    entry = PAIRS[name]
+    specs = [entry["base"]] + ([] if entry["head"] == "backport" else [entry["head"]])
+    if any(spec.startswith("git+") for spec in specs):
+        url = entry["upstream"]
+        why = _reachable(url)
+        if why is not None:
+            session.skip(f"pair {name} needs the upstream repository {url}, which cannot be reached "
+                         f"({why}); offline, this pair is skipped. Set {UPSTREAM_ENV} to a reachable "
+                         f"mirror or a local clone of sgl-project/sglang to run it")
+    session.install("-e", ".")
+    command = ["sglang-backport", "run", entry["base"]]
+    if entry["head"] != "backport":
+        command += ["--head", entry["head"]]
+    if entry.get("out"):
+        command += ["--out", str(ROOT / entry["out"])]
+    session.chdir(ROOT)
+    session.run(*command, *session.posargs, external=False)

@@ -1,0 +1,432 @@
+"""Admission doors of PD serving (#38935, incident steps 2 and 5).
+
+``Req.set_finish_with_abort`` records an intake rejection in ``to_finish``
+and swaps the prompt for a one-token stub; ``finished()`` reads only
+``finished_reason``, so before #38935 every PD admission door let the rejected
+request through: prefill created a KV sender and queued it for bootstrap,
+decode created a KV receiver and queued it for preallocation.
+#38935 retires such a request at ``PrefillBootstrapQueue.add`` and
+``DecodePreallocQueue.add`` (``is_unadmitted_reject`` +
+``Scheduler.retire_unadmitted_request``): no handoff object, no queue entry,
+the original 400 streamed once. Requests that re-enter a door while still
+owning resources (metadata buffer, retraction backup, a retraction flag) are
+not retired, and the non-PD dispatcher ``_add_request_to_queue`` stays a
+pure dispatcher.
+
+How the doors are driven: the real ``add`` of each queue class is called
+unbound on an instance created without its constructor (constructors drift
+between releases), carrying the attributes the door reads. The door's own
+helpers (``create_sender``, ``_create_receiver_and_enqueue``, the prefill
+capacity check) are the tree's. Stand-ins: the transport classes returned by
+``get_kv_class`` (RecordingKVSender/RecordingKVReceiver), the metadata
+allocator, the output streamer, and a scheduler shell whose retire and
+dispatch methods are the tree's own. The decode door's KV capacity check is
+stubbed to "fits" (in the incident decode's pool was large enough; that
+check's inputs drift from release to release and are not under test), and
+the DSV4/DSpark rebootstrap test is stubbed to "not that model".
+
+Not applicable: ``prefill_door_retraction_backup_not_retired`` on 0.5.17,
+whose requests cannot hold a host retraction backup (added in 0.5.18).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
+from probes.standins import (
+    CountingPageAllocator,
+    Ledger,
+    MetadataBuffersStandIn,
+    TransportManagerStandIn,
+    describe_finish,
+    has_retraction_backup_slot,
+    make_req,
+    make_scheduler_shell,
+    patch_cache_helpers,
+    patch_transport,
+    pin_runtime,
+    reject_at_intake,
+    set_retraction_backup,
+    sg,
+    wrap_beam_coordinator,
+)
+
+NUM_KV_HEADS = 8
+PREFILL_POOL_TOKENS = 4096
+REJECTION = "Input length (9000 tokens) exceeds the maximum allowed length (4096 tokens)."
+
+
+# ---------------------------------------------------------------------------
+# rig
+
+
+class DoorRig:
+    """One scheduler shell with both PD doors wired to recording transports."""
+
+    def __init__(self, ctx) -> None:
+        pin_runtime(ctx)
+        self.ledger = Ledger()
+        patch_transport(ctx, self.ledger)
+        decode_mod = sg("disaggregation.decode")
+        patch_cache_helpers(ctx, self.ledger, decode_mod, None)
+        for name in ("dsv41_dspark_needs_rebootstrap", "dsv4_needs_rebootstrap"):
+            ctx.patch_if_present(decode_mod, name, lambda *a, **k: False)
+        self.shell = make_scheduler_shell(self.ledger)
+        wrap_beam_coordinator(self.shell)
+        self.shell._release_aborted_request = self._release_aborted_request
+        self.prefill_queue = self._prefill_queue()
+        self.decode_queue = self._decode_queue()
+        self.shell.disagg_prefill_bootstrap_queue = self.prefill_queue
+        self.shell.disagg_decode_prealloc_queue = self.decode_queue
+
+    def _release_aborted_request(self, req) -> None:
+        # The cache-side release #38935's review asked for; its body is the
+        # tree cache's business, the probe records that it happened.
+        self.ledger.record("release_aborted_request", rid=req.rid)
+
+    @staticmethod
+    def _backend():
+        from sglang.srt.disaggregation.utils import TransferBackend
+
+        return getattr(TransferBackend, "MOONCAKE", list(TransferBackend)[0])
+
+    def _prefill_queue(self):
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        q = object.__new__(PrefillBootstrapQueue)
+        q.__dict__.update(
+            scheduler=self.shell,
+            queue=[],
+            max_total_num_tokens=PREFILL_POOL_TOKENS,
+            transfer_backend=self._backend(),
+            kv_manager=TransportManagerStandIn(),
+            tp_rank=0,
+            pp_rank=0,
+            pp_size=1,
+            bootstrap_port=8998,
+            req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=MetadataBuffersStandIn(),
+        )
+        return q
+
+    def _decode_queue(self):
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+        q = object.__new__(DecodePreallocQueue)
+        q.__dict__.update(
+            scheduler=self.shell,
+            queue=[],
+            retracted_queue=[],
+            pending_reqs=[],
+            transfer_backend=self._backend(),
+            kv_manager=TransportManagerStandIn(),
+            token_to_kv_pool_allocator=CountingPageAllocator(self.ledger, "decode", 4096, 16),
+            max_total_num_tokens=1 << 20,
+            req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=MetadataBuffersStandIn(),
+            tree_cache=self.shell.tree_cache,
+            tp_rank=0,
+        )
+        q._check_if_req_exceed_kv_capacity = lambda req: False
+        return q
+
+    # doors -----------------------------------------------------------------
+
+    def prefill_door(self, req) -> None:
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        PrefillBootstrapQueue.add(self.prefill_queue, req, NUM_KV_HEADS)
+
+    def decode_door(self, req, **flags) -> None:
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+        DecodePreallocQueue.add(self.decode_queue, req, **flags)
+
+    # observations ----------------------------------------------------------
+
+    def observe(self, req) -> Dict[str, Any]:
+        led = self.ledger
+        rid = req.rid
+        decode_entries = [dr.req for dr in self.decode_queue.queue] + [
+            dr.req for dr in self.decode_queue.pending_reqs
+        ]
+        streams = led.of("stream", rid=rid)
+        return {
+            "sender_created": led.count("sender_created", room=req.bootstrap_room) > 0,
+            "receiver_created": led.count("receiver_created", room=req.bootstrap_room) > 0,
+            "prefill_bootstrap_queued": any(r is req for r in self.prefill_queue.queue),
+            "decode_prealloc_queued": any(r is req for r in decode_entries),
+            "decode_retracted_queued": any(r is req for r in self.decode_queue.retracted_queue),
+            "waiting_queued": any(r is req for r in self.shell.waiting_queue),
+            "metadata_buffers_taken": led.count("metadata_alloc"),
+            "streamed": [s["finish"] for s in streams],
+            "finished_reason": describe_finish(req.finished_reason),
+            "to_finish": describe_finish(req.to_finish),
+            "release_aborted_request_calls": led.count("release_aborted_request", rid=rid),
+            "beam_group_retired": led.count("beam_retire_group", rid=rid),
+        }
+
+
+def _retired_cleanly(obs: Dict[str, Any]) -> bool:
+    """#38935's retirement: no handoff object, no queue, the 400 streamed once."""
+    return (
+        not obs["sender_created"]
+        and not obs["receiver_created"]
+        and not obs["prefill_bootstrap_queued"]
+        and not obs["decode_prealloc_queued"]
+        and obs["metadata_buffers_taken"] == 0
+        and len(obs["streamed"]) == 1
+        and (obs["streamed"][0] or {}).get("status_code") == 400
+        and (obs["finished_reason"] or {}).get("status_code") == 400
+    )
+
+
+def _handoff_summary(obs: Dict[str, Any]) -> str:
+    made = [k for k in ("sender_created", "receiver_created") if obs[k]]
+    queued = [
+        k
+        for k in ("prefill_bootstrap_queued", "decode_prealloc_queued", "decode_retracted_queued")
+        if obs[k]
+    ]
+    return (
+        f"handoff objects: {', '.join(made) or 'none'}; queues: {', '.join(queued) or 'none'}; "
+        f"streamed {len(obs['streamed'])} time(s)"
+    )
+
+
+def _finish_abort(message: str):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return FINISH_ABORT(message)
+
+
+# ---------------------------------------------------------------------------
+# rejected requests at the doors (the fix)
+
+
+def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
+    """#38935 prefill door: a request rejected by ``set_finish_with_abort``
+    gets no KV sender, no bootstrap queue entry, no metadata buffer, and the
+    client receives the original 400 exactly once."""
+    rig = DoorRig(ctx)
+    req = make_req("rejected-p", 9000, room=101)
+    reject_at_intake(req, REJECTION)
+    rig.prefill_door(req)
+    obs = rig.observe(req)
+    obs["prompt_tokens_after_rejection"] = len(req.origin_input_ids)
+    if _retired_cleanly(obs):
+        return Outcome(SAFE, "Retired at the prefill door: no sender, not queued, 400 streamed once.", obs)
+    return Outcome(UNSAFE, "Admitted at the prefill door; " + _handoff_summary(obs) + ".", obs)
+
+
+def decode_door_rejected_not_enqueued(ctx) -> Outcome:
+    """#38935 decode door: a rejected request gets no KV receiver and no
+    prealloc queue entry; the 400 is streamed once."""
+    rig = DoorRig(ctx)
+    req = make_req("rejected-d", 9000, room=102)
+    reject_at_intake(req, REJECTION)
+    rig.decode_door(req)
+    obs = rig.observe(req)
+    if _retired_cleanly(obs):
+        return Outcome(SAFE, "Retired at the decode door: no receiver, not queued, 400 streamed once.", obs)
+    return Outcome(UNSAFE, "Admitted at the decode door; " + _handoff_summary(obs) + ".", obs)
+
+
+# ---------------------------------------------------------------------------
+# must-preserve: valid and re-entering requests
+
+
+def _admitted(obs: Dict[str, Any], *, side: str) -> bool:
+    if side == "prefill":
+        ok = obs["sender_created"] and obs["prefill_bootstrap_queued"]
+    elif side == "decode":
+        ok = obs["receiver_created"] and obs["decode_prealloc_queued"]
+    else:  # decode retracted queue
+        ok = obs["decode_retracted_queued"]
+    return bool(ok) and not obs["streamed"]
+
+
+def _not_retired_outcome(obs: Dict[str, Any], side: str, what: str) -> Outcome:
+    if _admitted(obs, side=side):
+        return Outcome(SAFE, f"{what} was admitted normally at the {side.split('_')[0]} door; nothing streamed.", obs)
+    return Outcome(UNSAFE, f"{what} was not admitted normally; " + _handoff_summary(obs) + ".", obs)
+
+
+def prefill_door_valid_admitted(ctx) -> Outcome:
+    """A valid request still gets its sender and a bootstrap queue entry."""
+    rig = DoorRig(ctx)
+    req = make_req("valid-p", 64, room=201)
+    rig.prefill_door(req)
+    return _not_retired_outcome(rig.observe(req), "prefill", "A valid request")
+
+
+def decode_door_valid_admitted(ctx) -> Outcome:
+    """A valid request still gets its receiver and a prealloc queue entry."""
+    rig = DoorRig(ctx)
+    req = make_req("valid-d", 64, room=202)
+    rig.decode_door(req)
+    return _not_retired_outcome(rig.observe(req), "decode", "A valid request")
+
+
+def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
+    """A re-entering request with a pending abort (abort method 3) that still
+    owns a metadata buffer is not retired: its queue owes that release."""
+    rig = DoorRig(ctx)
+    req = make_req("reenter-mb", 64, room=203)
+    req.metadata_buffer_index = rig.shell.req_to_metadata_buffer_idx_allocator.alloc()
+    req.to_finish = _finish_abort("Abort in running batch.")
+    mark = rig.ledger.mark()
+    rig.prefill_door(req)
+    obs = rig.observe(req)
+    obs["metadata_buffers_taken"] = rig.ledger.since(mark).count("metadata_alloc")
+    return _not_retired_outcome(obs, "prefill", "A request owning a metadata buffer")
+
+
+def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
+    """A re-entering request with a pending abort that holds a host
+    retraction backup is not retired (only its queue frees the backup)."""
+    rig = DoorRig(ctx)
+    req = make_req("reenter-backup", 64, room=204)
+    if not has_retraction_backup_slot(req):
+        raise NotApplicable("requests of this release cannot hold a host retraction backup (added in 0.5.18)")
+    set_retraction_backup(req, object())
+    req.to_finish = _finish_abort("Abort in running batch.")
+    rig.prefill_door(req)
+    obs = rig.observe(req)
+    set_retraction_backup(req, None)
+    return _not_retired_outcome(obs, "prefill", "A request holding a retraction backup")
+
+
+def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
+    """A preempted request (``is_retracted``, seqlen <= 1, no backup) that
+    carries ``to_finish`` and re-enters through the bare dispatcher is not
+    retired at the prefill door."""
+    rig = DoorRig(ctx)
+    req = make_req("preempted-p", 1, room=205)
+    req.is_retracted = True
+    req.to_finish = _finish_abort("Abort in running batch.")
+    rig.prefill_door(req)
+    return _not_retired_outcome(rig.observe(req), "prefill", "A preempted re-entry")
+
+
+def decode_door_retracted_not_retired(ctx) -> Outcome:
+    """``DecodePreallocQueue.add(req, is_retracted=True)`` with a pending
+    abort puts the request in the retracted queue, which owns its host
+    backup; the door does not retire it."""
+    rig = DoorRig(ctx)
+    req = make_req("retracted-d", 64, room=206)
+    req.is_retracted = True
+    req.to_finish = _finish_abort("Abort in running batch.")
+    rig.decode_door(req, is_retracted=True)
+    return _not_retired_outcome(rig.observe(req), "decode_retracted", "A retracted request")
+
+
+def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
+    """A PD rebootstrap (``is_rebootstrap=True``) carrying ``to_finish`` goes
+    through the normal receiver path, not retirement."""
+    rig = DoorRig(ctx)
+    req = make_req("rebootstrap-d", 64, room=207)
+    req.to_finish = _finish_abort("Abort in running batch.")
+    rig.decode_door(req, is_rebootstrap=True)
+    return _not_retired_outcome(rig.observe(req), "decode", "A rebootstrapping request")
+
+
+def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
+    """A preempted request (``req.is_retracted`` set, no door flag) carrying
+    ``to_finish`` is not retired at the decode door."""
+    rig = DoorRig(ctx)
+    req = make_req("preempted-d", 1, room=208)
+    req.is_retracted = True
+    req.to_finish = _finish_abort("Abort in running batch.")
+    rig.decode_door(req)
+    return _not_retired_outcome(rig.observe(req), "decode", "A preempted re-entry")
+
+
+def null_mode_dispatch_untouched(ctx) -> Outcome:
+    """Non-PD mode: ``Scheduler._add_request_to_queue`` stays a pure
+    dispatcher; a request carrying an intake rejection goes to the waiting
+    queue (the normal scheduling path finishes it) and is not retired there."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    rig = DoorRig(ctx)
+    rig.shell.disaggregation_mode = DisaggregationMode.NULL
+    req = make_req("null-mode", 9000, room=209)
+    reject_at_intake(req, REJECTION)
+    type(rig.shell)._add_request_to_queue(rig.shell, req)
+    obs = rig.observe(req)
+    if obs["waiting_queued"] and not obs["streamed"] and obs["release_aborted_request_calls"] == 0:
+        return Outcome(SAFE, "NULL mode queued the request for normal scheduling; nothing retired.", obs)
+    return Outcome(UNSAFE, "NULL mode did not simply queue the request; " + _handoff_summary(obs) + ".", obs)
+
+
+CASES = [
+    Case(
+        "prefill_door_rejected_not_enqueued",
+        False,
+        "A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: "
+        "no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.",
+        prefill_door_rejected_not_enqueued,
+    ),
+    Case(
+        "decode_door_rejected_not_enqueued",
+        False,
+        "A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: "
+        "no KV receiver, no prealloc queue entry, its 400 streamed once.",
+        decode_door_rejected_not_enqueued,
+    ),
+    Case(
+        "prefill_door_valid_admitted",
+        True,
+        "A valid request gets a KV sender and a bootstrap queue entry at the prefill door.",
+        prefill_door_valid_admitted,
+    ),
+    Case(
+        "decode_door_valid_admitted",
+        True,
+        "A valid request gets a KV receiver and a prealloc queue entry at the decode door.",
+        decode_door_valid_admitted,
+    ),
+    Case(
+        "prefill_door_metadata_owner_not_retired",
+        True,
+        "A re-entering request with a pending abort that owns a metadata buffer is admitted, not retired.",
+        prefill_door_metadata_owner_not_retired,
+    ),
+    Case(
+        "prefill_door_retraction_backup_not_retired",
+        True,
+        "A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.",
+        prefill_door_retraction_backup_not_retired,
+    ),
+    Case(
+        "prefill_door_preempted_reentry_not_retired",
+        True,
+        "A preempted re-entry (is_retracted, no resources) carrying to_finish is admitted at the prefill door, not retired.",
+        prefill_door_preempted_reentry_not_retired,
+    ),
+    Case(
+        "decode_door_retracted_not_retired",
+        True,
+        "A retracted request with a pending abort enters the decode retracted queue, not retirement.",
+        decode_door_retracted_not_retired,
+    ),
+    Case(
+        "decode_door_rebootstrap_not_retired",
+        True,
+        "A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.",
+        decode_door_rebootstrap_not_retired,
+    ),
+    Case(
+        "decode_door_preempted_reentry_not_retired",
+        True,
+        "A preempted re-entry (req.is_retracted) carrying to_finish is admitted at the decode door, not retired.",
+        decode_door_preempted_reentry_not_retired,
+    ),
+    Case(
+        "null_mode_dispatch_untouched",
+        True,
+        "In non-PD mode _add_request_to_queue only dispatches: the rejected request reaches the waiting queue and is not retired there.",
+        null_mode_dispatch_untouched,
+    ),
+]

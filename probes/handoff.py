@@ -1,0 +1,171 @@
+"""The incident in miniature: a prompt longer than the prefill pool (steps 1-6).
+
+1. Decode learns the prompt length and reserves pages for all of it.
+2. Prefill's intake rejects the prompt (``validate_input_length`` ->
+   ``Req.set_finish_with_abort``); the request still reaches the prefill door
+   through ``Scheduler._add_request_to_queue``.
+3. Bootstrap completes (``finalize_bootstrap``): the sender announces the
+   pages of what is now a one-token placeholder prompt; the forward runs on it.
+4. The forward result reaches ``process_batch_result_disagg_prefill``, which
+   on an unfixed tree sends the last KV chunk: one placeholder token, and the
+   transfer is signalled complete.
+5-6. Decode would then attend over its full reservation, of which all but the
+   first page were never written by this request.
+
+The case compares what prefill would hand over with what decode reserved.
+Unsafe: the last chunk is sent (transfer complete) while it covers fewer
+tokens than decode reserved. Safe: the handoff never starts (#38935 retires the
+request at the door) or is retired before any KV is sent (#36988 retires the
+aborted result), or the coverage matches.
+
+Driven code is the tree's: ``validate_input_length``,
+``Req.set_finish_with_abort``, ``Scheduler._add_request_to_queue``,
+``PrefillBootstrapQueue.add``/``finalize_bootstrap``,
+``DecodePreallocQueue.add`` and ``process_batch_result_disagg_prefill``.
+Stand-ins: decode's page reservation and prefill's forward allocation
+(CountingPageAllocator), the transport (RecordingKVSender/Receiver),
+``send_kv_chunk`` (counts the tokens it would hand over), cache helpers, and
+the output streamer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from probes import SAFE, UNSAFE, Case, Outcome
+from probes.admission import DoorRig
+from probes.standins import (
+    CountingPageAllocator,
+    deliver_prefill_result,
+    describe_finish,
+    give_kv_row,
+    make_req,
+    patch_cache_helpers,
+    sg,
+)
+
+PAGE_SIZE = 16
+PREFILL_POOL_TOKENS = 256  # the prefill worker's KV pool (681,280 in the incident)
+MAX_REQ_INPUT_LEN = PREFILL_POOL_TOKENS - 1
+
+
+class HandoffRig(DoorRig):
+    """Both PD doors of DoorRig, plus prefill's page pool and result path."""
+
+    def __init__(self, ctx) -> None:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        super().__init__(ctx)
+        self.prefill_pages = CountingPageAllocator(self.ledger, "prefill", PREFILL_POOL_TOKENS // PAGE_SIZE, PAGE_SIZE)
+        self.decode_pages = CountingPageAllocator(self.ledger, "decode", 4096, PAGE_SIZE)
+        patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
+        self.shell.token_to_kv_pool_allocator = self.prefill_pages
+        self.shell.disaggregation_mode = DisaggregationMode.PREFILL
+        self.prefill_queue.max_total_num_tokens = PREFILL_POOL_TOKENS
+
+    def run(self, prompt_tokens: int, room: int) -> Dict[str, Any]:
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+        from sglang.srt.managers.utils import validate_input_length
+
+        # 1. decode: the router hands decode the request with its prompt length;
+        #    decode admits it and reserves pages for every prompt token.
+        decode_req = make_req(f"decode-{room}", prompt_tokens, room=room)
+        self.decode_door(decode_req)
+        self.decode_pages.reserve(decode_req.rid, len(decode_req.origin_input_ids))
+
+        # 2. prefill intake: the prompt exceeds what the prefill pool can hold.
+        req = make_req(f"prefill-{room}", prompt_tokens, room=room)
+        error = validate_input_length(req, MAX_REQ_INPUT_LEN, False)
+        if error:
+            req.set_finish_with_abort(error)
+        type(self.shell)._add_request_to_queue(self.shell, req)
+        admitted = any(r is req for r in self.prefill_queue.queue)
+
+        if admitted:
+            # 3. bootstrap with decode completes; prefill runs the forward on
+            #    whatever prompt the request now carries.
+            self.prefill_queue.queue.remove(req)
+            PrefillBootstrapQueue.finalize_bootstrap(self.prefill_queue, req)
+            self.prefill_pages.reserve(req.rid, len(req.origin_input_ids))
+            give_kv_row(req, 0, len(req.origin_input_ids))
+            # 4. the forward result.
+            deliver_prefill_result(self.shell, [req], sampled_token=7)
+
+        led = self.ledger
+        inits = led.of("sender_init", room=room)
+        last_chunks = led.of("send_kv_chunk", rid=req.rid, last_chunk=True)
+        reserved_tokens = len(decode_req.origin_input_ids)
+        reserved_pages = self.decode_pages.held_by(decode_req.rid)
+        handed_tokens = sum(c["tokens"] for c in last_chunks)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "prefill_pool_tokens": PREFILL_POOL_TOKENS,
+            "intake_rejection": bool(error),
+            "decode_receiver_created": led.count("receiver_created", room=room) > 0,
+            "decode_reserved_tokens": reserved_tokens,
+            "decode_reserved_pages": reserved_pages,
+            "prefill_admitted_to_bootstrap": admitted,
+            "prefill_sender_created": led.count("sender_created", room=room) > 0,
+            "pages_announced_by_sender": inits[0]["num_pages"] if inits else None,
+            "transfer_complete_signalled": bool(last_chunks),
+            "tokens_handed_over": handed_tokens if last_chunks else 0,
+            "reserved_pages_never_written": (
+                reserved_pages - -(-handed_tokens // PAGE_SIZE) if last_chunks else None
+            ),
+            "prefill_streamed": [s["finish"] for s in led.of("stream", rid=req.rid)],
+            "prefill_finished_reason": describe_finish(req.finished_reason),
+        }
+
+
+def oversized_prompt_handoff_not_started(ctx) -> Outcome:
+    """The incident: a 640-token prompt against a 256-token prefill pool. On an
+    unfixed tree prefill admits the rejected request, announces one page and
+    completes a one-token transfer into decode's 40-page reservation."""
+    rig = HandoffRig(ctx)
+    obs = rig.run(640, room=401)
+    if obs["transfer_complete_signalled"] and obs["tokens_handed_over"] < obs["decode_reserved_tokens"]:
+        return Outcome(
+            UNSAFE,
+            f"Transfer signalled complete with {obs['tokens_handed_over']} token(s) handed over for "
+            f"{obs['decode_reserved_tokens']} reserved; {obs['reserved_pages_never_written']} reserved page(s) never written.",
+            obs,
+        )
+    if not obs["prefill_admitted_to_bootstrap"]:
+        text = "The handoff never started: the rejected request was retired at the prefill door."
+    else:
+        text = "The handoff began but the aborted result was retired before any KV was sent."
+    return Outcome(SAFE, text, obs)
+
+
+def fitting_prompt_covers_reservation(ctx) -> Outcome:
+    """Must-preserve: a 200-token prompt that fits the prefill pool is
+    admitted and hands over exactly what decode reserved."""
+    rig = HandoffRig(ctx)
+    obs = rig.run(200, room=402)
+    ok = (
+        not obs["intake_rejection"]
+        and obs["transfer_complete_signalled"]
+        and obs["tokens_handed_over"] == obs["decode_reserved_tokens"]
+        and obs["pages_announced_by_sender"] == obs["decode_reserved_pages"]
+        and not obs["prefill_streamed"]
+    )
+    if ok:
+        return Outcome(SAFE, "The fitting prompt was handed over in full: coverage equals the reservation.", obs)
+    return Outcome(UNSAFE, "The fitting prompt was not handed over in full.", obs)
+
+
+CASES = [
+    Case(
+        "oversized_prompt_handoff_not_started",
+        False,
+        "A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled "
+        "complete with fewer tokens than decode reserved.",
+        oversized_prompt_handoff_not_started,
+    ),
+    Case(
+        "fitting_prompt_covers_reservation",
+        True,
+        "A prompt that fits is admitted and its handoff covers exactly the tokens and pages decode reserved.",
+        fitting_prompt_covers_reservation,
+    ),
+]

@@ -1,0 +1,402 @@
+"""Decode page lifetime after a failed transfer (#35049, #37454, #40645, #41023,
+#41402, #41404; incident gate 4).
+
+A transfer that fails on the decode side may still have RDMA writes from
+prefill ranks in flight toward the pages decode preallocated. If decode
+returns those pages to the allocator at once, the next request can be given
+them and have them overwritten by the late write. The fix chain holds the
+pages (and the metadata slot) in ``DecodeTransferQueue._deferred_releases``
+until every notified prefill rank has sent its drain ACK
+(``CommonKVManager.register_deferred_abort_room`` / ``note_abort_ack`` /
+``is_abort_release_safe``), then releases them exactly once. #35049 added it
+behind ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` (off by default,
+decode-initiated aborts only), #37454 gated it on a backend capability,
+#41023 turned it on by default and #41404 holds on every failure.
+
+All cases run with the release's DEFAULT environment (the variable unset),
+which is what operators run.
+
+How it is driven: the tree's ``DecodeTransferQueue`` (its real constructor,
+called with the parameters its release asks for), its real
+``pop_transferred`` and ``resolve_deferred_releases``, and the tree's real
+``CommonKVReceiver`` notification path and ``CommonKVManager`` ACK tracker on
+instances built without their network constructors. Stand-ins: the transport
+poll (reports ``KVPoll.Failed`` for the room, in place of the all-reduced
+poll), the prefill peers' sockets (record the ABORT each rank is sent), the
+drain ACKs (delivered by calling ``note_abort_ack`` as the receiver thread
+would), the page pool (CountingPageAllocator, fed by the ``release_kv_cache``
+recorder) and the metadata allocator. ``enable_host_receive`` is forced off
+(host-staged receive is a different path). The capable backend is a
+``CommonKVManager`` subclass that opts in (``supports_deferred_decode_kv_release
+= True``), standing for Mooncake/NIXL; its ``enable_deferred_decode_kv_release``
+is computed with the constructor's own expression (the environment flag, and
+the class capability where the release has one).
+
+Absent structures, decided per case:
+- ``failed_transfer_holds_pages_until_drain`` on 0.5.17/0.5.18 (no deferral
+  at all) is ``unsafe``, not ``not-applicable``: the unsafe behaviour is
+  observable there, the real ``pop_transferred`` returns the pages at once.
+- ``ack_before_registration_not_counted`` and ``ack_after_release_not_counted``
+  exercise the ACK tracker itself; where ``CommonKVManager`` has no tracker
+  (0.5.17/0.5.18) there is nothing to drive: ``not-applicable``.
+- ``no_capability_backend_releases_at_once`` runs everywhere (the FAKE
+  backend exists in every release).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import defaultdict
+from typing import Any, Dict, List, Optional
+
+from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
+from probes.standins import (
+    CountingPageAllocator,
+    Ledger,
+    MetadataBuffersStandIn,
+    RecordingMetadataAllocator,
+    construct_with,
+    give_kv_row,
+    make_req,
+    make_scheduler_shell,
+    patch_cache_helpers,
+    pin_runtime,
+    sg,
+    sg_attr,
+)
+
+DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+PAGE_SIZE = 16
+PROMPT_TOKENS = 64
+
+
+def _flag_from_env(manager_cls) -> bool:
+    """``CommonKVManager.__init__``'s expression for
+    ``enable_deferred_decode_kv_release``: the env flag (absent before
+    0.5.19), and from 0.5.21 the backend class capability."""
+    envs = sg_attr("environ", "envs")
+    flag = False
+    if envs is not None and hasattr(envs, DEFERRED_ENV):
+        flag = bool(getattr(envs, DEFERRED_ENV).get())
+    if hasattr(manager_cls, "supports_deferred_decode_kv_release"):
+        flag = flag and bool(manager_cls.supports_deferred_decode_kv_release)
+    return flag
+
+
+def _drain_acking_manager(ledger: Ledger):
+    """A KV manager of a backend that acknowledges drains (Mooncake/NIXL)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    cls = type(
+        "DrainAckingKVManager",
+        (CommonKVManager,),
+        {"supports_deferred_decode_kv_release": True},
+    )
+    mgr = object.__new__(cls)
+    mgr.__dict__.update(
+        request_status={},
+        required_prefill_response_num_table={},
+        prefill_response_tracker=defaultdict(set),
+        addr_to_rooms_tracker=defaultdict(set),
+        prefill_info_table={},
+        failure_records={},
+        failure_lock=threading.Lock(),
+        _deferred_abort_ack_tracker={},
+        _deferred_abort_generation=0,
+        local_ip="10.0.0.3",
+        rank_port=17000,
+        defer_decode_allocation=False,
+    )
+    mgr.enable_deferred_decode_kv_release = _flag_from_env(cls)
+    return mgr
+
+
+class _PrefillPeerSocket:
+    """Stands for the ZMQ socket to one prefill rank: records the ABORT."""
+
+    def __init__(self, ledger: Ledger, rank: int) -> None:
+        self.ledger, self.rank = ledger, rank
+
+    def send_multipart(self, frames, *args, **kwargs):
+        self.ledger.record("abort_sent", prefill_rank=self.rank)
+
+
+def _drain_acking_receiver(ledger: Ledger, mgr, room: int, prefill_ranks: int):
+    """The tree's ``CommonKVReceiver`` after a published ``send_metadata``:
+    ``prefill_ranks`` prefill ranks hold destinations for the room."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    def connect(self, bootstrap_info):
+        return _PrefillPeerSocket(ledger, bootstrap_info["rank"]), threading.Lock()
+
+    def failure_exception(self):
+        raise ConnectionError("probe: KV transfer failed on the prefill side")
+
+    def poll(self):
+        from sglang.srt.disaggregation.base import KVPoll
+
+        return KVPoll.Failed
+
+    cls = type(
+        "DrainAckingKVReceiver",
+        (CommonKVReceiver,),
+        {
+            "_connect_to_bootstrap_server": connect,
+            "failure_exception": failure_exception,
+            "poll": poll,  # abstract before 0.5.22; the stand-in transport failed
+        },
+    )
+    rcv = object.__new__(cls)
+    rcv.__dict__.update(
+        kv_mgr=mgr,
+        bootstrap_room=room,
+        bootstrap_addr="10.0.0.2:8998",
+        bootstrap_infos=[
+            {"rank": r, "rank_ip": "10.0.0.2", "rank_port": 18000 + r} for r in range(prefill_ranks)
+        ],
+        abort_notified=False,
+        init_time=1.0,  # metadata was published: prefill may be writing
+        conclude_state=None,
+        _abort_generation=None,
+        _owns_bootstrap_room=True,
+        _lifecycle_lock=threading.Lock(),
+        require_staging=False,
+    )
+    return rcv
+
+
+def _fake_receiver(room: int):
+    """The FAKE backend (no drain-ACK capability): its real manager and receiver."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+
+    mgr = object.__new__(FakeKVManager)
+    return FakeKVReceiver(mgr=mgr, bootstrap_addr="10.0.0.2:8998", bootstrap_room=room)
+
+
+def note_ack(mgr, room: int, rank: int, generation: Optional[int]) -> None:
+    """A drain ACK from one prefill rank, as the decode receiver thread records it."""
+    params = inspect.signature(mgr.note_abort_ack).parameters
+    if "generation" in params:
+        mgr.note_abort_ack(room, rank, generation)
+    else:
+        mgr.note_abort_ack(room, rank)
+
+
+class TransferRig:
+    """The tree's DecodeTransferQueue with one request whose transfer failed."""
+
+    def __init__(self, ctx) -> None:
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+        pin_runtime(ctx)
+        ctx.setenv(DEFERRED_ENV, None)  # the release's default
+        self.ledger = Ledger()
+        self.pages = CountingPageAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
+        patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.pages)
+        self.metadata = RecordingMetadataAllocator(self.ledger)
+        self.shell = make_scheduler_shell(self.ledger, token_to_kv_pool_allocator=self.pages)
+        self.queue = construct_with(
+            DecodeTransferQueue,
+            gloo_group=None,
+            req_to_metadata_buffer_idx_allocator=self.metadata,
+            tp_rank=0,
+            metadata_buffers=MetadataBuffersStandIn(),
+            scheduler=self.shell,
+            tree_cache=self.shell.tree_cache,
+        )
+        self.queue.enable_host_receive = False
+        from sglang.srt.disaggregation.base import KVPoll
+
+        # The transport's verdict for every queued room: the transfer failed.
+        self.queue._poll_with_metadata_gate = lambda: [KVPoll.Failed] * len(self.queue.queue)
+        self.queue.enable_staging = False
+
+    def enqueue(self, receiver, rid: str, room: int):
+        from sglang.srt.disaggregation.decode import DecodeRequest
+
+        req = make_req(rid, PROMPT_TOKENS, room=room)
+        self.pages.reserve(rid, PROMPT_TOKENS)
+        give_kv_row(req, 0, PROMPT_TOKENS)
+        decode_req = DecodeRequest(req=req, kv_receiver=receiver)
+        decode_req.metadata_buffer_index = self.metadata.alloc()
+        self.queue.queue.append(decode_req)
+        return req
+
+    def resolve(self) -> bool:
+        """Run the release resolver if the release has one."""
+        if not hasattr(self.queue, "resolve_deferred_releases"):
+            return False
+        self.queue.resolve_deferred_releases()
+        return True
+
+    def snapshot(self, req) -> Dict[str, Any]:
+        return {
+            "pages_held": self.pages.held_by(req.rid),
+            "release_calls": self.ledger.count("release_kv_cache", rid=req.rid),
+            "metadata_frees": self.ledger.count("metadata_free"),
+            "deferred_entries": len(getattr(self.queue, "_deferred_releases", ())),
+        }
+
+
+# ---------------------------------------------------------------------------
+
+
+def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
+    """#41404 + #41023: a failure decode did not initiate (prefill fault,
+    transport error) reaching ``pop_transferred`` under the default env holds
+    the pages until both prefill ranks ACK the drain, then releases them once."""
+    rig = TransferRig(ctx)
+    mgr = _drain_acking_manager(rig.ledger)
+    rcv = _drain_acking_receiver(rig.ledger, mgr, room=501, prefill_ranks=2)
+    req = rig.enqueue(rcv, "failed-transfer", 501)
+    steps: List[Dict[str, Any]] = []
+
+    def step(name: str, all_acked: bool) -> None:
+        steps.append({"step": name, "all_acks_in": all_acked, **rig.snapshot(req)})
+
+    rig.queue.pop_transferred()
+    step("pop_transferred(Failed)", False)
+    has_resolver = rig.resolve()
+    step("resolve, no ACK", False)
+    generation = getattr(rcv, "_abort_generation", None)
+    if hasattr(mgr, "note_abort_ack"):
+        note_ack(mgr, 501, 0, generation)
+        rig.resolve()
+        step("ACK rank 0, resolve", False)
+        note_ack(mgr, 501, 1, generation)
+        rig.resolve()
+        step("ACK rank 1, resolve", True)
+    rig.resolve()
+    step("resolve again", hasattr(mgr, "note_abort_ack"))
+
+    details = {
+        "deferred_release_flag": bool(getattr(rig.queue, "enable_deferred_kv_release", False)),
+        "backend_flag": bool(getattr(mgr, "enable_deferred_decode_kv_release", False)),
+        "has_resolver": has_resolver,
+        "abort_sent_to_prefill_ranks": sorted(e["prefill_rank"] for e in rig.ledger.of("abort_sent")),
+        "double_releases": rig.ledger.count("pages_double_release"),
+        "steps": steps,
+    }
+    freed_early = [s["step"] for s in steps if not s["all_acks_in"] and s["pages_held"] == 0]
+    final = steps[-1]
+    released_once = final["pages_held"] == 0 and final["release_calls"] == 1 and final["metadata_frees"] == 1
+    if not freed_early and released_once and not details["double_releases"]:
+        return Outcome(SAFE, "Pages held through the failure and the first ACK, released once after both drain ACKs.", details)
+    if freed_early:
+        return Outcome(
+            UNSAFE,
+            f"Pages returned to the allocator before every drain ACK (first at: {freed_early[0]}).",
+            details,
+        )
+    return Outcome(UNSAFE, "Pages were not released exactly once after the drain ACKs.", details)
+
+
+def _tracker_or_skip():
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    if not hasattr(CommonKVManager, "register_deferred_abort_room"):
+        raise NotApplicable("CommonKVManager has no deferred-abort ACK tracker in this release (no #35049)")
+
+
+def ack_before_registration_not_counted(ctx) -> Outcome:
+    """#35049: an ACK for a room that is not held (it arrived before the room
+    was registered) is dropped; after registration the room still needs
+    fresh ACKs."""
+    _tracker_or_skip()
+    pin_runtime(ctx)
+    ledger = Ledger()
+    mgr = _drain_acking_manager(ledger)
+    note_ack(mgr, 502, 0, 1)  # early ACK (a previous generation's, where generations exist)
+    generation = mgr.register_deferred_abort_room(502)
+    safe_after_early = mgr.is_abort_release_safe(502, 1)
+    note_ack(mgr, 502, 0, generation)
+    safe_after_fresh = mgr.is_abort_release_safe(502, 1)
+    details = {"release_safe_after_early_ack": safe_after_early, "release_safe_after_fresh_ack": safe_after_fresh}
+    if not safe_after_early and safe_after_fresh:
+        return Outcome(SAFE, "The early ACK was ignored; only the ACK after registration counted.", details)
+    return Outcome(UNSAFE, "An ACK from before registration counted toward release.", details)
+
+
+def ack_after_release_not_counted(ctx) -> Outcome:
+    """#35049: once a room was released, a late ACK for it is dropped, so a
+    reused ``bootstrap_room`` is not pre-acknowledged for its next request."""
+    _tracker_or_skip()
+    pin_runtime(ctx)
+    ledger = Ledger()
+    mgr = _drain_acking_manager(ledger)
+    first = mgr.register_deferred_abort_room(503)
+    note_ack(mgr, 503, 0, first)
+    drained = mgr.is_abort_release_safe(503, 1)
+    mgr.clear_deferred_abort_state(503)  # what the release does
+    note_ack(mgr, 503, 1, first)  # a late duplicate from another rank
+    tracked_after_late = 503 in mgr._deferred_abort_ack_tracker
+    second = mgr.register_deferred_abort_room(503)  # room reused by a new request
+    safe_on_reuse = mgr.is_abort_release_safe(503, 1)
+    details = {
+        "first_hold_drained": drained,
+        "room_tracked_after_late_ack": tracked_after_late,
+        "reused_room_release_safe_without_ack": safe_on_reuse,
+        "second_registration_returned_generation": second is not None,
+    }
+    if drained and not tracked_after_late and not safe_on_reuse:
+        return Outcome(SAFE, "The late ACK was dropped; the reused room waits for its own ACK.", details)
+    return Outcome(UNSAFE, "A late ACK survived release and counted for the reused room.", details)
+
+
+def no_capability_backend_releases_at_once(ctx) -> Outcome:
+    """#37454 must-preserve: a backend without the drain-ACK capability
+    (FAKE) releases a failed transfer's pages at once, exactly once, and
+    holds nothing."""
+    rig = TransferRig(ctx)
+    rcv = _fake_receiver(504)
+    req = rig.enqueue(rcv, "fake-failed", 504)
+    rig.queue.pop_transferred()
+    after_pop = rig.snapshot(req)
+    rig.resolve()
+    after_resolve = rig.snapshot(req)
+    details = {
+        "after_pop_transferred": after_pop,
+        "after_resolve": after_resolve,
+        "double_releases": rig.ledger.count("pages_double_release"),
+    }
+    ok = (
+        after_pop["pages_held"] == 0
+        and after_pop["release_calls"] == 1
+        and after_pop["metadata_frees"] == 1
+        and after_pop["deferred_entries"] == 0
+        and after_resolve["release_calls"] == 1
+        and not details["double_releases"]
+    )
+    if ok:
+        return Outcome(SAFE, "The FAKE backend's failed transfer was released at once, exactly once.", details)
+    return Outcome(UNSAFE, "The FAKE backend's failed transfer was not released at once exactly once.", details)
+
+
+CASES = [
+    Case(
+        "failed_transfer_holds_pages_until_drain",
+        False,
+        "With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata "
+        "slot until every prefill rank has ACKed the drain, then releases them exactly once.",
+        failed_transfer_holds_pages_until_drain,
+    ),
+    Case(
+        "ack_before_registration_not_counted",
+        False,
+        "A drain ACK that arrives before the room is registered does not count toward its release.",
+        ack_before_registration_not_counted,
+    ),
+    Case(
+        "ack_after_release_not_counted",
+        False,
+        "A drain ACK that arrives after the room was released does not count for the room's next request.",
+        ack_after_release_not_counted,
+    ),
+    Case(
+        "no_capability_backend_releases_at_once",
+        True,
+        "A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly once.",
+        no_capability_backend_releases_at_once,
+    ),
+]

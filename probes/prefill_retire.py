@@ -1,0 +1,294 @@
+"""Retiring aborted disaggregated prefill results (#36988, incident steps 3-4).
+
+Before #36988, ``process_batch_result_disagg_prefill`` dropped aborted middle
+chunks but did not check the final result of an aborted request: it appended
+the sampled token, cached the prefix as unfinished
+(``maybe_cache_unfinished_req``), queued the request for transfer and sent the
+last KV chunk. After #36988 an aborted request is retired once its last
+in-flight result is safe to consume (``_retire_aborted_prefill_result``): the
+sender is aborted (an exception there must not skip local cleanup), the
+metadata buffer is freed, ``release_kv_cache(..., is_insert=False)`` runs once
+(``checkpoint=False`` from 0.5.22), and the abort is streamed once; a delayed
+result for a request already retired elsewhere is ignored.
+
+How it is driven: the tree's real ``process_batch_result_disagg_prefill``
+(and, through it, ``_retire_aborted_prefill_result`` where present, and
+``handle_bootstrap_failure``) runs on a scheduler shell, with a real
+``GenerationBatchResult`` and real ``Req`` objects. Stand-ins: the KV sender
+(RecordingKVSender), the metadata allocator, the page pool
+(CountingPageAllocator, fed back by the ``release_kv_cache`` recorder), the
+radix cache (RecordingTreeCache plus recorders for the module's
+``maybe_cache_unfinished_req``/``checkpoint_kv_cache``), ``send_kv_chunk``
+(which would gather GPU page indices) and the output streamer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from probes import SAFE, UNSAFE, Case, Outcome
+from probes.standins import (
+    CountingPageAllocator,
+    Ledger,
+    deliver_prefill_result,
+    describe_finish,
+    give_kv_row,
+    has_method,
+    make_req,
+    make_scheduler_shell,
+    patch_cache_helpers,
+    pin_runtime,
+    recording_sender_class,
+    reject_at_intake,
+    sg,
+)
+
+PAGE_SIZE = 16
+SAMPLED_TOKEN = 7
+
+
+class RetireRig:
+    """A prefill scheduler shell that receives forward results."""
+
+    def __init__(self, ctx, *, abort_raises: bool = False) -> None:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        pin_runtime(ctx)
+        self.ledger = Ledger()
+        self.pages = CountingPageAllocator(self.ledger, "prefill", 256, PAGE_SIZE)
+        patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.pages)
+        self.sender_cls = recording_sender_class(self.ledger, abort_raises=abort_raises)
+        self.shell = make_scheduler_shell(
+            self.ledger,
+            token_to_kv_pool_allocator=self.pages,
+            disaggregation_mode=DisaggregationMode.PREFILL,
+        )
+        self._next_row = 0
+
+    def prefilled_req(self, rid: str, num_tokens: int, room: int):
+        """A request that went through bootstrap and a forward: it owns a
+        sender, a metadata buffer and a KV row with its prompt's pages."""
+        req = make_req(rid, num_tokens, room=room)
+        req.disagg_kv_sender = self.sender_cls(bootstrap_room=room)
+        req.metadata_buffer_index = self.shell.req_to_metadata_buffer_idx_allocator.alloc()
+        req.pending_bootstrap = False
+        req.start_send_idx = 0
+        self.pages.reserve(rid, num_tokens)
+        give_kv_row(req, self._next_row, num_tokens)
+        self._next_row += 1
+        return req
+
+    def deliver_result(self, reqs: List[Any]) -> None:
+        deliver_prefill_result(self.shell, reqs, SAMPLED_TOKEN)
+
+    def observe(self, req, since: int = 0) -> Dict[str, Any]:
+        led = self.ledger.since(since)
+        rid = req.rid
+        releases = led.of("release_kv_cache", rid=rid)
+        return {
+            "cache_unfinished_calls": led.count("cache_unfinished", rid=rid),
+            "send_kv_chunk_calls": led.count("send_kv_chunk", rid=rid),
+            "last_chunk_sent": led.count("send_kv_chunk", rid=rid, last_chunk=True) > 0,
+            "queued_for_transfer": any(r is req for r in self.shell.disagg_prefill_inflight_queue),
+            "sender_aborted": led.count("sender_abort", room=req.bootstrap_room),
+            "metadata_frees": led.count("metadata_free"),
+            "metadata_double_frees": led.count("metadata_double_free"),
+            "metadata_buffer_index": req.metadata_buffer_index,
+            "release_kv_cache_calls": len(releases),
+            "release_inserted_prefix": [r["insert"] for r in releases],
+            "pages_returned": sum(r["pages"] for r in releases),
+            "pages_still_held": self.pages.held_by(rid),
+            "streamed": [s["finish"] for s in led.of("stream", rid=rid)],
+            "output_ids": list(req.output_ids),
+            "finished_reason": describe_finish(req.finished_reason),
+            "pending_chunk_rid_left": rid in self.shell.disagg_prefill_pending_chunk_rids,
+        }
+
+
+def _retired_once(obs: Dict[str, Any]) -> List[str]:
+    """What #36988's retirement requires of an aborted final result; returns
+    the violated items (empty when safe)."""
+    problems = []
+    if obs["cache_unfinished_calls"]:
+        problems.append("prefix cached as unfinished")
+    if obs["send_kv_chunk_calls"]:
+        problems.append("KV chunk sent")
+    if obs["queued_for_transfer"]:
+        problems.append("queued for transfer")
+    if obs["metadata_frees"] != 1 or obs["metadata_buffer_index"] != -1:
+        problems.append("metadata buffer not freed once")
+    if obs["release_kv_cache_calls"] != 1 or any(obs["release_inserted_prefix"]):
+        problems.append("KV not released exactly once without insert")
+    if len(obs["streamed"]) != 1 or (obs["streamed"][0] or {}).get("type") != "FINISH_ABORT":
+        problems.append("abort not streamed exactly once")
+    if obs["output_ids"]:
+        problems.append("sampled token appended")
+    if obs["pending_chunk_rid_left"]:
+        problems.append("pending chunk-send entry left")
+    return problems
+
+
+def _verdict(problems: List[str], safe_text: str, obs: Dict[str, Any]) -> Outcome:
+    obs["violations"] = problems
+    if not problems:
+        return Outcome(SAFE, safe_text, obs)
+    return Outcome(UNSAFE, "Not retired cleanly: " + "; ".join(problems) + ".", obs)
+
+
+# ---------------------------------------------------------------------------
+
+
+def final_aborted_result_retired(ctx) -> Outcome:
+    """#36988 final result: an aborted request (here the incident's intake
+    rejection, ``set_finish_with_abort``) whose final prefill result arrives is
+    not cached or sent; sender aborted, metadata freed, KV released once with
+    no insert, abort streamed once."""
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("aborted-final", 64, room=301)
+    if has_method("managers.scheduler.Scheduler", "clear_pending_chunk_send"):
+        # Releases that track sent-but-unconcluded chunks (0.5.18+) must drop it.
+        rig.shell.disagg_prefill_pending_chunk_rids.add(req.rid)
+    reject_at_intake(req, "Input length exceeds the maximum allowed length.")
+    rig.deliver_result([req])
+    obs = rig.observe(req)
+    problems = _retired_once(obs)
+    if not obs["sender_aborted"]:
+        problems.append("sender not aborted")
+    return _verdict(problems, "Retired once: no cache, no send, metadata freed, KV released without insert, abort streamed once.", obs)
+
+
+def delayed_result_after_retirement_ignored(ctx) -> Outcome:
+    """#36988 delayed result: after the request was retired by bootstrap-failure
+    cleanup (``handle_bootstrap_failure``), a late result for it sends nothing,
+    caches nothing, releases nothing twice and streams nothing again."""
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("delayed", 64, room=302)
+    type(rig.shell).handle_bootstrap_failure(rig.shell, req)
+    mark = rig.ledger.mark()
+    rig.deliver_result([req])
+    obs = rig.observe(req, since=mark)
+    obs["retired_by_bootstrap_failure"] = describe_finish(req.finished_reason)
+    problems = []
+    if obs["cache_unfinished_calls"]:
+        problems.append("prefix cached as unfinished")
+    if obs["send_kv_chunk_calls"]:
+        problems.append("KV chunk sent")
+    if obs["queued_for_transfer"]:
+        problems.append("queued for transfer")
+    if obs["release_kv_cache_calls"] or obs["metadata_frees"] or obs["metadata_double_frees"]:
+        problems.append("resources released again")
+    if obs["streamed"]:
+        problems.append("streamed again")
+    if obs["output_ids"]:
+        problems.append("sampled token appended")
+    obs["violations"] = problems
+    if not problems:
+        return Outcome(SAFE, "The delayed result had no effect on the retired request.", obs)
+    return Outcome(UNSAFE, "The delayed result acted on a retired request: " + "; ".join(problems) + ".", obs)
+
+
+def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
+    """#36988: ``disagg_kv_sender.abort()`` is best effort; when it raises, the
+    metadata buffer, the KV and the terminal stream are still handled."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    rig = RetireRig(ctx, abort_raises=True)
+    req = rig.prefilled_req("abort-raises", 64, room=303)
+    req.to_finish = FINISH_ABORT("Multimodal encoder failed.")
+    rig.deliver_result([req])
+    obs = rig.observe(req)
+    problems = _retired_once(obs)
+    if not obs["sender_aborted"]:
+        problems.append("sender abort never attempted")
+    return _verdict(problems, "The raising sender.abort() did not skip cleanup: retired once.", obs)
+
+
+def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
+    """#36988 chunked prefill: while a later overlapped chunk is still running,
+    an aborted middle-chunk result does not retire the request; the final
+    chunk's result then retires it exactly once."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("aborted-chunked", 64, room=304)
+    req.inflight_middle_chunks = 1
+    rig.shell.chunked_req = req  # its next chunk is already launched
+    req.to_finish = FINISH_ABORT("Embedding validation failed.")
+    rig.deliver_result([req])
+    middle = rig.observe(req)
+    early = (
+        middle["release_kv_cache_calls"]
+        or middle["metadata_frees"]
+        or middle["streamed"]
+        or middle["send_kv_chunk_calls"]
+    )
+    rig.shell.chunked_req = None
+    mark = rig.ledger.mark()
+    rig.deliver_result([req])
+    final = rig.observe(req, since=mark)
+    problems = _retired_once(final)
+    if early:
+        problems.insert(0, "retired or sent while a later chunk was in flight")
+    details = {"middle_result": middle, "final_result": final}
+    details["violations"] = problems
+    if not problems:
+        return Outcome(SAFE, "The middle result waited; the final result retired the request once.", details)
+    return Outcome(UNSAFE, "Chunked abort mishandled: " + "; ".join(problems) + ".", details)
+
+
+def valid_finished_request_sends_kv(ctx) -> Outcome:
+    """Must-preserve: a valid finished prefill keeps its token, is cached,
+    queued for transfer and sends its last KV chunk; nothing is released or
+    streamed yet."""
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("valid", 64, room=305)
+    rig.deliver_result([req])
+    obs = rig.observe(req)
+    ok = (
+        obs["cache_unfinished_calls"] == 1
+        and obs["queued_for_transfer"]
+        and rig.ledger.count("send_kv_chunk", rid=req.rid, last_chunk=True) == 1
+        and rig.ledger.of("send_kv_chunk", rid=req.rid)[0]["tokens"] == 64
+        and obs["release_kv_cache_calls"] == 0
+        and not obs["streamed"]
+        and obs["output_ids"] == [SAMPLED_TOKEN]
+        and not obs["sender_aborted"]
+    )
+    if ok:
+        return Outcome(SAFE, "The valid request was cached, queued and sent its 64-token last chunk.", obs)
+    return Outcome(UNSAFE, "The valid request did not take the normal transfer path.", obs)
+
+
+CASES = [
+    Case(
+        "final_aborted_result_retired",
+        False,
+        "An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, "
+        "metadata buffer freed, release_kv_cache without insert once, abort streamed once.",
+        final_aborted_result_retired,
+    ),
+    Case(
+        "delayed_result_after_retirement_ignored",
+        False,
+        "A result arriving after the request was retired by bootstrap-failure cleanup has no effect.",
+        delayed_result_after_retirement_ignored,
+    ),
+    Case(
+        "sender_abort_failure_does_not_skip_cleanup",
+        False,
+        "When the sender's abort() raises, the request is still retired once with all local cleanup.",
+        sender_abort_failure_does_not_skip_cleanup,
+    ),
+    Case(
+        "middle_chunk_inflight_delays_retirement",
+        False,
+        "An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.",
+        middle_chunk_inflight_delays_retirement,
+    ),
+    Case(
+        "valid_finished_request_sends_kv",
+        True,
+        "A valid finished request is cached, queued for transfer and sends its last KV chunk; nothing is released or streamed.",
+        valid_finished_request_sends_kv,
+    ),
+]

@@ -1,0 +1,149 @@
+"""Helpers for tests/test_engine.py: real git repositories and small packs.
+
+Patches are made by ``git diff`` in a scratch repository, as a maintainer
+would make them, then wrapped in a DEP-3 header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import git
+
+PKG = "sglang/srt/disaggregation"
+ENV = {
+    "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.invalid",
+    "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.invalid",
+    "GIT_AUTHOR_DATE": "2026-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00+0000",
+}
+
+
+def module_text(n: int = 40, name: str = "f") -> str:
+    """A Python module of n small, distinct functions (4 lines each)."""
+    return "".join(f"def {name}{i}():\n    x = {i}\n    return x\n\n" for i in range(n))
+
+
+def run_git(cwd: Path, *args: str, input: bytes | None = None) -> str:
+    env = dict(os.environ, **ENV)
+    p = subprocess.run(["git", "-C", str(cwd), *args], input=input, capture_output=True, env=env, check=True)
+    return p.stdout.decode()
+
+
+def make_repo(path: Path, files: dict[str, str | bytes], prefix: str = "") -> Path:
+    """A git repo whose first commit holds ``files`` (paths under prefix)."""
+    path.mkdir(parents=True, exist_ok=True)
+    run_git(path, "init", "-q", "-b", "main")
+    run_git(path, "config", "core.autocrlf", "false")
+    write_files(path, {prefix + k: v for k, v in files.items()})
+    (path / prefix / "sglang").mkdir(parents=True, exist_ok=True)
+    (path / prefix / "sglang" / "__init__.py").touch()
+    run_git(path, "add", "-A")
+    run_git(path, "commit", "-q", "-m", "pristine")
+    return path
+
+
+def write_files(root: Path, files: dict[str, str | bytes | None]) -> None:
+    for rel, content in files.items():
+        f = root / rel
+        if content is None:
+            f.unlink()
+            continue
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            f.write_bytes(content.encode())
+        else:
+            f.write_bytes(content)
+
+
+def diff_of(tmp: Path, before: dict[str, str | bytes], after: dict[str, str | bytes | None]) -> str:
+    """``git diff`` text for before -> after (paths relative to the package root)."""
+    d = tmp / f"scratch-{hashlib.sha1(repr((sorted(before.items()), sorted(after.items()))).encode()).hexdigest()[:10]}"
+    if d.exists():
+        import shutil
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    run_git(d, "init", "-q")
+    run_git(d, "config", "core.autocrlf", "false")
+    write_files(d, dict(before))
+    run_git(d, "add", "-A")
+    run_git(d, "commit", "-q", "--allow-empty", "-m", "before")
+    write_files(d, dict(after))
+    run_git(d, "add", "-A")
+    return run_git(d, "diff", "--cached", "--no-color", "--no-renames", "--binary")
+
+
+def header(description: str = "Fix a thing", applies_to: str = ">=0.5.17", depends_on: str = "none",
+           last_update: str = "2026-11-30", pr: int = 11111, notes: str | None = "Same as upstream.",
+           drop: tuple[str, ...] = ()) -> str:
+    fields = {
+        "Description": description + "\n a longer explanation of the fix",
+        "Origin": f"upstream, https://github.com/sgl-project/sglang/pull/{pr}, commit abcdef0",
+        "Bug": f"https://github.com/sgl-project/sglang/pull/{pr}",
+        "Applies-To": applies_to,
+        "Depends-On": depends_on,
+        "Last-Update": last_update,
+    }
+    if notes:
+        fields["Backport-Notes"] = notes
+    return "".join(f"{k}: {v}\n" for k, v in fields.items() if k not in drop) + "---\n"
+
+
+def make_pack(root: Path, fixes: list[dict], patches: dict[str, dict[str, str]]) -> Path:
+    """fixes: dicts with id, pr, title, fixed_in, depends_on, fingerprint;
+    patches: {fix_id: {file_name: full patch text}}."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "series").write_text("# test series\n" + "".join(f["id"] + "\n" for f in fixes))
+    out = []
+    for f in fixes:
+        out.append(f"[fixes.{f['id']}]")
+        out.append(f"title = {f.get('title', 'Fix ' + f['id'])!r}".replace("'", '"'))
+        out.append(f"pr = {f.get('pr', int(f['id'][2:]) if f['id'][2:].isdigit() else 1)}")
+        out.append(f'upstream_commit = "{f.get("commit", "0123456789abcdef0123456789abcdef01234567")}"')
+        out.append(f'fixed_in = "{f.get("fixed_in", "")}"')
+        out.append("depends_on = [" + ", ".join(f'"{d}"' for d in f.get("depends_on", [])) + "]")
+        rules = f.get("fingerprint", [])
+        out.append("fingerprint = [" + ", ".join(
+            "{ file = %s, pattern = %s }" % (_toml_str(r["file"]), _toml_str(r["pattern"])) for r in rules) + "]")
+        out.append("")
+    (root / "fixes.toml").write_text("\n".join(out))
+    for fid, files in patches.items():
+        d = root / fid
+        d.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (d / name).write_text(text)
+    return root
+
+
+def _toml_str(s: str) -> str:
+    return "'" + s + "'"  # literal string: no escapes
+
+
+def snapshot(repo: Path) -> dict:
+    """Everything apply must leave alone on failure: files, index, HEAD."""
+    files = {}
+    for p in sorted(repo.rglob("*")):
+        rel = p.relative_to(repo).as_posix()
+        if rel == ".git" or rel.startswith(".git/"):
+            continue
+        if p.is_symlink():
+            files[rel] = ("link", os.readlink(p))
+        elif p.is_file():
+            files[rel] = (p.stat().st_mode, p.read_bytes())
+        else:
+            files[rel] = ("dir",)
+    r = git.Repo(repo)
+    try:
+        head = r.head.commit.hexsha
+        ref = r.git.symbolic_ref("HEAD")
+    finally:
+        r.close()
+    return {"files": files, "index": (repo / ".git" / "index").read_bytes(), "head": head, "ref": ref,
+            "branch": run_git(repo, "rev-parse", "refs/heads/main").strip()}
+
+
+def dedent(s: str) -> str:
+    return textwrap.dedent(s).lstrip("\n")

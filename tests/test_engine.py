@@ -1,0 +1,587 @@
+"""The backport engine on real git repositories built by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+
+from backport import apply as apply_mod
+from backport.apply import apply_series
+from backport.detect import detect
+from backport.errors import BadInput
+from backport.placement import FileImage, Hunk, place_hunks
+from backport.series import load_pack, load_variant
+
+from tests.engine_helpers import (PKG, diff_of, header, make_pack, make_repo, module_text, run_git, snapshot,
+                            write_files)
+
+MOD = f"{PKG}/prefill.py"
+OTHER = f"{PKG}/decode.py"
+BASE = module_text(40)
+
+
+def change(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+def fix_patch(tmp: Path, edits: list[tuple[str, str]], *, base: str = BASE, path: str = MOD, **hdr) -> str:
+    after = base
+    for old, new in edits:
+        after = change(after, old, new)
+    return header(**hdr) + diff_of(tmp, {path: base}, {path: after})
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    return make_repo(tmp_path / "tree", {MOD: BASE, OTHER: module_text(10, "g")})
+
+
+def one_fix_pack(tmp: Path, patch: str, fid: str = "pr100", **fix) -> "object":
+    root = make_pack(tmp / f"pack-{fid}", [dict(id=fid, **fix)], {fid: {f"{fid}-0.5.17.patch": patch}})
+    return load_pack(root)
+
+
+def read(repo: Path, rel: str = MOD) -> bytes:
+    return (repo / rel).read_bytes()
+
+
+def head(repo: Path) -> str:
+    return run_git(repo, "rev-parse", "HEAD").strip()
+
+
+FIX10 = [("    x = 10\n", "    x = 10  # fixed\n")]
+
+
+# ----------------------------------------------------------------- placement
+
+
+def test_exact_applies_and_commits(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), title="Retire aborted results")
+    base = head(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "applied" and rep.base_commit == base and rep.head_commit == head(repo) != base
+    (p,) = rep.patches
+    assert p.status == "applied" and p.variant == "pr100-0.5.17.patch"
+    assert [(h.status, h.offset, h.fuzz) for h in p.hunks] == [("exact", 0, 0)]
+    assert read(repo) == change(BASE, *FIX10[0]).encode()
+    c = git.Repo(repo).head.commit
+    assert c.message.startswith("Backport #100: Retire aborted results\n")
+    assert "Backport-Of: sgl-project/sglang#100" in c.message
+    assert "Upstream-Commit: 0123456789abcdef0123456789abcdef01234567" in c.message
+    assert "Backport-Variant: pr100-0.5.17.patch" in c.message
+    assert (c.author.name, c.author.email) == ("sglang-backport", "sglang-backport@localhost")
+    assert c.committer.email == "sglang-backport@localhost"
+    assert c.authored_datetime.isoformat() == "2026-11-30T00:00:00+00:00"
+    assert p.commit == c.hexsha and c.parents[0].hexsha == base
+    assert run_git(repo, "status", "--porcelain") == ""  # index and files agree with HEAD
+    assert run_git(repo, "diff-files") == ""  # and the index has fresh stat info
+    assert run_git(repo, "for-each-ref", "refs/sglang-backport/") == ""  # scratch ref gone
+    assert "sglang-backport: apply 1 patch" in run_git(repo, "reflog", "-1", "main")
+
+
+def test_offset_reports_line_delta(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    write_files(repo, {MOD: "".join(f"# new header line {i}\n" for i in range(5)) + BASE})
+    run_git(repo, "commit", "-qam", "drift")
+    rep = apply_series(repo, pack, "0.5.19")
+    h = rep.patches[0].hunks[0]
+    assert (rep.status, h.status, h.offset, h.fuzz) == ("applied", "offset", 5, 0)
+    assert b"    x = 10  # fixed\n" in read(repo)
+
+
+def test_offset_searches_both_directions_nearest_wins(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    drifted = BASE.replace("def f2():\n    x = 2\n    return x\n\n", "")  # 4 lines fewer above
+    write_files(repo, {MOD: drifted})
+    run_git(repo, "commit", "-qam", "drift")
+    h = apply_series(repo, pack, "0.5.19").patches[0].hunks[0]
+    assert (h.status, h.offset) == ("offset", -4)
+
+
+def test_fuzz_drops_outer_context(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    write_files(repo, {MOD: change(BASE, "def f11():", "def f11_renamed():")})
+    run_git(repo, "commit", "-qam", "drift")
+    rep = apply_series(repo, pack, "0.5.19")
+    h = rep.patches[0].hunks[0]
+    assert (rep.status, h.status, h.fuzz, h.offset) == ("applied", "fuzz", 1, 0)
+    assert b"def f11_renamed():" in read(repo) and b"    x = 10  # fixed\n" in read(repo)
+
+
+def test_fuzz_two(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    drifted = change(BASE, "    return x\n\ndef f11():", "    return x\n# gap\ndef f11_a():")
+    write_files(repo, {MOD: drifted})
+    run_git(repo, "commit", "-qam", "drift")
+    h = apply_series(repo, pack, "0.5.19").patches[0].hunks[0]
+    assert (h.status, h.fuzz) == ("fuzz", 2)
+
+
+def test_conflict_reports_nearest_candidate_and_leaves_tree(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    write_files(repo, {MOD: change(BASE, "    x = 10\n", "    x = 1000\n")})
+    run_git(repo, "commit", "-qam", "drift")
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "failed" and rep.exit_code == 1 and rep.head_commit == rep.base_commit
+    p = rep.patches[0]
+    h = p.hunks[0]
+    assert p.status == "failed" and h.status == "conflict"
+    assert h.line == 39  # where the hunk would start: the nearest best partial match
+    assert "    x = 10" in h.expected and "    x = 1000" in h.actual
+    assert "prefill.py:39" in p.reason
+    assert snapshot(repo) == before
+    j = rep.to_json()["patches"][0]["hunks"][0]
+    assert j["status"] == "conflict" and j["expected"] and j["actual"]
+
+
+def _block_file(positions: list[int], n: int = 40, tag: str = "l") -> str:
+    lines = [f"{tag}{i}" for i in range(n)]
+    block = ["a = 1", "b = 2", "c = 3", "x = 0", "d = 4", "e = 5", "f = 6"]
+    for p in sorted(positions, reverse=True):
+        lines[p:p + len(block)] = block
+    return "\n".join(lines) + "\n"
+
+
+def test_ambiguous_location_is_a_conflict(tmp_path):
+    base = _block_file([10])
+    repo = make_repo(tmp_path / "tree", {MOD: _block_file([0, 20], tag="m")})
+    patch = header() + diff_of(tmp_path, {MOD: base}, {MOD: base.replace("x = 0", "x = 1")})
+    pack = one_fix_pack(tmp_path, patch)
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    h = rep.patches[0].hunks[0]
+    assert rep.status == "failed" and h.status == "conflict" and "ambiguous" in h.reason
+    assert "1 and 21" in h.reason
+    assert snapshot(repo) == before
+
+
+def test_nearest_of_two_unequal_candidates_wins(tmp_path):
+    base = _block_file([10])
+    repo = make_repo(tmp_path / "tree", {MOD: _block_file([3, 20], tag="m")})
+    patch = header() + diff_of(tmp_path, {MOD: base}, {MOD: base.replace("x = 0", "x = 1")})
+    rep = apply_series(repo, one_fix_pack(tmp_path, patch), "0.5.19")
+    h = rep.patches[0].hunks[0]
+    assert (rep.status, h.status, h.offset) == ("applied", "offset", -7)
+
+
+def test_placement_unit_anchored_start_and_end():
+    # a hunk short of leading context because it sits at line 1 stays at the
+    # start of the file; short of trailing context, at the end (GNU patch)
+    top = Hunk(1, 3, 1, 4, (("+", "import os"), (" ", "a"), (" ", "b"), (" ", "c")))
+    assert place_hunks(["a", "b", "c", "d", "e"], [top])[0].status == "exact"
+    assert place_hunks(["z", "a", "b", "c", "d", "e"], [top])[0].status == "conflict"
+    end = Hunk(3, 3, 3, 4, ((" ", "c"), (" ", "d"), (" ", "e"), ("+", "f")))
+    assert place_hunks(["a", "b", "c", "d", "e"], [end])[0].status == "exact"
+    pl = place_hunks(["a", "b", "x", "y", "c", "d", "e"], [end])[0]
+    assert (pl.status, pl.offset) == ("offset", 2)
+    assert place_hunks(["c", "d", "e", "more"], [end])[0].status == "conflict"
+
+
+def test_placement_unit_hunks_keep_order():
+    h1 = Hunk(2, 3, 2, 3, ((" ", "a"), ("-", "x"), ("+", "X"), (" ", "b")))
+    h2 = Hunk(10, 3, 10, 3, ((" ", "a"), ("-", "x"), ("+", "X"), (" ", "b")))
+    lines = ["0", "a", "x", "b", "4", "5", "6", "7", "8", "9", "10", "11"]
+    pls = place_hunks(lines, [h1, h2])
+    assert pls[0].status == "exact" and pls[1].status == "conflict"  # cannot reuse lines 2-4
+
+
+# ---------------------------------------------------------- series semantics
+
+
+def test_rerun_is_nothing_to_do(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    first = apply_series(repo, pack, "0.5.19")
+    assert first.status == "applied"
+    again = apply_series(repo, pack, "0.5.19")
+    assert again.status == "nothing-to-do" and again.exit_code == 0
+    assert again.patches[0].status == "already-present" and "reverse-applies" in again.patches[0].reason
+    assert again.head_commit == again.base_commit == first.head_commit == head(repo)
+
+
+def test_already_present_by_fingerprint(tmp_path, repo):
+    fp = [{"file": MOD, "pattern": r"x = 10  # fixed$"}]
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), fingerprint=fp)
+    write_files(repo, {MOD: change(BASE, "    x = 10\n", "    x = 10  # fixed\n").replace("def f1()", "def f1b()")})
+    run_git(repo, "commit", "-qam", "hand-applied")
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "nothing-to-do" and rep.patches[0].reason.startswith("fingerprint: 1/1")
+    (d,) = detect(repo, pack)
+    assert d.present and "1/1 rules matched" in d.how
+    (d2,) = detect(make_repo(tmp_path / "pristine", {MOD: BASE}), pack)
+    assert not d2.present and "missed" in d2.how
+
+
+def test_not_applicable_when_fixed_in(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), fixed_in=">=0.5.20")
+    rep = apply_series(repo, pack, "0.5.21")
+    assert rep.status == "nothing-to-do" and rep.patches[0].status == "not-applicable"
+    assert apply_series(repo, pack, "0.5.19", check=True).patches[0].status == "applied"
+
+
+def _three_fixes(tmp: Path) -> Path:
+    fixes = [dict(id="pr100"), dict(id="pr200"), dict(id="pr300")]
+    patches = {
+        "pr100": {"pr100-0.5.17.patch": fix_patch(tmp, [("    x = 5\n", "    x = 5  # one\n")], pr=100)},
+        "pr200": {"pr200-0.5.17.patch": fix_patch(tmp, [("    x = 20\n", "    x = 20  # two\n")], pr=200)},
+        "pr300": {"pr300-0.5.17.patch": header(pr=300) + diff_of(
+            tmp, {OTHER: module_text(10, "g")}, {OTHER: change(module_text(10, "g"), "    x = 3\n", "    x = 3  # three\n")})},
+    }
+    return make_pack(tmp / "pack3", fixes, patches)
+
+
+def test_patch_two_of_three_failing_leaves_tree_unchanged(tmp_path, repo):
+    pack = load_pack(_three_fixes(tmp_path))
+    write_files(repo, {MOD: change(BASE, "    x = 20\n", "    x = 2000\n")})
+    run_git(repo, "commit", "-qam", "drift")
+    run_git(repo, "add", "-A")
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert [p.status for p in rep.patches] == ["applied", "failed", "applied"]
+    assert rep.status == "failed" and all(p.commit is None for p in rep.patches)
+    assert snapshot(repo) == before
+    ok = apply_series(repo, pack, "0.5.19", only=["pr100", "pr300"])
+    assert ok.status == "applied" and len(list(git.Repo(repo).iter_commits())) == 4  # 2 + 2 commits
+
+
+def test_three_patches_three_commits_in_order(tmp_path, repo):
+    pack = load_pack(_three_fixes(tmp_path))
+    rep = apply_series(repo, pack, "0.5.19")
+    msgs = [c.summary for c in git.Repo(repo).iter_commits()]
+    assert msgs[:3] == ["Backport #300: Fix pr300", "Backport #200: Fix pr200", "Backport #100: Fix pr100"]
+    assert [p.commit for p in rep.patches] == [c.hexsha for c in list(git.Repo(repo).iter_commits())[:3][::-1]]
+
+
+def test_failure_in_final_write_restores_everything(tmp_path, repo, monkeypatch):
+    pack = load_pack(_three_fixes(tmp_path))
+    before = snapshot(repo)
+    real = apply_mod._git
+
+    def flaky(root, *args, **kw):
+        if args[0] == "update-ref" and "--stdin" in args:
+            raise RuntimeError("simulated crash")
+        return real(root, *args, **kw)
+
+    monkeypatch.setattr(apply_mod, "_git", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before
+    assert run_git(repo, "for-each-ref", "refs/sglang-backport/") == ""  # no scratch ref left
+
+
+def test_check_changes_nothing(tmp_path, repo):
+    pack = load_pack(_three_fixes(tmp_path))
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19", check=True)
+    assert rep.check and rep.status == "applied" and rep.head_commit == rep.base_commit
+    assert [p.status for p in rep.patches] == ["applied"] * 3 and all(p.commit is None for p in rep.patches)
+    assert snapshot(repo) == before
+
+
+def test_deterministic_commit_shas(tmp_path, repo):
+    pack = load_pack(_three_fixes(tmp_path))
+    a, b = tmp_path / "a", tmp_path / "b"
+    git.Repo.clone_from(repo, a).close()
+    git.Repo.clone_from(repo, b).close()
+    ra = apply_series(a, pack, "0.5.19")
+    os.utime(pack.root / "series")  # another moment, same inputs
+    rb = apply_series(b, pack, "0.5.19")
+    assert [p.commit for p in ra.patches] == [p.commit for p in rb.patches] and ra.head_commit == rb.head_commit
+
+
+def test_json_schema(tmp_path, repo):
+    rep = apply_series(repo, load_pack(_three_fixes(tmp_path)), "0.5.19")
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert {"tree", "version", "base_commit", "head_commit", "status", "patches"} <= set(doc)
+    assert doc["tree"] == str(repo.resolve()) and doc["version"] == "0.5.19"
+    for p in doc["patches"]:
+        assert {"fix", "variant", "status", "reason", "hunks", "commit"} <= set(p)
+        for h in p["hunks"]:
+            assert {"file", "status", "offset", "fuzz"} <= set(h)
+
+
+# ------------------------------------------------------------ dirty checkout
+
+
+def test_dirty_tree_refused_then_allowed_but_protected(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    (repo / OTHER).write_text("local work\n")
+    before = snapshot(repo)
+    with pytest.raises(BadInput, match="uncommitted changes"):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before
+    rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
+    assert rep.status == "applied"
+    assert (repo / OTHER).read_text() == "local work\n"  # untouched, and not committed
+    assert git.Repo(repo).head.commit.tree[OTHER].data_stream.read() == module_text(10, "g").encode()
+    assert run_git(repo, "status", "--porcelain", "--untracked-files=no").strip() == f"M {OTHER}"
+
+
+def test_allow_dirty_never_touches_a_dirty_file(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    (repo / MOD).write_text(BASE + "# my local edit\n")
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
+    assert rep.status == "failed" and "uncommitted" in rep.patches[0].reason
+    assert snapshot(repo) == before
+
+
+def test_staged_change_counts_as_dirty(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    (repo / OTHER).write_text("staged\n")
+    run_git(repo, "add", OTHER)
+    with pytest.raises(BadInput):
+        apply_series(repo, pack, "0.5.19")
+
+
+# --------------------------------------------------------- file-level cases
+
+
+def test_crlf_file(tmp_path):
+    crlf = BASE.replace("\n", "\r\n").encode()
+    repo = make_repo(tmp_path / "tree", {MOD: crlf})
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10 + [("    x = 30\n", "    x = 30\n    y = 31\n")]))
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "applied"
+    out = read(repo)
+    expected = change(change(BASE, *FIX10[0]), "    x = 30\n", "    x = 30\n    y = 31\n").replace("\n", "\r\n")
+    assert out == expected.encode()
+    assert apply_series(repo, pack, "0.5.19").status == "nothing-to-do"
+
+
+def test_file_without_trailing_newline(tmp_path):
+    base = "a = 1\nb = 2\nc = 3\nd = 4"
+    after = "a = 1\nb = 2\nc = 3\nd = 4\ne = 5"
+    repo = make_repo(tmp_path / "tree", {MOD: base})
+    pack = one_fix_pack(tmp_path, header() + diff_of(tmp_path, {MOD: base}, {MOD: after}))
+    assert apply_series(repo, pack, "0.5.19").status == "applied"
+    assert read(repo) == after.encode()
+
+
+def test_patch_with_newline_on_file_without(tmp_path):
+    base = "a = 1\nb = 2\nc = 3\n"
+    repo = make_repo(tmp_path / "tree", {MOD: base.rstrip("\n")})
+    pack = one_fix_pack(tmp_path, header() + diff_of(tmp_path, {MOD: base}, {MOD: base + "d = 4\n"}))
+    assert apply_series(repo, pack, "0.5.19").status == "applied"
+    assert read(repo) == b"a = 1\nb = 2\nc = 3\nd = 4\n"
+
+
+def test_file_creation_and_deletion(tmp_path):
+    gone = f"{PKG}/legacy.py"
+    new = f"{PKG}/retire.py"
+    repo = make_repo(tmp_path / "tree", {MOD: BASE, gone: "old = True\n"})
+    patch = header() + diff_of(tmp_path, {MOD: BASE, gone: "old = True\n"},
+                               {gone: None, new: "def retire():\n    return 1\n"})
+    pack = one_fix_pack(tmp_path, patch)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "applied"
+    assert not (repo / gone).exists() and (repo / new).read_text() == "def retire():\n    return 1\n"
+    tree = git.Repo(repo).head.commit.tree
+    assert new in [b.path for b in tree.traverse()] and gone not in [b.path for b in tree.traverse()]
+    assert run_git(repo, "status", "--porcelain") == ""
+    again = apply_series(repo, pack, "0.5.19")
+    assert again.status == "nothing-to-do"
+
+
+def test_creation_over_untracked_file_fails(tmp_path, repo):
+    new = f"{PKG}/retire.py"
+    pack = one_fix_pack(tmp_path, header() + diff_of(tmp_path, {}, {new: "x = 1\n"}))
+    (repo / new).write_text("my own file\n")
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "failed" and "already exists" in rep.patches[0].reason
+    assert snapshot(repo) == before
+
+
+def test_upstream_checkout_layout(tmp_path):
+    repo = make_repo(tmp_path / "tree", {MOD: BASE}, prefix="python/")
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    rep = apply_series(repo, pack, "0.5.19", package_prefix="python/")
+    assert rep.status == "applied" and b"# fixed" in read(repo, "python/" + MOD)
+    assert rep.patches[0].hunks[0].file == MOD
+
+
+# ---------------------------------------------------- variants, dependencies
+
+
+def _variant_pack(tmp: Path) -> Path:
+    return make_pack(tmp / "vpack", [dict(id="pr200")], {"pr200": {
+        "pr200-0.5.17.patch": fix_patch(tmp, [("    x = 7\n", "    x = 7  # old releases\n")],
+                                        applies_to=">=0.5.17,<0.5.19", pr=200),
+        "pr200-0.5.19.patch": fix_patch(tmp, [("    x = 7\n", "    x = 7  # new releases\n")],
+                                        applies_to=">=0.5.19,<0.5.21", pr=200),
+    }})
+
+
+@pytest.mark.parametrize("version,variant,marker", [("0.5.17", "pr200-0.5.17.patch", b"# old releases"),
+                                                      ("0.5.18", "pr200-0.5.17.patch", b"# old releases"),
+                                                      ("0.5.20", "pr200-0.5.19.patch", b"# new releases")])
+def test_variant_selection_by_applies_to(tmp_path, repo, version, variant, marker):
+    rep = apply_series(repo, load_pack(_variant_pack(tmp_path)), version)
+    assert rep.patches[0].variant == variant and marker in read(repo)
+
+
+def test_no_variant_for_version_fails(tmp_path, repo):
+    before = snapshot(repo)
+    rep = apply_series(repo, load_pack(_variant_pack(tmp_path)), "0.5.16")
+    assert rep.status == "failed" and rep.exit_code == 1
+    assert "no variant applies to sglang 0.5.16" in rep.patches[0].reason
+    assert snapshot(repo) == before
+
+
+def test_overlapping_applies_to_is_bad_input(tmp_path, repo):
+    root = _variant_pack(tmp_path)
+    p = root / "pr200" / "pr200-0.5.19.patch"
+    p.write_text(p.read_text().replace("Applies-To: >=0.5.19,<0.5.21", "Applies-To: >=0.5.18"))
+    with pytest.raises(BadInput, match="overlap"):
+        apply_series(repo, load_pack(root), "0.5.18")
+
+
+def _dep_pack(tmp: Path) -> Path:
+    return make_pack(tmp / "dpack", [dict(id="pr100"), dict(id="pr300", depends_on=["pr100"])], {
+        "pr100": {"pr100-0.5.17.patch": fix_patch(tmp, [("    x = 5\n", "    x = 5  # one\n")], pr=100)},
+        "pr300": {"pr300-0.5.17.patch": fix_patch(tmp, [("    x = 30\n", "    x = 30  # three\n")], pr=300,
+                                                  depends_on="pr100")},
+    })
+
+
+def test_missing_dependency_fails(tmp_path, repo):
+    pack = load_pack(_dep_pack(tmp_path))
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19", only=["pr300"])
+    assert rep.status == "failed" and "missing dependency: pr100" in rep.patches[0].reason
+    assert snapshot(repo) == before
+    assert apply_series(repo, pack, "0.5.19").status == "applied"
+    assert apply_series(repo, pack, "0.5.19", only=["pr300"]).status == "nothing-to-do"
+
+
+def test_failed_dependency_fails_dependent(tmp_path, repo):
+    write_files(repo, {MOD: change(BASE, "    x = 5\n", "    x = 55\n")})
+    run_git(repo, "commit", "-qam", "drift")
+    rep = apply_series(repo, load_pack(_dep_pack(tmp_path)), "0.5.19")
+    assert [p.status for p in rep.patches] == ["failed", "failed"]
+    assert "pr100 (failed)" in rep.patches[1].reason
+
+
+def test_series_order_must_respect_dependencies(tmp_path):
+    root = _dep_pack(tmp_path)
+    (root / "series").write_text("pr300\npr100\n")
+    with pytest.raises(BadInput, match="before its dependency"):
+        load_pack(root)
+
+
+# ------------------------------------------------------ security, bad input
+
+
+def _write_variant(tmp: Path, text: str) -> Path:
+    p = tmp / "bad" / "pr100" / "pr100-0.5.17.patch"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def _raw(path_a: str, path_b: str | None = None) -> str:
+    path_b = path_b or path_a.replace("a/", "b/", 1)
+    return header() + f"--- {path_a}\n+++ {path_b}\n@@ -1,1 +1,1 @@\n-a\n+b\n"
+
+
+@pytest.mark.parametrize("text,needle", [
+    (_raw("/etc/passwd", "/etc/passwd"), "absolute path"),
+    (_raw("a//etc/passwd"), "absolute path"),
+    (_raw("a/sglang/../../outside.py"), "'..'"),
+    (_raw("a/.git/config"), ".git"),
+    (_raw("a/sglang/.git/hooks/pre-commit"), ".git"),
+    (header() + "diff --git a/x.bin b/x.bin\nindex 1234567..89abcde 100644\nBinary files a/x.bin and b/x.bin differ\n",
+     "binary"),
+    (header() + "--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n", "truncated hunk"),
+    (header() + "--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n d\n", "wrong line counts"),
+    (header() + "--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n a\n-b\n+c\n+d\n", "line counts"),
+    (header() + "--- a/x.py\n+++ b/x.py\n@@ -1 +1 @ broken\n-a\n+b\n", "malformed hunk header"),
+    (header() + "just words, no diff\n", "no diff"),
+    (header().replace("---\n", "") + "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n", "no '---' line"),
+    (header(applies_to="~=banana") + "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n", "Applies-To"),
+    (header(last_update="yesterday") + "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n", "Last-Update"),
+    (header() + "diff --git a/x b/y\nsimilarity index 100%\nrename from x\nrename to y\n", "renames"),
+    (header() + "diff --git a/x b/x\nnew file mode 120000\n--- /dev/null\n+++ b/x\n@@ -0,0 +1 @@\n+/etc\n", "mode 120000"),
+])
+def test_malformed_and_unsafe_patches_are_bad_input(tmp_path, text, needle):
+    p = _write_variant(tmp_path, text)
+    with pytest.raises(BadInput) as e:
+        load_variant(p)
+    msg = str(e.value)
+    assert needle.lower() in msg.lower() and str(p) in msg and "\n" not in msg
+
+
+def test_git_binary_patch_is_bad_input(tmp_path):
+    diff = diff_of(tmp_path, {"sglang/x.bin": b"\x00\x01\x02" * 10}, {"sglang/x.bin": b"\x00\x09\x02" * 10})
+    assert "GIT binary patch" in diff
+    p = _write_variant(tmp_path, header() + diff)
+    with pytest.raises(BadInput, match="binary"):
+        load_variant(p)
+
+
+@pytest.mark.parametrize("field", ["Description", "Origin", "Applies-To", "Depends-On", "Last-Update"])
+def test_missing_header_field_is_bad_input(tmp_path, field):
+    p = _write_variant(tmp_path, header(drop=(field,)) + "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(BadInput, match=f"missing header field {field}"):
+        load_variant(p)
+
+
+def test_bad_patch_in_pack_fails_load_before_any_change(tmp_path, repo):
+    root = _three_fixes(tmp_path)
+    f = root / "pr300" / "pr300-0.5.17.patch"
+    lines = f.read_text().splitlines(keepends=True)
+    f.write_text("".join(lines[:-2]))  # truncate the last hunk
+    with pytest.raises(BadInput, match="pr300-0.5.17.patch.*truncated"):
+        load_pack(root)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_symlink_in_path_is_bad_input(tmp_path, inside):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.py").write_text("a\n")
+    repo = make_repo(tmp_path / "tree", {MOD: BASE})
+    (repo / "sglang" / "inner").mkdir()
+    (repo / "sglang" / "inner" / "victim.py").write_text("a\n")
+    os.symlink(repo / "sglang" / "inner" if inside else outside, repo / "sglang" / "link")
+    run_git(repo, "add", "-A")
+    run_git(repo, "commit", "-qm", "link")
+    pack = one_fix_pack(tmp_path, header() + "--- a/sglang/link/victim.py\n+++ b/sglang/link/victim.py\n"
+                                              "@@ -1 +1 @@\n-a\n+b\n")
+    before = snapshot(repo)
+    with pytest.raises(BadInput, match="symlink.*" + ("inside" if inside else "outside")):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before and (outside / "victim.py").read_text() == "a\n"
+
+
+def test_bad_version_and_not_a_repo(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    with pytest.raises(BadInput, match="PEP 440"):
+        apply_series(repo, pack, "not-a-version")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(BadInput, match="not a git repository"):
+        apply_series(plain, pack, "0.5.19")
+    with pytest.raises(BadInput, match="not in the series"):
+        apply_series(repo, pack, "0.5.19", only=["pr999"])
+
+
+def test_header_fields_parsed(tmp_path):
+    p = _write_variant(tmp_path, fix_patch(tmp_path, FIX10, depends_on="pr1, pr2", notes="line one\n line two"))
+    v = load_variant(p)
+    assert v.depends_on == ("pr1", "pr2") and v.header["Backport-Notes"] == "line one\nline two"
+    assert v.header["Description"].startswith("Fix a thing\n") and str(v.applies_to) == ">=0.5.17"
+    assert len(v.sha256) == 64 and v.patchset is not None and v.files[0].path == MOD
+
+
+def test_fileimage_roundtrip_mixed_endings():
+    data = b"a\r\nb\nc\r\nno-newline"
+    img = FileImage.from_bytes(data)
+    assert img.lines == ["a", "b", "c", "no-newline"] and img.to_bytes() == data

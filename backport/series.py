@@ -280,8 +280,8 @@ def _load_fixes(path: Path) -> dict[str, Fix]:
 
 def check_rel_path(p: str, where: str) -> str:
     """A patch path must be relative, without ``..``, and not inside ``.git``."""
-    if not p or "\0" in p:
-        raise BadInput(f"{where}: empty or NUL path")
+    if not p or any(c in p for c in "\0\n\r\t") or p.startswith('"'):
+        raise BadInput(f"{where}: empty, quoted or control-character path {p!r}")
     if p.startswith("/") or p.startswith("\\") or re.match(r"^[A-Za-z]:[\\/]", p):
         raise BadInput(f"{where}: absolute path {p!r}")
     parts = PurePosixPath(p.replace("\\", "/")).parts

@@ -17,8 +17,9 @@ second copy of these classes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime")
 
@@ -38,7 +39,7 @@ class NotApplicable(Exception):
 class Outcome:
     verdict: str
     observed: str
-    details: Dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Case:
     name: str
     must_preserve: bool
     expect: str
-    run: Callable[["ProbeContext"], Outcome]
+    run: Callable[[ProbeContext], Outcome]
 
 
 class ProbeContext:
@@ -59,7 +60,7 @@ class ProbeContext:
     """
 
     def __init__(self) -> None:
-        self._undo: List[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []
 
     def patch(self, obj: Any, name: str, value: Any) -> None:
         old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
@@ -82,7 +83,7 @@ class ProbeContext:
         self.patch(obj, name, value)
         return True
 
-    def setenv(self, name: str, value: Optional[str]) -> None:
+    def setenv(self, name: str, value: str | None) -> None:
         old = os.environ.get(name)
         if value is None:
             os.environ.pop(name, None)

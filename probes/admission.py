@@ -31,7 +31,7 @@ whose requests cannot hold a host retraction backup (added in 0.5.18).
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
 from probes.standins import (
@@ -89,7 +89,7 @@ class DoorRig:
     def _backend():
         from sglang.srt.disaggregation.utils import TransferBackend
 
-        return getattr(TransferBackend, "MOONCAKE", list(TransferBackend)[0])
+        return getattr(TransferBackend, "MOONCAKE", next(iter(TransferBackend)))
 
     def _prefill_queue(self):
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
@@ -145,7 +145,7 @@ class DoorRig:
 
     # observations ----------------------------------------------------------
 
-    def observe(self, req) -> Dict[str, Any]:
+    def observe(self, req) -> dict[str, Any]:
         led = self.ledger
         rid = req.rid
         decode_entries = [dr.req for dr in self.decode_queue.queue] + [
@@ -168,7 +168,7 @@ class DoorRig:
         }
 
 
-def _retired_cleanly(obs: Dict[str, Any]) -> bool:
+def _retired_cleanly(obs: dict[str, Any]) -> bool:
     """#38935's retirement: no handoff object, no queue, the 400 streamed once."""
     return (
         not obs["sender_created"]
@@ -182,12 +182,10 @@ def _retired_cleanly(obs: Dict[str, Any]) -> bool:
     )
 
 
-def _handoff_summary(obs: Dict[str, Any]) -> str:
+def _handoff_summary(obs: dict[str, Any]) -> str:
     made = [k for k in ("sender_created", "receiver_created") if obs[k]]
     queued = [
-        k
-        for k in ("prefill_bootstrap_queued", "decode_prealloc_queued", "decode_retracted_queued")
-        if obs[k]
+        k for k in ("prefill_bootstrap_queued", "decode_prealloc_queued", "decode_retracted_queued") if obs[k]
     ]
     return (
         f"handoff objects: {', '.join(made) or 'none'}; queues: {', '.join(queued) or 'none'}; "
@@ -237,7 +235,7 @@ def decode_door_rejected_not_enqueued(ctx) -> Outcome:
 # must-preserve: valid and re-entering requests
 
 
-def _admitted(obs: Dict[str, Any], *, side: str) -> bool:
+def _admitted(obs: dict[str, Any], *, side: str) -> bool:
     if side == "prefill":
         ok = obs["sender_created"] and obs["prefill_bootstrap_queued"]
     elif side == "decode":
@@ -247,9 +245,11 @@ def _admitted(obs: Dict[str, Any], *, side: str) -> bool:
     return bool(ok) and not obs["streamed"]
 
 
-def _not_retired_outcome(obs: Dict[str, Any], side: str, what: str) -> Outcome:
+def _not_retired_outcome(obs: dict[str, Any], side: str, what: str) -> Outcome:
     if _admitted(obs, side=side):
-        return Outcome(SAFE, f"{what} was admitted normally at the {side.split('_')[0]} door; nothing streamed.", obs)
+        return Outcome(
+            SAFE, f"{what} was admitted normally at the {side.split('_')[0]} door; nothing streamed.", obs
+        )
     return Outcome(UNSAFE, f"{what} was not admitted normally; " + _handoff_summary(obs) + ".", obs)
 
 

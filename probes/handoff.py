@@ -30,7 +30,7 @@ the output streamer.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 from probes import SAFE, UNSAFE, Case, Outcome
 from probes.admission import DoorRig
@@ -56,14 +56,16 @@ class HandoffRig(DoorRig):
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         super().__init__(ctx)
-        self.prefill_pages = CountingPageAllocator(self.ledger, "prefill", PREFILL_POOL_TOKENS // PAGE_SIZE, PAGE_SIZE)
+        self.prefill_pages = CountingPageAllocator(
+            self.ledger, "prefill", PREFILL_POOL_TOKENS // PAGE_SIZE, PAGE_SIZE
+        )
         self.decode_pages = CountingPageAllocator(self.ledger, "decode", 4096, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL
         self.prefill_queue.max_total_num_tokens = PREFILL_POOL_TOKENS
 
-    def run(self, prompt_tokens: int, room: int) -> Dict[str, Any]:
+    def run(self, prompt_tokens: int, room: int) -> dict[str, Any]:
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.managers.utils import validate_input_length
 
@@ -150,7 +152,9 @@ def fitting_prompt_covers_reservation(ctx) -> Outcome:
         and not obs["prefill_streamed"]
     )
     if ok:
-        return Outcome(SAFE, "The fitting prompt was handed over in full: coverage equals the reservation.", obs)
+        return Outcome(
+            SAFE, "The fitting prompt was handed over in full: coverage equals the reservation.", obs
+        )
     return Outcome(UNSAFE, "The fitting prompt was not handed over in full.", obs)
 
 

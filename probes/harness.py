@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from enum import Enum
-from typing import Any, Dict, List
+from typing import Any
 
 from probes import (
     ERROR,
@@ -77,7 +77,7 @@ def jsonable(value: Any) -> Any:
     return _ADDRESS.sub("0x?", repr(value))
 
 
-def run_case(probe: str, case: Case) -> Dict[str, Any]:
+def run_case(probe: str, case: Case) -> dict[str, Any]:
     ctx = ProbeContext()
     try:
         outcome = case.run(ctx)
@@ -119,7 +119,7 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m probes.harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
@@ -150,9 +150,7 @@ def main(argv: List[str] | None = None) -> int:
         return _bad_input(tree, f"import sglang failed: {type(exc).__name__}: {exc}", real_stdout)
     sglang_file = os.path.realpath(sglang.__file__ or "")
     if os.path.commonpath([sglang_file, os.path.realpath(tree)]) != os.path.realpath(tree):
-        return _bad_input(
-            tree, f"sglang on the path is {sglang_file}, not the tree under test", real_stdout
-        )
+        return _bad_input(tree, f"sglang on the path is {sglang_file}, not the tree under test", real_stdout)
 
     for name in CORE_MODULES:
         try:
@@ -174,7 +172,7 @@ def main(argv: List[str] | None = None) -> int:
     except Exception:  # noqa: BLE001
         torch_version = None
 
-    cases: List[Dict[str, Any]] = []
+    cases: list[dict[str, Any]] = []
     for probe in args.probe or list(PROBE_NAMES):
         module = importlib.import_module(f"probes.{probe}")
         for case in module.CASES:

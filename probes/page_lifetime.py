@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
 from probes.standins import (
@@ -174,7 +174,7 @@ def _fake_receiver(room: int):
     return FakeKVReceiver(mgr=mgr, bootstrap_addr="10.0.0.2:8998", bootstrap_room=room)
 
 
-def note_ack(mgr, room: int, rank: int, generation: Optional[int]) -> None:
+def note_ack(mgr, room: int, rank: int, generation: int | None) -> None:
     """A drain ACK from one prefill rank, as the decode receiver thread records it."""
     params = inspect.signature(mgr.note_abort_ack).parameters
     if "generation" in params:
@@ -230,7 +230,7 @@ class TransferRig:
         self.queue.resolve_deferred_releases()
         return True
 
-    def snapshot(self, req) -> Dict[str, Any]:
+    def snapshot(self, req) -> dict[str, Any]:
         return {
             "pages_held": self.pages.held_by(req.rid),
             "release_calls": self.ledger.count("release_kv_cache", rid=req.rid),
@@ -250,7 +250,7 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     mgr = _drain_acking_manager(rig.ledger)
     rcv = _drain_acking_receiver(rig.ledger, mgr, room=501, prefill_ranks=2)
     req = rig.enqueue(rcv, "failed-transfer", 501)
-    steps: List[Dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
 
     def step(name: str, all_acked: bool) -> None:
         steps.append({"step": name, "all_acks_in": all_acked, **rig.snapshot(req)})
@@ -282,7 +282,11 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     final = steps[-1]
     released_once = final["pages_held"] == 0 and final["release_calls"] == 1 and final["metadata_frees"] == 1
     if not freed_early and released_once and not details["double_releases"]:
-        return Outcome(SAFE, "Pages held through the failure and the first ACK, released once after both drain ACKs.", details)
+        return Outcome(
+            SAFE,
+            "Pages held through the failure and the first ACK, released once after both drain ACKs.",
+            details,
+        )
     if freed_early:
         return Outcome(
             UNSAFE,
@@ -312,7 +316,10 @@ def ack_before_registration_not_counted(ctx) -> Outcome:
     safe_after_early = mgr.is_abort_release_safe(502, 1)
     note_ack(mgr, 502, 0, generation)
     safe_after_fresh = mgr.is_abort_release_safe(502, 1)
-    details = {"release_safe_after_early_ack": safe_after_early, "release_safe_after_fresh_ack": safe_after_fresh}
+    details = {
+        "release_safe_after_early_ack": safe_after_early,
+        "release_safe_after_fresh_ack": safe_after_fresh,
+    }
     if not safe_after_early and safe_after_fresh:
         return Outcome(SAFE, "The early ACK was ignored; only the ACK after registration counted.", details)
     return Outcome(UNSAFE, "An ACK from before registration counted toward release.", details)
@@ -369,8 +376,12 @@ def no_capability_backend_releases_at_once(ctx) -> Outcome:
         and not details["double_releases"]
     )
     if ok:
-        return Outcome(SAFE, "The FAKE backend's failed transfer was released at once, exactly once.", details)
-    return Outcome(UNSAFE, "The FAKE backend's failed transfer was not released at once exactly once.", details)
+        return Outcome(
+            SAFE, "The FAKE backend's failed transfer was released at once, exactly once.", details
+        )
+    return Outcome(
+        UNSAFE, "The FAKE backend's failed transfer was not released at once exactly once.", details
+    )
 
 
 CASES = [

@@ -24,7 +24,7 @@ radix cache (RecordingTreeCache plus recorders for the module's
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 from probes import SAFE, UNSAFE, Case, Outcome
 from probes.standins import (
@@ -78,10 +78,10 @@ class RetireRig:
         self._next_row += 1
         return req
 
-    def deliver_result(self, reqs: List[Any]) -> None:
+    def deliver_result(self, reqs: list[Any]) -> None:
         deliver_prefill_result(self.shell, reqs, SAMPLED_TOKEN)
 
-    def observe(self, req, since: int = 0) -> Dict[str, Any]:
+    def observe(self, req, since: int = 0) -> dict[str, Any]:
         led = self.ledger.since(since)
         rid = req.rid
         releases = led.of("release_kv_cache", rid=rid)
@@ -105,7 +105,7 @@ class RetireRig:
         }
 
 
-def _retired_once(obs: Dict[str, Any]) -> List[str]:
+def _retired_once(obs: dict[str, Any]) -> list[str]:
     """What #36988's retirement requires of an aborted final result; returns
     the violated items (empty when safe)."""
     problems = []
@@ -128,7 +128,7 @@ def _retired_once(obs: Dict[str, Any]) -> List[str]:
     return problems
 
 
-def _verdict(problems: List[str], safe_text: str, obs: Dict[str, Any]) -> Outcome:
+def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcome:
     obs["violations"] = problems
     if not problems:
         return Outcome(SAFE, safe_text, obs)
@@ -154,7 +154,11 @@ def final_aborted_result_retired(ctx) -> Outcome:
     problems = _retired_once(obs)
     if not obs["sender_aborted"]:
         problems.append("sender not aborted")
-    return _verdict(problems, "Retired once: no cache, no send, metadata freed, KV released without insert, abort streamed once.", obs)
+    return _verdict(
+        problems,
+        "Retired once: no cache, no send, metadata freed, KV released without insert, abort streamed once.",
+        obs,
+    )
 
 
 def delayed_result_after_retirement_ignored(ctx) -> Outcome:

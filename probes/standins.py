@@ -22,7 +22,7 @@ import importlib
 import inspect
 from array import array
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 # ---------------------------------------------------------------------------
 # lookups into the tree under test
@@ -48,17 +48,13 @@ class Ledger:
     """Ordered record of what the real code did to the stand-ins of one case."""
 
     def __init__(self) -> None:
-        self.events: List[Dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
 
     def record(self, kind: str, **data: Any) -> None:
         self.events.append({"kind": kind, **data})
 
-    def of(self, kind: str, **match: Any) -> List[Dict[str, Any]]:
-        return [
-            e
-            for e in self.events
-            if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())
-        ]
+    def of(self, kind: str, **match: Any) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
 
     def count(self, kind: str, **match: Any) -> int:
         return len(self.of(kind, **match))
@@ -66,13 +62,13 @@ class Ledger:
     def mark(self) -> int:
         return len(self.events)
 
-    def since(self, mark: int) -> "Ledger":
+    def since(self, mark: int) -> Ledger:
         view = Ledger()
         view.events = self.events[mark:]
         return view
 
 
-def describe_finish(reason: Any) -> Optional[Dict[str, Any]]:
+def describe_finish(reason: Any) -> dict[str, Any] | None:
     """A finish reason as the client would see it: type and HTTP status."""
     if reason is None:
         return None
@@ -118,7 +114,7 @@ def release_disagg_defaults() -> SimpleNamespace:
     ``ServerArgs`` field defaults before), as an unconfigured server has them."""
     import dataclasses
 
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     server_args = sg_attr("server_args", "ServerArgs")
     if server_args is not None and dataclasses.is_dataclass(server_args):
         for f in dataclasses.fields(server_args):
@@ -265,7 +261,7 @@ def recording_sender_class(ledger: Ledger, *, abort_raises: bool = False):
             self.kv_mgr = mgr
             self.bootstrap_room = bootstrap_room
             self.conclude_state = None
-            self.num_pages: Optional[int] = None
+            self.num_pages: int | None = None
             ledger.record("sender_created", room=bootstrap_room)
 
         def init(self, num_kv_indices, aux_index=None, *args, **kwargs):
@@ -350,7 +346,7 @@ class TransportManagerStandIn:
     """Stands for a KV manager as the queue doors see it: no prefill peers known yet."""
 
     def __init__(self) -> None:
-        self.prefill_info_table: Dict[str, Any] = {}
+        self.prefill_info_table: dict[str, Any] = {}
         self.kv_args = SimpleNamespace(state_types=[])
         self.enable_deferred_decode_kv_release = False
 
@@ -419,7 +415,7 @@ class CountingPageAllocator:
         self.page_size = page_size
         self.num_pages = num_pages
         self.free_pages = list(range(num_pages))
-        self.owned: Dict[str, List[int]] = {}
+        self.owned: dict[str, list[int]] = {}
         self.released_owners: set = set()
 
     @property
@@ -432,7 +428,7 @@ class CountingPageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def reserve(self, owner: str, num_tokens: int) -> List[int]:
+    def reserve(self, owner: str, num_tokens: int) -> list[int]:
         n = self.pages_for(num_tokens)
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         self.owned.setdefault(owner, []).extend(pages)
@@ -490,7 +486,7 @@ class RecordingTreeCache:
         return None
 
 
-def patch_cache_helpers(ctx, ledger: Ledger, module, pages: Optional[CountingPageAllocator]):
+def patch_cache_helpers(ctx, ledger: Ledger, module, pages: CountingPageAllocator | None):
     """Swap the module-level cache helpers ``module`` calls for recorders.
 
     ``release_kv_cache`` returns the request's pages to ``pages`` and records
@@ -531,9 +527,7 @@ class RecordingOutputStreamer:
 
     def stream_output(self, reqs, return_logprob=False, *args, **kwargs):
         for req in reqs:
-            self.ledger.record(
-                "stream", rid=req.rid, finish=describe_finish(req.finished_reason)
-            )
+            self.ledger.record("stream", rid=req.rid, finish=describe_finish(req.finished_reason))
 
 
 class InertCollaborator:
@@ -552,7 +546,6 @@ class InertCollaborator:
 
         def call(*args, **kwargs):
             self.calls.append(name)
-            return None
 
         return call
 
@@ -579,9 +572,7 @@ class SchedulerShellBase:
             tokens = len(req.origin_input_ids) - start
         else:
             tokens = (int(end_idx) if end_idx is not None else start) - start
-        self.ledger.record(
-            "send_kv_chunk", rid=req.rid, last_chunk=bool(last_chunk), tokens=tokens
-        )
+        self.ledger.record("send_kv_chunk", rid=req.rid, last_chunk=bool(last_chunk), tokens=tokens)
 
     def _prefetch_kvcache(self, req, *args, **kwargs):
         self.ledger.record("prefetch_kvcache", rid=req.rid)
@@ -596,7 +587,7 @@ class SchedulerShellBase:
         return None
 
 
-_SHELL_CLASSES: Dict[int, type] = {}
+_SHELL_CLASSES: dict[int, type] = {}
 
 
 def make_scheduler_shell(ledger: Ledger, **attrs: Any):
@@ -615,35 +606,35 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         spec = SpeculativeAlgorithm.NONE
     except Exception:  # noqa: BLE001 - any drift: fall back to the stand-in
         spec = SpecAlgorithmStandIn()
-    defaults = dict(
-        ledger=ledger,
-        output_streamer=RecordingOutputStreamer(ledger),
-        tree_cache=RecordingTreeCache(ledger),
-        metrics_reporter=InertCollaborator("metrics_reporter", enable_metrics=False),
-        metrics_collector=InertCollaborator("metrics_collector"),
-        batch_result_processor=InertCollaborator("batch_result_processor"),
-        beam_coordinator=InertCollaborator("beam_coordinator"),
-        enable_metrics=False,
-        enable_hicache_storage=False,
-        enable_overlap=False,
-        enable_priority_scheduling=False,
-        chunked_req=None,
-        spec_algorithm=spec,
-        disagg_prefill_inflight_queue=[],
-        disagg_prefill_pending_chunk_rids=set(),
-        req_to_metadata_buffer_idx_allocator=RecordingMetadataAllocator(ledger),
-        waiting_queue=[],
-        processed_tokens_counter=0,
-        model_config=SimpleNamespace(num_key_value_heads=8),
-        ps=ParallelStandIn(),
-        server_args=SimpleNamespace(
+    defaults: dict[str, Any] = {
+        "ledger": ledger,
+        "output_streamer": RecordingOutputStreamer(ledger),
+        "tree_cache": RecordingTreeCache(ledger),
+        "metrics_reporter": InertCollaborator("metrics_reporter", enable_metrics=False),
+        "metrics_collector": InertCollaborator("metrics_collector"),
+        "batch_result_processor": InertCollaborator("batch_result_processor"),
+        "beam_coordinator": InertCollaborator("beam_coordinator"),
+        "enable_metrics": False,
+        "enable_hicache_storage": False,
+        "enable_overlap": False,
+        "enable_priority_scheduling": False,
+        "chunked_req": None,
+        "spec_algorithm": spec,
+        "disagg_prefill_inflight_queue": [],
+        "disagg_prefill_pending_chunk_rids": set(),
+        "req_to_metadata_buffer_idx_allocator": RecordingMetadataAllocator(ledger),
+        "waiting_queue": [],
+        "processed_tokens_counter": 0,
+        "model_config": SimpleNamespace(num_key_value_heads=8),
+        "ps": ParallelStandIn(),
+        "server_args": SimpleNamespace(
             disaggregation_transfer_backend="mooncake",
             optimistic_prefill_attempts=0,
             disaggregation_ib_device=None,
         ),
-        enable_hisparse=False,
-        enable_decode_hicache=False,
-    )
+        "enable_hisparse": False,
+        "enable_decode_hicache": False,
+    }
     defaults.update(attrs)
     shell.__dict__.update(defaults)
     return shell

@@ -114,6 +114,15 @@ def test_fuzz_drops_outer_context(tmp_path, repo):
     assert b"def f11_renamed():" in read(repo) and b"    x = 10  # fixed\n" in read(repo)
 
 
+def test_rerun_after_fuzz_is_nothing_to_do(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    write_files(repo, {MOD: change(BASE, "def f11():", "def f11_renamed():")})
+    run_git(repo, "commit", "-qam", "drift")
+    assert apply_series(repo, pack, "0.5.19").patches[0].hunks[0].status == "fuzz"
+    again = apply_series(repo, pack, "0.5.19")
+    assert again.status == "nothing-to-do" and "with fuzz" in again.patches[0].reason
+
+
 def test_fuzz_two(tmp_path, repo):
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
     drifted = change(BASE, "    return x\n\ndef f11():", "    return x\n# gap\ndef f11_a():")
@@ -216,6 +225,19 @@ def test_already_present_by_fingerprint(tmp_path, repo):
     assert d.present and "1/1 rules matched" in d.how
     (d2,) = detect(make_repo(tmp_path / "pristine", {MOD: BASE}), pack)
     assert not d2.present and "missed" in d2.how
+
+
+def test_detect_without_fingerprint_uses_version(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), fixed_in=">=0.5.21")
+    (d,) = detect(repo, pack)
+    assert not d.present and d.how == "no fingerprint rules"
+    (d,) = detect(repo, pack, version="0.5.21")
+    assert d.present and "fixed_in" in d.how
+    (d,) = detect(repo, pack, version="0.5.19")
+    assert not d.present
+    apply_series(repo, pack, "0.5.19")
+    (d,) = detect(repo, pack, version="0.5.19")
+    assert d.present and "reverse-applies" in d.how
 
 
 def test_not_applicable_when_fixed_in(tmp_path, repo):
@@ -405,6 +427,38 @@ def test_upstream_checkout_layout(tmp_path):
     rep = apply_series(repo, pack, "0.5.19", package_prefix="python/")
     assert rep.status == "applied" and b"# fixed" in read(repo, "python/" + MOD)
     assert rep.patches[0].hunks[0].file == MOD
+
+
+def test_hard_linked_file_is_not_changed_through_its_other_link(tmp_path, repo):
+    cache_copy = tmp_path / "cache-copy.py"
+    os.link(repo / MOD, cache_copy)
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    assert apply_series(repo, pack, "0.5.19").status == "applied"
+    assert cache_copy.read_text() == BASE and b"# fixed" in read(repo)
+
+
+def test_executable_mode_kept(tmp_path, repo):
+    os.chmod(repo / MOD, 0o755)
+    run_git(repo, "commit", "-qam", "exec")
+    assert apply_series(repo, one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10)), "0.5.19").status == "applied"
+    assert os.stat(repo / MOD).st_mode & 0o777 == 0o755
+    assert run_git(repo, "ls-tree", "HEAD", MOD).startswith("100755 ")
+
+
+def test_git_worktree(tmp_path, repo):
+    wt = tmp_path / "wt"
+    run_git(repo, "worktree", "add", "-q", "-b", "backport", str(wt))
+    rep = apply_series(wt, one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10)), "0.5.19")
+    assert rep.status == "applied" and run_git(wt, "status", "--porcelain") == ""
+    assert run_git(repo, "rev-parse", "main").strip() == rep.base_commit  # the main checkout is untouched
+    assert run_git(repo, "rev-parse", "backport").strip() == rep.head_commit
+
+
+def test_detached_head(tmp_path, repo):
+    run_git(repo, "checkout", "-q", "--detach")
+    rep = apply_series(repo, one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10)), "0.5.19")
+    assert rep.status == "applied" and head(repo) == rep.head_commit
+    assert run_git(repo, "rev-parse", "main").strip() == rep.base_commit
 
 
 # ---------------------------------------------------- variants, dependencies

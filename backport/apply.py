@@ -9,21 +9,23 @@ Decisions (see also placement.py for hunk placement):
   a dependency check (fix ``depends_on`` plus the variant's Depends-On: each
   must be applied earlier in this run, already present, or not applicable,
   else ``failed``); then the variant whose Applies-To contains the version
-  (none: ``failed`` with the reason). When the forward application
+  (none: ``failed`` with the reason). A fix whose ``scope`` (fixes.toml)
+  excludes the version, and that is not present, is ``not-applicable`` with
+  a reason that says the release stays exposed; it satisfies no
+  dependency. When the forward application
   conflicts but the variant reverse-applies with fuzz, the fix counts as
   ``already-present`` (a patch applied earlier with fuzz; a re-run must be
   ``nothing-to-do``). A missing fix is worse than a loud failure, so the
   strict reverse check comes first and the fuzzy one only after forward failed.
 * Everything is computed in memory on an overlay of the tree, later fixes
   seeing earlier ones. Nothing is written unless every fix succeeds.
-* On success: one ``git fast-import`` writes all blobs, trees and commits
-  (onto a scratch ref ``refs/sglang-backport/staging-PID``), while the
-  working files are written and ``git update-index`` records exactly those
-  paths; then one ``git update-ref --stdin`` transaction moves HEAD
-  (compare-and-swap against the base commit, reflog message
-  ``sglang-backport: apply N patch(es)``) and deletes the scratch ref. Any
-  error in that phase restores the files, the index file, HEAD, and removes
-  the scratch ref. Unreferenced objects may remain (git gc drops them).
+* On success: the working files are written and ``git update-index``
+  records exactly those paths, while ``git fast-import`` writes the blobs,
+  trees and commits (git does the hashing and the pack; nothing of git's
+  object format is written here); then ``git update-ref`` moves HEAD (compare-and-swap against the base commit,
+  reflog message ``sglang-backport: apply N patch(es)``). Any error in that
+  phase restores the files, the index file and HEAD. Objects of a failed
+  run may remain unreferenced (git gc drops them).
 * Commits: author and committer ``sglang-backport <sglang-backport@localhost>``,
   date = the variant's Last-Update at 00:00:00 UTC, no signing, message
   ``Backport #N: <title>``, the Description, the Backport-Notes, then the
@@ -47,28 +49,32 @@ Decisions (see also placement.py for hunk placement):
   path of every variant of the selected fixes is checked against the tree for
   symlinks: a path through a symlink is refused, and the message says whether
   it leads outside the tree.
-* Speed: the engine's cost is a handful of git processes; they overlap
-  (status runs while the series is computed; fast-import while files and
-  index are written). See benchmarks/bench_apply.py.
+* Speed: the engine's cost is five git processes (status, cat-file of the
+  touched directories' trees, update-index, fast-import, update-ref); they overlap with
+  the Python work (status runs while the series is computed; update-index
+  while fast-import writes the commits). See benchmarks/bench_apply.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import subprocess
-from dataclasses import dataclass, field
-from io import BytesIO
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from packaging.version import InvalidVersion, Version
 
 from .detect import fingerprint_match
 from .errors import BadInput
-from .placement import CONFLICT, EXACT, FileImage, Hunk, place_hunks, apply_hunks
+from .placement import CONFLICT, EXACT, FileImage, Hunk, apply_hunks, place_hunks
 from .series import FilePatch, Fix, Pack, PatchVariant, check_rel_path
 
+# fast-import writes the series here; HEAD moves to it, then the ref is deleted
+PENDING_REF = "refs/sglang-backport/pending"
 AUTHOR_NAME = "sglang-backport"
 AUTHOR_EMAIL = "sglang-backport@localhost"
 UPSTREAM_REPO = "sgl-project/sglang"
@@ -166,6 +172,7 @@ class Overlay:
         self._disk: dict[str, bytes | None] = {}
         self.changes: dict[str, bytes | None] = {}
         self.modes: dict[str, str] = {}  # mode of files created by the series
+        self._images: dict[str, tuple[bytes, FileImage]] = {}
 
     def disk(self, rel: str) -> bytes | None:
         if rel not in self._disk:
@@ -185,6 +192,15 @@ class Overlay:
         if rel in self.changes:
             return self.changes[rel] is not None
         return os.path.lexists(self.root / rel)
+
+    def image(self, rel: str, data: bytes) -> FileImage:
+        """The lines of ``data`` (the current content of rel), parsed once.
+        Callers never mutate an image: apply_hunks builds a new one."""
+        hit = self._images.get(rel)
+        if hit is None or hit[0] is not data:
+            hit = (data, FileImage.from_bytes(data))
+            self._images[rel] = hit
+        return hit[1]
 
     def read_text(self, rel: str) -> str | None:
         b = self.read(rel)
@@ -222,7 +238,7 @@ def _patch_file(fp: FilePatch, ov: Overlay, *, reverse: bool, fuzz: int = 2) -> 
             _lines_bytes(new, no_eol), True
     if cur is None:
         return fail("file to patch does not exist" if not ov.exists(path) else "not a regular file")
-    img = FileImage.from_bytes(cur)
+    img = ov.image(path, cur)
     if deletion:
         old = [l for h in hunks for l in h.old_lines]
         if img.lines != old:
@@ -250,7 +266,7 @@ def reverse_applies(ov: Overlay, variant: PatchVariant, fuzz: int = 0) -> bool:
 
 
 def _git(root: Path, *args: str, input: bytes | None = None) -> bytes:
-    p = subprocess.run(["git", "-C", str(root), *args], input=input, capture_output=True)
+    p = subprocess.run(["git", "-C", str(root), *args], input=input, capture_output=True, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"git {' '.join(args[:2])} failed: {p.stderr.decode(errors='replace').strip()}")
     return p.stdout
@@ -267,7 +283,7 @@ class _Proc:
         self.args = args
         stdin = subprocess.DEVNULL
         if input is not None:
-            stdin = tempfile.TemporaryFile()
+            stdin = tempfile.TemporaryFile()  # noqa: SIM115 - closed right after Popen
             stdin.write(input)
             stdin.seek(0)
         self.p = subprocess.Popen(["git", "-C", str(root), *args], stdin=stdin, stdout=subprocess.PIPE,
@@ -308,10 +324,9 @@ def _dirty_paths(root: Path, out: bytes | None = None) -> set[str]:
         if len(e) < 4:
             continue
         paths.add(e[3:].decode("utf-8", "surrogateescape"))
-        if e[:1] in (b"R", b"C") or e[1:2] in (b"R", b"C"):
-            if i < len(parts):
-                paths.add(parts[i].decode("utf-8", "surrogateescape"))
-                i += 1
+        if (e[:1] in (b"R", b"C") or e[1:2] in (b"R", b"C")) and i < len(parts):
+            paths.add(parts[i].decode("utf-8", "surrogateescape"))
+            i += 1
     return paths
 
 
@@ -333,7 +348,7 @@ def _check_symlinks(repo: Path, prefix: str, variant: PatchVariant) -> None:
 
 
 def _epoch(d: _dt.date) -> int:
-    return int(_dt.datetime(d.year, d.month, d.day, tzinfo=_dt.timezone.utc).timestamp())
+    return int(_dt.datetime(d.year, d.month, d.day, tzinfo=_dt.UTC).timestamp())
 
 
 def commit_message(fix: Fix, variant: PatchVariant) -> str:
@@ -348,50 +363,91 @@ def commit_message(fix: Fix, variant: PatchVariant) -> str:
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def _ls_tree_args(rev: str, paths: Sequence[str]) -> tuple[str, ...]:
-    return ("--literal-pathspecs", "ls-tree", "-z", "--full-tree", rev, "--", *sorted(set(paths)))
+def _dirs_of(paths: Sequence[str]) -> list[str]:
+    """Every directory along the paths, root ("") included."""
+    dirs = {""}
+    for p in paths:
+        parts = p.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            dirs.add("/".join(parts[:i]))
+    return sorted(dirs)
 
 
-def _base_entries(out: bytes) -> dict[str, tuple[str, str]]:
-    """{repo path: (mode, sha)} of the regular files ``git ls-tree -z`` listed."""
-    entries = {}
-    for rec in out.split(b"\0"):
-        if not rec:
-            continue
-        meta, path = rec.split(b"\t", 1)
-        mode, kind, sha = meta.decode().split()
-        if kind == "blob":
-            entries[path.decode("utf-8", "surrogateescape")] = (mode, sha)
-    return entries
+def _cat_trees_input(base: str, dirs: Sequence[str]) -> bytes:
+    return "".join(f"{base}^{{tree}}\n" if d == "" else f"{base}:{d}\n" for d in dirs).encode(
+        "utf-8", "surrogateescape")
 
 
-def _fast_import_stream(base: str, commits: list[tuple[str, int, dict[str, tuple[str, bytes] | None]]],
-                        ref: str) -> bytes:
-    """The ``git fast-import`` input writing every commit (message, epoch,
-    {repo path: (mode, data) | None}) onto the scratch ``ref``. Blobs, trees
-    and commits come out exactly as git itself writes them."""
-    buf = BytesIO()
-    w = buf.write
-    who = f"{AUTHOR_NAME} <{AUTHOR_EMAIL}>"
-    for i, (message, epoch, changes) in enumerate(commits, 1):
-        msg = message.encode("utf-8")
-        w(f"commit {ref}\nmark :{i}\nauthor {who} {epoch} +0000\ncommitter {who} {epoch} +0000\n".encode())
-        w(b"data %d\n" % len(msg) + msg + b"\n")
-        if i == 1:
-            w(f"from {base}\n".encode())
+def _parse_tree(data: bytes) -> dict[str, tuple[str, bytes]]:
+    """A raw git tree object as {name: (mode, binary sha)}."""
+    out: dict[str, tuple[str, bytes]] = {}
+    i, n = 0, len(data)
+    while i < n:
+        sp = data.index(b" ", i)
+        nul = data.index(b"\0", sp)
+        out[data[sp + 1:nul].decode("utf-8", "surrogateescape")] = (data[i:sp].decode(), data[nul + 1:nul + 21])
+        i = nul + 21
+    return out
+
+
+def _parse_cat_trees(out: bytes, dirs: Sequence[str]) -> dict[str, dict[str, tuple[str, bytes]]]:
+    """``git cat-file --batch`` output, in request order: {dir: entries} for
+    the directories that exist as trees in the base commit."""
+    trees: dict[str, dict[str, tuple[str, bytes]]] = {}
+    pos = 0
+    for d in dirs:
+        eol = out.index(b"\n", pos)
+        head = out[pos:eol].split()
+        pos = eol + 1
+        if len(head) == 3:
+            size = int(head[2])
+            body = out[pos:pos + size]
+            pos += size + 1
+            if head[1] == b"tree":
+                trees[d] = _parse_tree(body)
+    return trees
+
+
+def _entries_for(trees: dict[str, dict[str, tuple[str, bytes]]], paths: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """{repo path: (mode, hex sha)} for the paths that are regular files in the base."""
+    out = {}
+    for p in paths:
+        d, _, name = p.rpartition("/")
+        e = trees.get(d, {}).get(name)
+        if e is not None and e[0] in ("100644", "100755"):
+            out[p] = (e[0], e[1].hex())
+    return out
+
+
+def _fast_import_stream(ref: str, base: str, commits: list[tuple[str, int, dict[str, tuple[str, bytes] | None]]]
+                        ) -> bytes:
+    """A `git fast-import` stream: one commit per (message, epoch, {repo path: (mode, data) | None}),
+    the first on top of ``base``, each marked :1, :2, ... so their ids can be read back. git
+    itself hashes, builds the trees and writes the pack."""
+    who = f"{AUTHOR_NAME} <{AUTHOR_EMAIL}>".encode()
+    out = bytearray()
+    for n, (message, epoch, changes) in enumerate(commits, start=1):
+        text = message.encode("utf-8")
+        out += b"commit %s\nmark :%d\n" % (ref.encode(), n)
+        out += b"author %s %d +0000\ncommitter %s %d +0000\n" % (who, epoch, who, epoch)
+        out += b"data %d\n%s\n" % (len(text), text)
+        if n == 1:
+            out += b"from %s\n" % base.encode()
         for path, val in changes.items():
-            p = path.encode("utf-8", "surrogateescape")
+            quoted = path.encode("utf-8", "surrogateescape")
             if val is None:
-                w(b"D " + p + b"\n")
+                out += b"D %s\n" % quoted
             else:
                 mode, data = val
-                w(b"M " + mode.encode() + b" inline " + p + b"\ndata %d\n" % len(data) + data + b"\n")
-        w(b"\n")
-    w(b"done\n")
-    return buf.getvalue()
+                out += b"M %s inline %s\ndata %d\n%s\n" % (mode.encode(), quoted, len(data), data)
+        out += b"\n"
+    out += b"done\n"
+    return bytes(out)
 
 
-# -------------------------------------------------------------- the series
+@dataclass(frozen=True)
+class _Base:
+    hexsha: str
 
 
 def _norm_prefix(prefix: str) -> str:
@@ -411,6 +467,7 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
     status is ``failed`` (exit 1) when a fix could not be applied, in which
     case files, index and HEAD are as before."""
     import git  # gitpython
+    from git.refs.symbolic import SymbolicReference
 
     repo = Path(repo)
     try:
@@ -426,8 +483,6 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
     try:
         if g.bare or g.working_tree_dir is None or Path(g.working_tree_dir).resolve() != repo.resolve():
             raise BadInput(f"{repo}: not the root of a git work tree")
-        if not g.head.is_valid():
-            raise BadInput(f"{repo}: the repository has no commit")
         if not (repo / prefix / "sglang").is_dir():
             raise BadInput(f"{repo / prefix}: no sglang/ package here (package_prefix {package_prefix!r}?)")
         selected = list(pack.series)
@@ -436,41 +491,69 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
                 if fid not in pack.series:
                     raise BadInput(f"--only {fid}: not in the series of {pack.root}")
             selected = [f for f in pack.series if f in set(only)]
-        base = g.head.commit
+        try:  # read from the ref files: no object lookup, no process
+            base_sha = SymbolicReference.dereference_recursive(g, "HEAD")
+        except ValueError:
+            raise BadInput(f"{repo}: the repository has no commit") from None
+        if len(base_sha) != 40:
+            raise BadInput(f"{repo}: only SHA-1 repositories are supported")
+        base = _Base(base_sha)
         touched = [prefix + fp.path for fid in selected for pv in pack.variants.get(fid, ()) for fp in pv.files]
-        procs.append(_Proc(repo, *_ls_tree_args(base.hexsha, touched or ["sglang"])))
+        dirs = _dirs_of(touched)
+        procs.append(_Proc(repo, "cat-file", "--batch", input=_cat_trees_input(base.hexsha, dirs)))
         # security, before touching anything
         for fid in selected:
             for pv in pack.variants.get(fid, ()):
                 _check_symlinks(repo, prefix, pv)
-        base_entries = _base_entries(procs[1].result())
-        # computed while git status runs (nothing is written before the
-        # dirty check below); redone when a file it touches turns out dirty
-        computed = _compute(repo, prefix, pack, v, selected, set(), base_entries)
+        # the series is computed in memory while git status and cat-file run
+        # (nothing is written before the dirty check below)
+        computed = _compute(repo, prefix, pack, v, selected, set(), None)
+        trees = _parse_cat_trees(procs[1].result(), dirs)
+        if "" not in trees:
+            raise BadInput(f"{repo}: HEAD {base_sha} is not a commit in this repository")
+        base_entries = _entries_for(trees, touched)
+        if any(prefix + rel not in base_entries and ov_rel_existed
+               for rel, ov_rel_existed in _modified_paths(computed)):
+            computed = _compute(repo, prefix, pack, v, selected, set(), base_entries)  # an untracked file
+        built = None
+        if not check and computed[1] and FAILED not in computed[3].values():
+            built = _build(trees, base_entries, prefix, base, computed[1], computed[2])
         dirty = _dirty_paths(repo, procs[0].result())
         if dirty and not allow_dirty:
-            first = sorted(dirty)[0]
+            first = min(dirty)
             raise BadInput(f"{repo}: uncommitted changes in {len(dirty)} tracked file(s) (e.g. {first}); "
                            f"commit or stash them, or allow dirty trees")
         if dirty & set(touched):
             computed = _compute(repo, prefix, pack, v, selected, dirty, base_entries)
-        return _finish(g, repo, prefix, v, base, check, base_entries, *computed)
+            built = None
+            if not check and computed[1] and FAILED not in computed[3].values():
+                built = _build(trees, base_entries, prefix, base, computed[1], computed[2])
+        return _finish(g, repo, prefix, v, base, check, built, *computed)
     finally:
         for p in procs:
             p.reap()
         g.close()
 
 
+def _modified_paths(computed) -> list[tuple[str, bool]]:
+    """(path, existed before the run) for every file the pending patches change."""
+    _, pending, ov, _ = computed
+    return [(rel, ov.disk(rel) is not None) for _, _, changes in pending for rel in changes]
+
+
 def _compute(repo: Path, prefix: str, pack: Pack, v: Version, selected: list[str], dirty: set[str],
-             base_entries: dict[str, tuple[str, str]]):
-    """Every fix's outcome, in memory: (results, pending commits, overlay, states)."""
+             base_entries: dict[str, tuple[str, str]] | None):
+    """Every fix's outcome, in memory: (results, pending commits, overlay,
+    states). ``base_entries`` None: the tracked-by-git check is left to the
+    caller (which redoes the computation when a changed file is untracked)."""
     ov = Overlay(repo / prefix)
     state: dict[str, str] = {}
+    out_of_scope: set[str] = set()  # not-applicable because the pack has no backport for v
     results: list[PatchResult] = []
     pending: list[tuple[Fix, PatchVariant, dict[str, bytes | None]]] = []
 
     def tracked(rel: str) -> bool:
-        return prefix + rel in base_entries
+        return base_entries is None or prefix + rel in base_entries
 
     def is_present(fix: Fix, variant: PatchVariant | None) -> tuple[bool, str]:
         fp_ok, how = fingerprint_match(fix, ov.read_text)
@@ -496,6 +579,13 @@ def _compute(repo: Path, prefix: str, pack: Pack, v: Version, selected: list[str
             state[fid] = PRESENT
             results.append(PatchResult(fid, vname, PRESENT, how, variant_sha256=vsha))
             continue
+        if not fix.in_scope(v):
+            state[fid] = NOT_APPLICABLE
+            out_of_scope.add(fid)
+            results.append(PatchResult(fid, None, NOT_APPLICABLE,
+                                       f"no backport for sglang {v}: the pack carries {fid} for {fix.scope} "
+                                       f"only; this release lacks the fix and stays exposed"))
+            continue
         if variant is None:
             have = ", ".join(f"{pv.name} ({pv.applies_to})" for pv in pack.variants.get(fid, ())) or "none"
             state[fid] = FAILED
@@ -504,15 +594,18 @@ def _compute(repo: Path, prefix: str, pack: Pack, v: Version, selected: list[str
         missing = []
         for dep in dict.fromkeys(fix.depends_on + variant.depends_on):
             st = state.get(dep)
+            if dep in out_of_scope:
+                missing.append(f"{dep} (no backport for {v})")
+                continue
             if st in (APPLIED, PRESENT, NOT_APPLICABLE):
                 continue
             if st == FAILED:
                 missing.append(f"{dep} (failed)")
                 continue
             dfix = pack.fixes.get(dep)
-            if dfix is not None and dep not in state:
-                if dfix.is_fixed_in(v) or is_present(dfix, pack.variant_for(dep, v))[0]:
-                    continue
+            if dfix is not None and dep not in state and (
+                    dfix.is_fixed_in(v) or is_present(dfix, pack.variant_for(dep, v))[0]):
+                continue  # outside this run (--only): fixed in the release, or there
             missing.append(f"{dep} (not present)" if dep not in selected else f"{dep} (not applied)")
         if missing:
             state[fid] = FAILED
@@ -564,23 +657,22 @@ def _compute(repo: Path, prefix: str, pack: Pack, v: Version, selected: list[str
     return results, pending, ov, state
 
 
-def _finish(g, repo: Path, prefix: str, v: Version, base, check: bool, base_entries, results, pending, ov,
+def _finish(g, repo: Path, prefix: str, v: Version, base, check: bool, built, results, pending, ov,
             state) -> ApplyReport:
     status = FAILED if FAILED in state.values() else (APPLIED if pending else "nothing-to-do")
     report = ApplyReport(str(repo.resolve()), str(v), base.hexsha, base.hexsha, status, tuple(results), check,
                          prefix)
     if status != APPLIED or check:
         return report
-    commits = _write(g, base_entries, repo, prefix, base, pending, ov)
+    commits = _write(g, repo, prefix, base, pending, ov, built)
     by_fix = dict(zip((f.id for f, _, _ in pending), commits))
     patches = tuple(PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
                     for r in results)
     return ApplyReport(report.tree, report.version, base.hexsha, commits[-1], status, patches, check, prefix)
 
 
-def _write(g, base_entries: dict[str, tuple[str, str]], repo: Path, prefix: str, base, pending,
-           ov: Overlay) -> list[str]:
-    """Build the commits as objects, then write files, index and HEAD."""
+def _build(trees, base_entries: dict[str, tuple[str, str]], prefix: str, base, pending, ov: Overlay):
+    """The series' commits as a fast-import stream (see _fast_import_stream)."""
     modes = {p: m for p, (m, _) in base_entries.items()}
     commits = []
     for fix, variant, changes in pending:
@@ -594,7 +686,13 @@ def _write(g, base_entries: dict[str, tuple[str, str]], repo: Path, prefix: str,
                 modes.setdefault(rp, ov.modes.get(rel, "100644"))
                 cc[rp] = (modes[rp], data)
         commits.append((commit_message(fix, variant), _epoch(variant.last_update), cc))
-    scratch = f"refs/sglang-backport/staging-{os.getpid()}"
+    return len(commits), _fast_import_stream(PENDING_REF, base.hexsha, commits)
+
+
+def _write(g, repo: Path, prefix: str, base, pending, ov: Overlay, built) -> list[str]:
+    """Write files and index entries, the objects (one pack), then move HEAD."""
+    count, stream = built
+    shas: list[str] = []
     final: dict[str, bytes | None] = {}
     for _, _, changes in pending:
         final.update(changes)
@@ -602,45 +700,35 @@ def _write(g, base_entries: dict[str, tuple[str, str]], repo: Path, prefix: str,
     saved_index = index_file.read_bytes() if index_file.exists() else None
     root = repo / prefix
     written: list[str] = []
-    import tempfile
-
-    td = tempfile.TemporaryDirectory(prefix="sglang-backport-")
-    marks = Path(td.name) / "marks"
-    fi: _Proc | None = None
+    deleted_modes: dict[str, int] = {}
+    ui: _Proc | None = None
     try:
-        # the objects (fast-import, onto a scratch ref that goes away in the
-        # same transaction that moves HEAD) are written while the files and
-        # the index are; HEAD moves last, when everything else succeeded
-        # no deltas and light compression: the pack is written 30% faster
-        # and a later gc repacks it anyway
-        fi = _Proc(repo, "-c", "pack.compression=1", "fast-import", "--quiet", "--done", "--depth=0",
-                   f"--export-marks={marks}",
-                   input=_fast_import_stream(base.hexsha, commits, scratch))
         for rel, data in final.items():
             f = root / rel
             written.append(rel)
             if data is None:
                 if f.exists():
+                    deleted_modes[rel] = f.stat().st_mode & 0o7777
                     f.unlink()
                     _prune_dirs(f.parent, repo)
             else:
                 _write_file(f, data, ov.modes.get(rel, "100644") if ov.disk(rel) is None else None)
-        # index entries (with stat info) for exactly these paths; the bytes
-        # written are the committed blobs, as no clean/smudge/eol filter runs
-        # (SGLang trees have none; a tree with such filters would show the
-        # difference in git status)
+        # index entries (with stat info) for exactly these paths, while the
+        # pack is written; the bytes written are the committed blobs, as no
+        # clean/smudge/eol filter runs (SGLang trees have none; a tree with
+        # such filters would show the difference in git status)
         paths = "\0".join(prefix + rel for rel, data in final.items()
                           if data is not None or ov.disk(rel) is not None) + "\0"
-        _git(repo, "update-index", "--add", "--remove", "-z", "--stdin",
-             input=paths.encode("utf-8", "surrogateescape"))
-        fi.result()
-        got = dict(line.split(" ", 1) for line in marks.read_text().splitlines() if line)  # ":N sha"
-        shas = [got[f":{i}"] for i in range(1, len(commits) + 1)]
-        _git(repo, "update-ref", "-m", f"sglang-backport: apply {len(shas)} patch(es)", "--stdin",
-             input=f"update HEAD {shas[-1]} {base.hexsha}\ndelete {scratch} {shas[-1]}\n".encode())
+        ui = _Proc(repo, "update-index", "--add", "--remove", "-z", "--stdin",
+                   input=paths.encode("utf-8", "surrogateescape"))
+        shas = _fast_import(repo, stream, count)
+        ui.result()
+        # HEAD last: compare-and-swap against the base commit
+        _git(repo, "update-ref", "-m", f"sglang-backport: apply {len(shas)} patch(es)", "HEAD", shas[-1],
+             base.hexsha)
     except BaseException:
-        if fi is not None:
-            fi.reap()
+        if ui is not None:
+            ui.reap()
         for rel in written:
             f = root / rel
             orig = ov.disk(rel)
@@ -654,23 +742,31 @@ def _write(g, base_entries: dict[str, tuple[str, str]], repo: Path, prefix: str,
                 else:
                     f.parent.mkdir(parents=True, exist_ok=True)
                     f.write_bytes(orig)
+                    os.chmod(f, deleted_modes.get(rel, 0o644))
             except OSError:
                 pass
         if saved_index is not None:
             index_file.write_bytes(saved_index)
-        try:
-            _git(repo, "update-ref", "-d", scratch)
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(OSError, RuntimeError):  # best effort: the original error matters
             if _git(repo, "rev-parse", "HEAD").decode().strip() != base.hexsha:
                 _git(repo, "update-ref", "HEAD", base.hexsha)
-        except Exception:
-            pass
         raise
     finally:
-        td.cleanup()
+        with contextlib.suppress(OSError, RuntimeError):
+            _git(repo, "update-ref", "-d", PENDING_REF)
     return shas
+
+
+def _fast_import(repo: Path, stream: bytes, count: int) -> list[str]:
+    """Write the commits with `git fast-import` (into PENDING_REF); their ids, in order."""
+    with tempfile.TemporaryDirectory(prefix="sglang-backport-marks-") as tmp:
+        marks = Path(tmp) / "marks"
+        # keep fast-import's pack as written (no unpacking into loose objects), stored at
+        # compression level 1: git gc recompresses later, the run pays no heavy zlib
+        _git(repo, "-c", "fastimport.unpackLimit=1", "-c", "core.compression=0", "fast-import", "--quiet",
+             "--done", f"--export-marks={marks}", input=stream)
+        ids = dict(line.split() for line in marks.read_text().splitlines())
+    return [ids[f":{n}"] for n in range(1, count + 1)]
 
 
 def _write_file(f: Path, data: bytes, new_mode: str | None) -> None:

@@ -14,9 +14,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from .errors import BadInput
 from .series import Fix, Pack

@@ -28,8 +28,8 @@ ignored when matching.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 EXACT = "exact"
 OFFSET = "offset"
@@ -79,7 +79,7 @@ class Hunk:
             n += 1
         return n
 
-    def reversed(self) -> "Hunk":
+    def reversed(self) -> Hunk:
         swap = {" ": " ", "-": "+", "+": "-"}
         return Hunk(
             old_start=self.new_start,
@@ -102,7 +102,7 @@ class FileImage:
     eols: list[str]
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "FileImage":
+    def from_bytes(cls, data: bytes) -> FileImage:
         text = data.decode("utf-8", "surrogateescape")
         if "\r" not in text:  # fast path: plain LF file
             lines = text.split("\n")
@@ -129,14 +129,21 @@ class FileImage:
         return cls(lines, eols)
 
     def to_bytes(self) -> bytes:
-        return "".join(l + e for l, e in zip(self.lines, self.eols)).encode("utf-8", "surrogateescape")
+        eols, n = self.eols, len(self.eols)
+        lf = eols.count("\n")
+        if n and (lf == n or (lf == n - 1 and eols[-1] == "")):  # fast path: plain LF
+            text = "\n".join(self.lines) + ("\n" if lf == n else "")
+        else:
+            text = "".join(l + e for l, e in zip(self.lines, eols))
+        return text.encode("utf-8", "surrogateescape")
 
     @property
     def eol(self) -> str:
         """The file's dominant line ending (LF on a tie or an empty file)."""
-        crlf = sum(1 for e in self.eols if e == "\r\n")
-        lf = sum(1 for e in self.eols if e == "\n")
-        return "\r\n" if crlf > lf else "\n"
+        crlf = self.eols.count("\r\n")
+        if not crlf:
+            return "\n"
+        return "\r\n" if crlf > self.eols.count("\n") else "\n"
 
 
 @dataclass(frozen=True)
@@ -158,19 +165,12 @@ class Placement:
 
 
 class _Index:
-    """Positions of each line content, to find candidate starts fast."""
+    """Candidate search over a file's lines (``list.index`` runs in C: no
+    per-file dictionary to build, which matters for the many files that
+    are only looked at once)."""
 
     def __init__(self, lines: Sequence[str]):
-        self.lines = lines
-        self._pos: dict[str, list[int]] | None = None
-
-    @property
-    def pos(self) -> dict[str, list[int]]:
-        if self._pos is None:  # built on the first search that needs it
-            self._pos = {}
-            for i, l in enumerate(self.lines):
-                self._pos.setdefault(l, []).append(i)
-        return self._pos
+        self.lines = lines if isinstance(lines, list) else list(lines)
 
     def matches_at(self, p: int, pat: Sequence[str]) -> bool:
         lines = self.lines
@@ -188,10 +188,16 @@ class _Index:
         if not pat:
             return list(range(lo, hi + 1))
         out = []
-        for p in self.pos.get(pat[0], ()):
-            if lo <= p <= hi and self.matches_at(p, pat):
+        lines, first = self.lines, pat[0]
+        p = lo
+        while True:
+            try:
+                p = lines.index(first, p, hi + 1)
+            except ValueError:
+                return out
+            if self.matches_at(p, pat):
                 out.append(p)
-        return out
+            p += 1
 
 
 def _nearest(cands: list[int], expected: int) -> tuple[int | None, list[int]]:
@@ -232,7 +238,7 @@ def place_hunk(
     old = h.old_lines
     stated = max(h.old_start - 1, 0) if h.old_len else h.old_start  # insertion after line old_start
     tried: set[tuple[int, int, bool, bool]] = set()
-    for fuzz in range(0, max_fuzz + 1):
+    for fuzz in range(max_fuzz + 1):
         lead, trail, a_start, a_end = _trim(h, fuzz)
         if (lead, trail, a_start, a_end) in tried:
             continue  # this level drops nothing more than the previous one
@@ -287,7 +293,7 @@ def _conflict(index: _Index, h: Hunk, expected: int, stated: int) -> Placement:
     m, n = len(old), len(lines)
     best_p, best_score, best_d = max(0, min(expected, max(n - m, 0))), -1, None
     if m:
-        for p in range(0, max(n - m, 0) + 1):
+        for p in range(max(n - m, 0) + 1):
             score = 0
             for i in range(min(m, n - p)):
                 if lines[p + i] == old[i]:

@@ -11,6 +11,7 @@
     url = "https://github.com/..."      # default: the sglang pull URL of pr
     upstream_commit = "febb360519"      # required (alias: commit)
     fixed_in = ">=0.5.20"               # releases that already contain it; "" = none
+    scope = ">=0.5.19"                  # releases the pack backports it to; default: all
     depends_on = ["pr36988"]            # fix ids, default []
     fingerprint = [{ file = "sglang/...", pattern = "regex" }]   # all must match;
                                         # a rule with absent = true must NOT match
@@ -30,10 +31,11 @@ import datetime as _dt
 import hashlib
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -71,6 +73,14 @@ class Fix:
     depends_on: tuple[str, ...] = ()
     fingerprint: tuple[FingerprintRule, ...] = ()
     upstream_tests: tuple[Any, ...] = ()
+    scope: SpecifierSet = field(default_factory=SpecifierSet)  # releases the pack backports to; "" = all
+
+    def in_scope(self, version: str | Version) -> bool:
+        """True when the pack carries a backport of this fix for the release
+        (``scope`` in fixes.toml; empty or absent: every release)."""
+        if not str(self.scope):
+            return True
+        return self.scope.contains(Version(str(version)), prereleases=True)
 
     def is_fixed_in(self, version: str | Version) -> bool:
         """True when this release already contains the fix. An empty
@@ -271,6 +281,7 @@ def _load_fixes(path: Path) -> dict[str, Fix]:
             depends_on=tuple(deps),
             fingerprint=tuple(rules),
             upstream_tests=tests,
+            scope=_spec(str(e.get("scope", "")), where, "scope"),
         )
     return out
 
@@ -282,7 +293,7 @@ def check_rel_path(p: str, where: str) -> str:
     """A patch path must be relative, without ``..``, and not inside ``.git``."""
     if not p or any(c in p for c in "\0\n\r\t") or p.startswith('"'):
         raise BadInput(f"{where}: empty, quoted or control-character path {p!r}")
-    if p.startswith("/") or p.startswith("\\") or re.match(r"^[A-Za-z]:[\\/]", p):
+    if p.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[\\/]", p):
         raise BadInput(f"{where}: absolute path {p!r}")
     parts = PurePosixPath(p.replace("\\", "/")).parts
     if ".." in parts:
@@ -366,7 +377,7 @@ def validate_diff(body: str, where: str) -> None:
             i += 1
             while i < n and not lines[i].startswith(("--- ", "diff --git ")):
                 x = lines[i]
-                if x.startswith("GIT binary patch") or x.startswith("Binary files "):
+                if x.startswith(("GIT binary patch", "Binary files ")):
                     raise BadInput(f"{where}: diff line {i + 1}: binary hunk")
                 if x.startswith(("rename ", "copy ", "similarity index", "dissimilarity index")):
                     raise BadInput(f"{where}: diff line {i + 1}: renames and copies are not supported")
@@ -449,7 +460,7 @@ def parse_diff(body: str, where: str) -> tuple[PatchSet, tuple[FilePatch, ...]]:
         info = str(pf.patch_info or "")
         old = _strip_prefix(pf.source_file, "a/", where)
         new = _strip_prefix(pf.target_file, "b/", where)
-        m = re.search(r"^diff --git a/(\S+) b/(\S+)$", info, re.M)
+        m = re.search(r"^diff --git a/(\S+) b/(\S+)$", info, re.MULTILINE)
         if m:
             for g in m.groups():
                 check_rel_path(g, where)
@@ -461,7 +472,7 @@ def parse_diff(body: str, where: str) -> tuple[PatchSet, tuple[FilePatch, ...]]:
         if path in seen:
             raise BadInput(f"{where}: {path} appears twice in the diff")
         seen.add(path)  # type: ignore[arg-type]
-        mm = re.search(r"^new file mode (\d+)$", info, re.M)
+        mm = re.search(r"^new file mode (\d+)$", info, re.MULTILINE)
         hunks = []
         for h in pf:
             lines: list[tuple[str, str]] = []
@@ -478,10 +489,8 @@ def parse_diff(body: str, where: str) -> tuple[PatchSet, tuple[FilePatch, ...]]:
                 if t not in (" ", "-", "+"):
                     raise BadInput(f"{where}: unexpected line type {t!r} in {path}")
                 text = ln.value
-                if text.endswith("\n"):
-                    text = text[:-1]
-                if text.endswith("\r"):
-                    text = text[:-1]
+                text = text.removesuffix("\n")
+                text = text.removesuffix("\r")
                 lines.append((t, text))
                 prev = t
             if not any(t != " " for t, _ in lines):

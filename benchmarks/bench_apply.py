@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backport.apply import apply_series  # noqa: E402
-from backport.series import load_pack  # noqa: E402
+from backport.apply import apply_series
+from backport.series import load_pack
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost", GIT_COMMITTER_NAME="bench",
            GIT_COMMITTER_EMAIL="bench@localhost", GIT_AUTHOR_DATE="2026-01-01T00:00:00+0000",
@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--fixes", type=int, default=8)
     ap.add_argument("--files", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--pack", type=Path, help="use this pack (e.g. patches/) instead of a generated one")
+    ap.add_argument("--version", default="0.5.19", help="the tree's sglang version (with --pack)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-apply-"))
     try:
@@ -117,8 +119,16 @@ def main() -> None:
             tree, kind = a.tree, f"real tree {a.tree}"
         else:
             tree, kind = synthetic_tree(work / "synthetic"), "synthetic tree"
-        pack_dir = make_pack(tree, work, a.fixes, a.files)
-        patches = [pack_dir / fid / f"{fid}-0.5.17.patch" for fid in (pack_dir / "series").read_text().split()]
+        if a.pack:
+            pack_dir, version = a.pack.resolve(), a.version
+            probe = work / "probe"
+            subprocess.run(["git", "clone", "-q", "--local", str(tree), str(probe)], check=True)
+            rep = apply_series(probe, load_pack(pack_dir), version, package_prefix=prefix_of(probe), check=True)
+            assert rep.status == "applied", rep.to_json()
+            patches = [pack_dir / p.fix / p.variant for p in rep.patches if p.status == "applied"]
+        else:
+            pack_dir, version = make_pack(tree, work, a.fixes, a.files), "0.5.19"
+            patches = [pack_dir / fid / f"{fid}-0.5.17.patch" for fid in (pack_dir / "series").read_text().split()]
         n_tracked = len(git(tree, "ls-files").splitlines())
         t_engine, t_apply, t_commit = [], [], []
         for r in range(a.repeat):
@@ -137,9 +147,9 @@ def main() -> None:
                 c = clones[which]
                 t0 = time.perf_counter()
                 if which == 0:
-                    rep = apply_series(c, load_pack(pack_dir), "0.5.19", package_prefix=prefix_of(c))
+                    rep = apply_series(c, load_pack(pack_dir), version, package_prefix=prefix_of(c))
                     assert rep.status == "applied", rep.to_json()
-                    assert all(h.status == "exact" for p in rep.patches for h in p.hunks)
+                    assert a.pack or all(h.status == "exact" for p in rep.patches for h in p.hunks)
                     t_engine.append(time.perf_counter() - t0)
                 elif which == 1:
                     extra = [f"--directory={prefix_of(c).rstrip('/')}"] if prefix_of(c) else []
@@ -155,11 +165,14 @@ def main() -> None:
             for c in clones:
                 shutil.rmtree(c)
         me, ma, mc = (statistics.median(x) for x in (t_engine, t_apply, t_commit))
-        n_hunks = a.fixes * a.files * 2
-        print(f"tree: {kind} ({n_tracked} tracked files); series: {a.fixes} patches, "
-              f"{a.fixes * a.files} files, {n_hunks} exact hunks; median of {a.repeat} runs")
-        print(f"engine (load + apply + {a.fixes} commits, in process): {me * 1000:8.1f} ms")
-        print(f"git apply ({a.fixes} invocations, files only):        {ma * 1000:8.1f} ms")
+        if a.pack:
+            what = f"pack {a.pack} for sglang {version}: {len(patches)} patches applied"
+        else:
+            what = (f"{a.fixes} generated patches, {a.fixes * a.files} files, "
+                    f"{a.fixes * a.files * 2} exact hunks")
+        print(f"tree: {kind} ({n_tracked} tracked files); series: {what}; median of {a.repeat} runs")
+        print(f"engine (load + apply + {len(patches)} commits, in process): {me * 1000:8.1f} ms")
+        print(f"git apply ({len(patches)} invocations, files only):        {ma * 1000:8.1f} ms")
         print(f"git apply --index + git commit per patch:          {mc * 1000:8.1f} ms")
         paired = statistics.median(e / g for e, g in zip(t_engine, t_apply))
         print(f"ratio engine / git apply:                {me / ma:5.2f}x   (goal <= 2x; "

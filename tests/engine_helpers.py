@@ -104,10 +104,12 @@ def make_pack(root: Path, fixes: list[dict], patches: dict[str, dict[str, str]])
         out.append(f"pr = {f.get('pr', int(f['id'][2:]) if f['id'][2:].isdigit() else 1)}")
         out.append(f'upstream_commit = "{f.get("commit", "0123456789abcdef0123456789abcdef01234567")}"')
         out.append(f'fixed_in = "{f.get("fixed_in", "")}"')
+        if "scope" in f:
+            out.append(f'scope = "{f["scope"]}"')
         out.append("depends_on = [" + ", ".join(f'"{d}"' for d in f.get("depends_on", [])) + "]")
         rules = f.get("fingerprint", [])
         out.append("fingerprint = [" + ", ".join(
-            "{ file = %s, pattern = %s }" % (_toml_str(r["file"]), _toml_str(r["pattern"])) for r in rules) + "]")
+            "{{ file = {}, pattern = {} }}".format(_toml_str(r["file"]), _toml_str(r["pattern"])) for r in rules) + "]")
         out.append("")
     (root / "fixes.toml").write_text("\n".join(out))
     for fid, files in patches.items():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import git
@@ -16,9 +15,17 @@ from backport.detect import detect
 from backport.errors import BadInput
 from backport.placement import FileImage, Hunk, place_hunks
 from backport.series import load_pack, load_variant
-
-from tests.engine_helpers import (PKG, diff_of, header, make_pack, make_repo, module_text, run_git, snapshot,
-                            write_files)
+from tests.engine_helpers import (
+    PKG,
+    diff_of,
+    header,
+    make_pack,
+    make_repo,
+    module_text,
+    run_git,
+    snapshot,
+    write_files,
+)
 
 MOD = f"{PKG}/prefill.py"
 OTHER = f"{PKG}/decode.py"
@@ -42,7 +49,7 @@ def repo(tmp_path: Path) -> Path:
     return make_repo(tmp_path / "tree", {MOD: BASE, OTHER: module_text(10, "g")})
 
 
-def one_fix_pack(tmp: Path, patch: str, fid: str = "pr100", **fix) -> "object":
+def one_fix_pack(tmp: Path, patch: str, fid: str = "pr100", **fix) -> object:
     root = make_pack(tmp / f"pack-{fid}", [dict(id=fid, **fix)], {fid: {f"{fid}-0.5.17.patch": patch}})
     return load_pack(root)
 
@@ -81,7 +88,8 @@ def test_exact_applies_and_commits(tmp_path, repo):
     assert p.commit == c.hexsha and c.parents[0].hexsha == base
     assert run_git(repo, "status", "--porcelain") == ""  # index and files agree with HEAD
     assert run_git(repo, "diff-files") == ""  # and the index has fresh stat info
-    assert run_git(repo, "for-each-ref", "refs/sglang-backport/") == ""  # scratch ref gone
+    run_git(repo, "fsck", "--full", "--strict")  # the objects git fast-import wrote are sound
+    assert run_git(repo, "for-each-ref", "refs/sglang-backport/") == ""  # the pending ref is gone
     assert "sglang-backport: apply 1 patch" in run_git(repo, "reflog", "-1", "main")
 
 
@@ -247,8 +255,25 @@ def test_not_applicable_when_fixed_in(tmp_path, repo):
     assert apply_series(repo, pack, "0.5.19", check=True).patches[0].status == "applied"
 
 
+def test_out_of_scope_is_not_applicable_and_said(tmp_path, repo):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), scope=">=0.5.19")
+    rep = apply_series(repo, pack, "0.5.17")
+    assert rep.status == "nothing-to-do" and rep.patches[0].status == "not-applicable"
+    assert "no backport for sglang 0.5.17" in rep.patches[0].reason and "exposed" in rep.patches[0].reason
+    assert apply_series(repo, pack, "0.5.19").status == "applied"
+
+
+def test_out_of_scope_dependency_is_missing(tmp_path, repo):
+    root = _dep_pack(tmp_path)
+    toml = (root / "fixes.toml").read_text().replace('[fixes.pr100]\n', '[fixes.pr100]\nscope = ">=0.5.19"\n')
+    (root / "fixes.toml").write_text(toml)
+    rep = apply_series(repo, load_pack(root), "0.5.17")
+    assert [p.status for p in rep.patches] == ["not-applicable", "failed"]
+    assert "pr100 (no backport for 0.5.17)" in rep.patches[1].reason
+
+
 def _three_fixes(tmp: Path) -> Path:
-    fixes = [dict(id="pr100"), dict(id="pr200"), dict(id="pr300")]
+    fixes = [{"id": "pr100"}, {"id": "pr200"}, {"id": "pr300"}]
     patches = {
         "pr100": {"pr100-0.5.17.patch": fix_patch(tmp, [("    x = 5\n", "    x = 5  # one\n")], pr=100)},
         "pr200": {"pr200-0.5.17.patch": fix_patch(tmp, [("    x = 20\n", "    x = 20  # two\n")], pr=200)},
@@ -275,6 +300,8 @@ def test_patch_two_of_three_failing_leaves_tree_unchanged(tmp_path, repo):
 def test_three_patches_three_commits_in_order(tmp_path, repo):
     pack = load_pack(_three_fixes(tmp_path))
     rep = apply_series(repo, pack, "0.5.19")
+    run_git(repo, "fsck", "--full", "--strict")
+    assert run_git(repo, "status", "--porcelain") == ""
     msgs = [c.summary for c in git.Repo(repo).iter_commits()]
     assert msgs[:3] == ["Backport #300: Fix pr300", "Backport #200: Fix pr200", "Backport #100: Fix pr100"]
     assert [p.commit for p in rep.patches] == [c.hexsha for c in list(git.Repo(repo).iter_commits())[:3][::-1]]
@@ -286,7 +313,7 @@ def test_failure_in_final_write_restores_everything(tmp_path, repo, monkeypatch)
     real = apply_mod._git
 
     def flaky(root, *args, **kw):
-        if args[0] == "update-ref" and "--stdin" in args:
+        if args[0] == "update-ref" and "-m" in args:
             raise RuntimeError("simulated crash")
         return real(root, *args, **kw)
 
@@ -294,7 +321,27 @@ def test_failure_in_final_write_restores_everything(tmp_path, repo, monkeypatch)
     with pytest.raises(RuntimeError, match="simulated"):
         apply_series(repo, pack, "0.5.19")
     assert snapshot(repo) == before
-    assert run_git(repo, "for-each-ref", "refs/sglang-backport/") == ""  # no scratch ref left
+
+
+
+def test_failure_after_deleting_a_file_restores_it(tmp_path, monkeypatch):
+    gone = f"{PKG}/legacy.py"
+    repo = make_repo(tmp_path / "tree", {MOD: BASE, gone: "old = True\n"})
+    os.chmod(repo / gone, 0o755)
+    run_git(repo, "commit", "-qam", "exec")
+    pack = one_fix_pack(tmp_path, header() + diff_of(tmp_path, {gone: "old = True\n"}, {gone: None}))
+    before = snapshot(repo)
+    real = apply_mod._git
+
+    def flaky(root, *args, **kw):
+        if args[0] == "update-ref" and "-m" in args:
+            raise RuntimeError("simulated crash")
+        return real(root, *args, **kw)
+
+    monkeypatch.setattr(apply_mod, "_git", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before
 
 
 def test_check_changes_nothing(tmp_path, repo):
@@ -407,6 +454,7 @@ def test_file_creation_and_deletion(tmp_path):
     tree = git.Repo(repo).head.commit.tree
     assert new in [b.path for b in tree.traverse()] and gone not in [b.path for b in tree.traverse()]
     assert run_git(repo, "status", "--porcelain") == ""
+    run_git(repo, "fsck", "--full", "--strict")
     again = apply_series(repo, pack, "0.5.19")
     assert again.status == "nothing-to-do"
 
@@ -418,6 +466,16 @@ def test_creation_over_untracked_file_fails(tmp_path, repo):
     before = snapshot(repo)
     rep = apply_series(repo, pack, "0.5.19")
     assert rep.status == "failed" and "already exists" in rep.patches[0].reason
+    assert snapshot(repo) == before
+
+
+def test_modifying_an_untracked_file_fails(tmp_path, repo):
+    loose = f"{PKG}/scratch.py"
+    (repo / loose).write_text(BASE)  # same content as the patch expects, but git does not track it
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10, path=loose))
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19")
+    assert rep.status == "failed" and "not tracked by git" in rep.patches[0].reason
     assert snapshot(repo) == before
 
 
@@ -465,7 +523,7 @@ def test_detached_head(tmp_path, repo):
 
 
 def _variant_pack(tmp: Path) -> Path:
-    return make_pack(tmp / "vpack", [dict(id="pr200")], {"pr200": {
+    return make_pack(tmp / "vpack", [{"id": "pr200"}], {"pr200": {
         "pr200-0.5.17.patch": fix_patch(tmp, [("    x = 7\n", "    x = 7  # old releases\n")],
                                         applies_to=">=0.5.17,<0.5.19", pr=200),
         "pr200-0.5.19.patch": fix_patch(tmp, [("    x = 7\n", "    x = 7  # new releases\n")],
@@ -498,7 +556,7 @@ def test_overlapping_applies_to_is_bad_input(tmp_path, repo):
 
 
 def _dep_pack(tmp: Path) -> Path:
-    return make_pack(tmp / "dpack", [dict(id="pr100"), dict(id="pr300", depends_on=["pr100"])], {
+    return make_pack(tmp / "dpack", [{"id": "pr100"}, {"id": "pr300", "depends_on": ["pr100"]}], {
         "pr100": {"pr100-0.5.17.patch": fix_patch(tmp, [("    x = 5\n", "    x = 5  # one\n")], pr=100)},
         "pr300": {"pr300-0.5.17.patch": fix_patch(tmp, [("    x = 30\n", "    x = 30  # three\n")], pr=300,
                                                   depends_on="pr100")},
@@ -625,6 +683,13 @@ def test_bad_version_and_not_a_repo(tmp_path, repo):
         apply_series(plain, pack, "0.5.19")
     with pytest.raises(BadInput, match="not in the series"):
         apply_series(repo, pack, "0.5.19", only=["pr999"])
+    empty = tmp_path / "empty"
+    (empty / "sglang").mkdir(parents=True)
+    run_git(empty, "init", "-q")
+    with pytest.raises(BadInput, match="no commit"):
+        apply_series(empty, pack, "0.5.19")
+    with pytest.raises(BadInput, match="not a git repository"):
+        apply_series(repo / "sglang", pack, "0.5.19")
 
 
 def test_header_fields_parsed(tmp_path):

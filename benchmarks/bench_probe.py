@@ -1,0 +1,64 @@
+"""A probe run against the bare import of the same SGLang modules, in the same interpreter.
+
+Importing SGLang's disaggregation and scheduler modules dominates a probe run (~8 s on a CPU);
+the probes themselves should add little on top. For one tree this runs, alternately and
+`--repeat` times each, (a) a fresh interpreter that only imports the harness's modules and
+(b) a fresh interpreter that runs every probe (`python -m probes.harness`), both as the
+toolkit runs them (same PYTHONPATH, same environment), and prints the median wall times and
+their ratio. Goal: at most 1.5x.
+
+    python benchmarks/bench_probe.py [SPEC] [--repeat N]     (default sglang==0.5.19, 3 repeats)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: str) -> float:
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[:3]} failed:\n{proc.stderr[-2000:]}")
+    return elapsed
+
+
+def main() -> int:
+    from backport.probeenv import PROBES_DIR, ensure_env
+    from backport.probing import probe_environ
+    from backport.sources import materialise
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec", nargs="?", default="sglang==0.5.19")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    python = str(ensure_env())
+    tree = materialise(args.spec).tree
+    with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
+        (Path(tmp) / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
+        env = probe_environ(python, tree.package_root, Path(tmp))
+        # the harness's own module list, imported in the child (importing `probes` costs nothing)
+        bare = [python, "-c", "import importlib\nfrom probes.harness import CORE_MODULES\n"
+                "for m in CORE_MODULES: importlib.import_module(m)"]
+        probe = [python, "-m", "probes.harness", "--tree", str(tree.package_root)]
+        imports, runs = [], []
+        for _ in range(args.repeat):
+            imports.append(timed(bare, env, tmp))
+            runs.append(timed(probe, env, tmp))
+    bare_s, run_s = statistics.median(imports), statistics.median(runs)
+    ratio = run_s / bare_s
+    print(f"{args.spec}: bare import {bare_s:.2f} s, full probe run {run_s:.2f} s "
+          f"(medians of {args.repeat}); ratio {ratio:.2f}x; goal <= 1.5x: {'met' if ratio <= 1.5 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -642,11 +642,10 @@ def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, s
 
 
 @pytest.mark.probe_env
-def test_run_sglang_0_5_19_end_to_end(real_cache, tmp_path, capsys):
-    """The README's first command, for real: exit 0, a bundle that verifies, sha256sum -c passes."""
-    python = os.environ.get("SGLANG_BACKPORT_PROBE_PYTHON")
-    if not python:
-        pytest.skip("set SGLANG_BACKPORT_PROBE_PYTHON to a CPU probe interpreter to run the real job")
+def test_run_sglang_0_5_19_end_to_end(real_cache, probe_python, tmp_path, capsys):
+    """The README's first command, for real: exit 0, a bundle that verifies, sha256sum -c passes,
+    and a second run gives files that differ only in the receipt's timestamps."""
+    python = probe_python
     out = tmp_path / "bundle"
     code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--python", python, "--no-upstream-tests",
                      "--json"])
@@ -664,3 +663,13 @@ def test_run_sglang_0_5_19_end_to_end(real_cache, tmp_path, capsys):
     assert {"pristine", "patched", "reference"} <= set(p["probes"])
     assert code == (0 if p["summary"]["result"] == "pass" else 1)
     assert code == 0, p["summary"]["findings"]
+    again = tmp_path / "again"
+    assert cli.main(["run", "sglang==0.5.19", "--out", str(again), "--python", python, "--no-upstream-tests",
+                     "--json"]) == 0
+    capsys.readouterr()
+    for name in ("apply-report.json", "probes/pristine.json", "probes/patched.json", "probes/reference.json",
+                 "REPORT.md", "upstream-tests.json"):
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name
+    second = json.loads((again / "receipt.json").read_text())
+    statement["predicate"].pop("timestamps"), second["predicate"].pop("timestamps")
+    assert statement == second

@@ -18,7 +18,7 @@ from backport.probeenv import PROBES_DIR, SHIMS
 def needs_torchvision_stand_in(python: str) -> bool:
     """True when the interpreter has no torchvision (SGLang imports it at module level)."""
     check = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torchvision') else 1)"
-    return subprocess.run([python, "-c", check], capture_output=True).returncode != 0
+    return subprocess.run([python, "-c", check], capture_output=True, check=False).returncode != 0
 
 
 def probe_environ(python: str, package_root: Path, probes_parent: Path) -> dict[str, str]:
@@ -45,7 +45,7 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
         cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]
-        proc = subprocess.run(cmd, capture_output=True, text=True,
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                               env=probe_environ(python, package_root, Path(tmp)), cwd=tmp)
     try:
         document = json.loads(proc.stdout)

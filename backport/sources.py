@@ -160,7 +160,7 @@ class WheelSource:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    "-d", tmp, *WHEEL_PLATFORM, f"sglang=={self.version}"]
             print(f"downloading sglang=={self.version} with pip ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             found = sorted(Path(tmp).glob("sglang-*.whl"))
             if proc.returncode != 0 or not found:
                 last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
@@ -302,7 +302,8 @@ class InstalledSource:
                  "print(json.dumps({'dir': os.path.dirname(sglang.__file__), "
                  "'version': getattr(sglang, '__version__', None)}))")
         try:
-            proc = subprocess.run([self.python, "-c", probe], capture_output=True, text=True, timeout=300)
+            proc = subprocess.run([self.python, "-c", probe], capture_output=True, text=True, timeout=300,
+                                  check=False)
         except OSError as exc:
             raise BadInput(f"{self.spec}: cannot run {self.python} ({exc.strerror})") from None
         if proc.returncode != 0:

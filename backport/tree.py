@@ -47,7 +47,7 @@ class Tree:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "Tree":
+    def from_json(cls, data: dict) -> Tree:
         return cls(
             path=Path(data["path"]),
             package_prefix=data["package_prefix"],
@@ -96,7 +96,7 @@ def tree_digest(package_root: Path) -> str:
     return hashlib.sha256(tree_manifest(package_root).encode()).hexdigest()
 
 
-_VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+_VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.MULTILINE)
 
 
 def read_version(package_root: Path) -> str | None:

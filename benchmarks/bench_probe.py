@@ -23,7 +23,7 @@ from pathlib import Path
 
 def timed(cmd: list[str], env: dict[str, str], cwd: str) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:3]} failed:\n{proc.stderr[-2000:]}")
@@ -46,8 +46,8 @@ def main() -> int:
         (Path(tmp) / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
         env = probe_environ(python, tree.package_root, Path(tmp))
         # the harness's own module list, imported in the child (importing `probes` costs nothing)
-        bare = [python, "-c", "import importlib\nfrom probes.harness import CORE_MODULES\n"
-                "for m in CORE_MODULES: importlib.import_module(m)"]
+        bare = [python, "-c", ("import importlib\nfrom probes.harness import CORE_MODULES\n"
+                               "for m in CORE_MODULES: importlib.import_module(m)")]
         probe = [python, "-m", "probes.harness", "--tree", str(tree.package_root)]
         imports, runs = [], []
         for _ in range(args.repeat):

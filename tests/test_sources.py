@@ -126,7 +126,7 @@ def test_broken_wheels_exit_2_and_leave_no_entry(case, tmp_path, monkeypatch, lo
     elif case == "sha-mismatch":
         digest = "0" * 64
     pin(tmp_path, monkeypatch, {SYNTH: (wheel.name, digest)})
-    code, out, err = run_cli(capsys, "fetch", f"sglang=={SYNTH}")
+    code, _, err = run_cli(capsys, "fetch", f"sglang=={SYNTH}")
     assert code == 2, err
     assert error_line(err).startswith("sglang-backport: error: sglang==9.9.1")
     expected_word = {"sha-mismatch": "does not match the pin", "truncated": "not a readable wheel",

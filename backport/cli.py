@@ -68,7 +68,7 @@ def cmd_status(args) -> int:
     # Re-describe the tree as it is now (a cached entry's recorded digest is of the pristine tree).
     tree = open_tree(tree.path, spec=tree.spec if not path.is_dir() else None)
     pack = _pack(args)
-    found = detect(tree.package_root, pack)
+    found = detect(tree.package_root, pack, version=tree.version)
     document = {**tree.to_json(), "fixes": [d.to_json() for d in found]}
     lines = [f"{tree.path}: sglang {tree.version}, tree digest {tree.tree_digest}"]
     lines += [f"  {d.fix:10} {'present' if d.present else 'missing':8} {d.how}" for d in found]

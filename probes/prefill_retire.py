@@ -105,9 +105,8 @@ class RetireRig:
         }
 
 
-def _retired_once(obs: dict[str, Any]) -> list[str]:
-    """What #36988's retirement requires of an aborted final result; returns
-    the violated items (empty when safe)."""
+def _handed_on(obs: dict[str, Any]) -> list[str]:
+    """How an aborted result was still handed on: cached, sent, or queued for transfer."""
     problems = []
     if obs["cache_unfinished_calls"]:
         problems.append("prefix cached as unfinished")
@@ -115,6 +114,13 @@ def _retired_once(obs: dict[str, Any]) -> list[str]:
         problems.append("KV chunk sent")
     if obs["queued_for_transfer"]:
         problems.append("queued for transfer")
+    return problems
+
+
+def _retired_once(obs: dict[str, Any]) -> list[str]:
+    """What #36988's retirement requires of an aborted final result; returns
+    the violated items (empty when safe)."""
+    problems = _handed_on(obs)
     if obs["metadata_frees"] != 1 or obs["metadata_buffer_index"] != -1:
         problems.append("metadata buffer not freed once")
     if obs["release_kv_cache_calls"] != 1 or any(obs["release_inserted_prefix"]):
@@ -172,13 +178,7 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
     rig.deliver_result([req])
     obs = rig.observe(req, since=mark)
     obs["retired_by_bootstrap_failure"] = describe_finish(req.finished_reason)
-    problems = []
-    if obs["cache_unfinished_calls"]:
-        problems.append("prefix cached as unfinished")
-    if obs["send_kv_chunk_calls"]:
-        problems.append("KV chunk sent")
-    if obs["queued_for_transfer"]:
-        problems.append("queued for transfer")
+    problems = _handed_on(obs)
     if obs["release_kv_cache_calls"] or obs["metadata_frees"] or obs["metadata_double_frees"]:
         problems.append("resources released again")
     if obs["streamed"]:

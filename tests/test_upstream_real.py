@@ -1,0 +1,123 @@
+"""Upstream-style unit tests, served from 127.0.0.1, against the real pristine and patched 0.5.19.
+
+The test file is written here in upstream's style (a unittest class importing SGLang names from
+the tree under test) and served at the revision and path that `patches/fixes.toml` names for
+#38935, so both `upstream-tests` and `run` obtain it exactly as they would from upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from backport import cli
+from backport.upstream_tests import load_refs
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.probe_env, pytest.mark.network]
+
+ADMISSION_TEST = '''\
+import unittest
+
+from sglang.srt.disaggregation.utils import is_unadmitted_reject
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+def make_req(rid):
+    return Req(rid=rid, origin_input_text="hi", origin_input_ids=[1, 2, 3],
+               sampling_params=SamplingParams(max_new_tokens=4))
+
+
+class TestUnadmittedReject(unittest.TestCase):
+    def test_intake_rejected_request_is_unadmitted(self):
+        req = make_req("rejected")
+        req.to_finish = FINISH_ABORT("prompt too long", status_code=400)
+        self.assertTrue(is_unadmitted_reject(req))
+
+    def test_valid_request_is_admitted(self):
+        self.assertFalse(is_unadmitted_reject(make_req("valid")))
+
+    def test_retracted_request_is_not_retired(self):
+        req = make_req("retracted")
+        req.to_finish = FINISH_ABORT("abort while running", status_code=400)
+        req.is_retracted = True
+        self.assertFalse(is_unadmitted_reject(req))
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+
+@pytest.fixture
+def upstream_server(tmp_path):
+    """A real HTTP server on 127.0.0.1 laid out like `{base_url}/{rev}/{path}`."""
+    ref = next(r for r in load_refs(REPO / "patches", ["pr38935"]))
+    served = tmp_path / "served" / ref.rev / ref.path
+    served.parent.mkdir(parents=True)
+    served.write_text(ADMISSION_TEST)
+    handler = partial(SimpleHTTPRequestHandler, directory=str(tmp_path / "served"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", ref
+    server.shutdown()
+    server.server_close()
+
+
+def test_upstream_tests_fail_on_pristine_and_pass_on_patched(upstream_server, release_tree, patched_tree,
+                                                             probe_python, shared_cache, monkeypatch, capsys):
+    base_url, ref = upstream_server
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    pristine, patched = release_tree("0.5.19"), patched_tree("0.5.19")[0]
+    code = cli.main(["upstream-tests", str(pristine.path), str(patched.path), "--fix", "pr38935",
+                     "--base-url", base_url, "--python", probe_python, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1  # a failure on the pristine tree is a finding
+    outcomes = {t["tree"]: {x["nodeid"].split("::")[-1]: x["outcome"] for x in t["tests"]} for t in doc["trees"]}
+    before, after = outcomes[str(pristine.path)], outcomes[str(patched.path)]
+    assert set(before.values()) == {"failed"}, before  # is_unadmitted_reject is a name the pack adds
+    assert after == {"test_intake_rejected_request_is_unadmitted": "passed",
+                     "test_valid_request_is_admitted": "passed",
+                     "test_retracted_request_is_not_retired": "passed"}
+    assert all(t["file"] == ref.path and t["rev"] == ref.rev and len(t["sha256"]) == 64
+               for tree in doc["trees"] for t in tree["tests"])
+
+
+def test_run_bundle_carries_the_upstream_section(upstream_server, probe_python, shared_cache, monkeypatch,
+                                                 tmp_path, capsys):
+    base_url, ref = upstream_server
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    out = tmp_path / "bundle"
+    cli.main(["run", "sglang==0.5.19", "--out", str(out), "--python", probe_python, "--reference", "none",
+              "--upstream-base-url", base_url, "--json"])
+    capsys.readouterr()
+    section = json.loads((out / "upstream-tests.json").read_text())
+    ours = {t["tree"]: {x["outcome"] for x in t["tests"] if x["file"] == ref.path} for t in section["trees"]}
+    assert ours == {"pristine": {"failed"}, "patched": {"passed"}}, section
+    report = (out / "REPORT.md").read_text()
+    assert "test_intake_rejected_request_is_unadmitted" in report
+    assert cli.main(["verify", str(out)]) == 0
+
+
+def test_run_without_a_server_says_why_the_section_was_skipped(probe_python, shared_cache, monkeypatch,
+                                                                tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(tmp_path / "empty-cache-for-tests"))
+    monkeypatch.setenv("SGLANG_BACKPORT_UPSTREAM_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    # reuse the session's wheels so only the upstream source is missing
+    wheels = tmp_path / "empty-cache-for-tests" / "wheels"
+    wheels.mkdir(parents=True)
+    for wheel in (shared_cache / "wheels").glob("sglang-0.5.19-*.whl"):
+        (wheels / wheel.name).symlink_to(wheel)
+    out = tmp_path / "bundle"
+    code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--python", probe_python, "--reference", "none",
+                     "--json"])
+    capsys.readouterr()
+    section = json.loads((out / "upstream-tests.json").read_text())
+    assert section["skipped"] and "127.0.0.1:9" in section["skipped"]
+    assert code == 0 and cli.main(["verify", str(out)]) == 0

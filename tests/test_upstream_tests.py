@@ -297,7 +297,7 @@ def run_cli(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cli_upstream.register(sub)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    return args.func(args)
 
 
 # ---- the differential result ---------------------------------------------------------------------

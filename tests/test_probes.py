@@ -189,3 +189,16 @@ def test_patched_tree_matches_fixed_release(version, probe_doc, patched_tree):
             assert LETTER[case["verdict"]] == want, (key, case["observed"])
             if pristine[key] == "unsafe":
                 assert case["verdict"] == "safe", key
+
+
+@pytest.mark.probe_env
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.19", "0.5.20"])
+def test_page_lifetime_on_patched_tree(version, probe_doc):
+    """Pack II holds a failed transfer's pages until the drain ACKs on 0.5.19/0.5.20, as 0.5.21
+    does; 0.5.17/0.5.18 get no page-lifetime backport (README), so their verdicts stay as they were."""
+    doc = probe_doc(version, "patched")
+    got = {c["case"]: LETTER[c["verdict"]] for c in doc["cases"] if c["probe"] == "page_lifetime"}
+    column = RELEASES.index("0.5.21" if version in ("0.5.19", "0.5.20") else version)
+    assert got == {case: EXPECTED[("page_lifetime", case)][column] for case in got}
+    if version in ("0.5.17", "0.5.18"):
+        assert got["failed_transfer_holds_pages_until_drain"] == "U"  # the exposure that remains, shown

@@ -64,9 +64,12 @@ def cmd_status(args) -> int:
     from backport.tree import open_tree
 
     path = Path(args.target)
-    tree = open_tree(path) if path.is_dir() else _fetch(args.target, args).tree
-    # Re-describe the tree as it is now (a cached entry's recorded digest is of the pristine tree).
-    tree = open_tree(tree.path, spec=tree.spec if not path.is_dir() else None)
+    if path.is_dir():
+        tree = open_tree(path)
+    else:
+        # Describe the fetched tree as it is now (its recorded digest is of the pristine tree).
+        fetched = _fetch(args.target, args).tree
+        tree = open_tree(fetched.path, spec=fetched.spec)
     pack = _pack(args)
     found = detect(tree.package_root, pack, version=tree.version)
     document = {**tree.to_json(), "fixes": [d.to_json() for d in found]}

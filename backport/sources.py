@@ -127,8 +127,7 @@ def _snapshot(entry: Path, fill, *, spec: str, version_hint: str | None,
 class WheelSource:
     spec: str
     version: str
-    pin: WheelPin | None
-    allow_unpinned: bool = False
+    pin: WheelPin | None  # None: fetched with --allow-unpinned, recorded as unpinned
 
     def materialise(self, root: Path) -> Fetched:
         if self.pin is not None:
@@ -332,7 +331,7 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
             known = ", ".join(sorted(pins, key=Version))
             raise BadInput(f"{spec}: version {version} is not pinned in patches/targets.toml "
                            f"(pinned: {known}); pass --allow-unpinned to fetch it unverified")
-        return WheelSource(spec, version, pin, allow_unpinned)
+        return WheelSource(spec, version, pin)
     if spec.startswith("git+"):
         url, sep, commit = spec[4:].rpartition("@")
         if not sep or not url:

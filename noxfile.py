@@ -1,9 +1,13 @@
-"""nox sessions: tests, lint, bench, and one `pair` session per entry of patches/pairs.toml.
+"""nox sessions: tests, lint, bench, and one `pair` session per release and upstream pair.
+
+Release pairs come from the release matrix (patches/releases.toml: every release the pack
+changes, against its backport); upstream's own before/after pairs from patches/pairs.toml.
 
     nox -l                            list the sessions
     nox -s tests                      the test suite (extra pytest arguments after --)
     nox -s "pair(name='0.5.19')"      one evidence bundle: sglang 0.5.19 against its backport
     nox -s pair -- --no-upstream-tests   every pair; arguments after -- go to `sglang-backport run`
+    nox -s matrix                     every release at once, one probe matrix (the fast way)
 
 Pair sessions with git targets need the upstream repository (`{upstream}` in pairs.toml,
 overridden by SGLANG_BACKPORT_UPSTREAM_GIT); when it cannot be reached they skip and say why.
@@ -13,12 +17,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from backport.releases import load_releases  # the matrix is the one list of releases
+
 PAIRS_FILE = ROOT / "patches" / "pairs.toml"
 UPSTREAM_ENV = "SGLANG_BACKPORT_UPSTREAM_GIT"
 
@@ -29,7 +37,8 @@ nox.options.reuse_existing_virtualenvs = True
 def _pairs() -> dict:
     document = tomllib.loads(PAIRS_FILE.read_text())
     upstream = os.environ.get(UPSTREAM_ENV) or document.get("upstream", "")
-    pairs = {}
+    pairs = {version: {"name": version, "base": f"sglang=={version}", "head": "backport", "upstream": upstream}
+             for version, release in load_releases().items() if release.applies_anything}
     for entry in document.get("pair", []):
         resolved = {key: value.replace("{upstream}", upstream) if isinstance(value, str) else value
                     for key, value in entry.items()}
@@ -79,9 +88,18 @@ def _reachable(url: str) -> str | None:
 
 
 @nox.session
+def matrix(session: nox.Session) -> None:
+    """Every release the pack changes in one `run` (one bundle each, all trees in one probe matrix)."""
+    session.install("-e", ".")
+    session.chdir(ROOT)
+    specs = [entry["base"] for entry in PAIRS.values() if entry["head"] == "backport"]
+    session.run("sglang-backport", "run", *specs, *session.posargs, external=False)
+
+
+@nox.session
 @nox.parametrize("name", list(PAIRS), ids=[f"name={name!r}" for name in PAIRS])
 def pair(session: nox.Session, name: str) -> None:
-    """One base/head pair of patches/pairs.toml through `sglang-backport run`, writing a bundle."""
+    """One base/head pair (a release against its backport, or upstream's own) through `run`, writing a bundle."""
     entry = PAIRS[name]
     specs = [entry["base"]] + ([] if entry["head"] == "backport" else [entry["head"]])
     if any(spec.startswith("git+") for spec in specs):

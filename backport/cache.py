@@ -1,8 +1,11 @@
-"""The content-addressed cache: wheels, materialised trees, probe environments.
+"""The content-addressed cache: wheels, materialised trees, probe environments, work clones.
 
-Every entry is built under a temporary name inside the cache and renamed into place
-when complete, so a crash or a failed verification never leaves a half-written
-entry, and two processes building the same entry both succeed with one result.
+Every entry is built under a temporary name inside the cache and renamed into place when
+complete, so a crash or a failed verification never leaves a half-written entry, and two
+processes building the same entry both succeed with one result. A staging directory's name
+carries the pid that builds it: the next run removes those whose builder is gone (a killed
+fetch leaves no 130 MB directory behind for long). Work clones (`apply SPEC` without `--out`)
+live under `work/` until `sglang-backport gc` removes them.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+STAGING_SUFFIX = ".partial"
 
 
 def cache_root() -> Path:
@@ -23,10 +29,60 @@ def cache_root() -> Path:
     return (Path(base) / "sglang-backport").resolve()
 
 
+def work_root() -> Path:
+    return cache_root() / "work"
+
+
 def staging_dir(final: Path) -> Path:
     """A fresh directory beside `final` (same filesystem, so the rename is atomic)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=STAGING_SUFFIX,
+                                 dir=final.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_staging(directory: Path) -> list[Path]:
+    """Staging leftovers in `directory` whose building process no longer runs."""
+    stale = []
+    if not directory.is_dir():
+        return stale
+    for path in directory.iterdir():
+        if not (path.name.startswith(".") and path.name.endswith(STAGING_SUFFIX)):
+            continue
+        parts = path.name.split(".")
+        pid = next((int(p) for p in parts if p.isdigit()), None)
+        if pid is None or not _alive(pid):
+            stale.append(path)
+    return stale
+
+
+def clean_stale_staging(directory: Path) -> int:
+    removed = 0
+    for path in stale_staging(directory):
+        discard_dir(path)
+        removed += 1
+    return removed
+
+
+def discard_dir(path: Path) -> None:
+    """Remove a directory so that nobody sees it half-removed: rename it aside first."""
+    if not path.exists():
+        return
+    aside = path.with_name(f".{path.name}.{os.getpid()}.discard{STAGING_SUFFIX}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        aside = path
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def publish_dir(staged: Path, final: Path) -> bool:
@@ -54,7 +110,7 @@ def build_entry(final: Path, build: Callable[[Path], None]) -> bool:
 
 def write_file_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=STAGING_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -66,3 +122,23 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 def write_json_atomic(path: Path, document: object) -> None:
     write_file_atomic(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+
+
+def gc(*, older_than_days: float, now: float | None = None) -> dict:
+    """Remove work clones older than the given age and every staging leftover of a dead process."""
+    root = cache_root()
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    for directory in (root / "trees", root / "wheels", root / "envs", work_root()):
+        for path in stale_staging(directory):
+            discard_dir(path) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(str(path))
+    work = work_root()
+    if work.is_dir():
+        for path in sorted(work.iterdir()):
+            if path.name.startswith("."):
+                continue
+            if now - path.stat().st_mtime >= older_than_days * 86400:
+                discard_dir(path)
+                removed.append(str(path))
+    return {"cache": str(root), "removed": removed}

@@ -156,10 +156,24 @@ def open_tree(path: Path, *, spec: str | None = None) -> Tree:
     )
 
 
+def clone_tree(source: Tree, parent: Path, dest: Path | None = None) -> Tree:
+    """A fresh git clone of `source` (at `dest`, or a new directory under `parent`), described as a Tree."""
+    import tempfile
+
+    from backport.gitops import clone_work_tree
+
+    if dest is None:
+        parent.mkdir(parents=True, exist_ok=True)
+        dest = Path(tempfile.mkdtemp(prefix=f"sglang-{source.version}-", dir=parent))
+    clone_work_tree(source.path, dest)
+    return Tree(dest.resolve(), source.package_prefix, source.version, source.spec, source.artifact_sha256,
+                source.tree_digest, source.base_commit, source.unpinned)
+
+
 def _pristine_commit(repo: git.Repo) -> str:
     """The first commit that is not the toolkit's own backport commit."""
     for commit in repo.iter_commits("HEAD"):
-        if "Backport-Of:" not in commit.message:
+        if "Backport-Of:" not in commit.message and "Vendor-Fix:" not in commit.message:
             return commit.hexsha
     return repo.head.commit.hexsha
 

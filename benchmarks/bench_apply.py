@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backport.apply import apply_series
-from backport.series import load_pack
+from backport.engine import apply_series
+from backport.pack import load_pack
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost", GIT_COMMITTER_NAME="bench",
            GIT_COMMITTER_EMAIL="bench@localhost", GIT_AUTHOR_DATE="2026-01-01T00:00:00+0000",

@@ -2,7 +2,7 @@
 
 CPU scenarios that import the real SGLang modules of ONE tree (the only
 ``sglang`` on ``sys.path``) and drive them through the steps of the 2026 PD
-cross-request KV exposure. Each probe module lists named cases; each case
+cross-request KV exposure. Each probe module lists cases (registered with ``@case``); each case
 states the safe behaviour and reports what it observed.
 
 This package runs inside the probe virtualenv, never in the toolkit's: it uses
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime")
+PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime", "prefill_drain", "transfer_coverage")
 
 SAFE = "safe"
 UNSAFE = "unsafe"
@@ -42,12 +42,47 @@ class Outcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Case:
+    probe: str
     name: str
     must_preserve: bool
     expect: str
     run: Callable[[ProbeContext], Outcome]
+    # a case of this pack's own fix, which no release (the reference included) has: the patched
+    # tree is not expected to agree with the reference on it
+    beyond_upstream: bool = False
+
+
+# probe name -> its cases in definition order; filled by @case as each probe module is imported.
+REGISTRY: dict[str, list[Case]] = {}
+
+
+def case(*, must_preserve: bool, expect: str,
+         beyond_upstream: bool = False) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
+    """Register the decorated function as a case of the probe whose module defines it.
+
+    The case's name is the function's name; `expect` states the safe behaviour; a
+    must-preserve case is one that a fix must not break (safe on every tree).
+    """
+
+    def register(run: Callable[..., Outcome]) -> Callable[..., Outcome]:
+        probe = run.__module__.rsplit(".", 1)[-1]
+        cases = REGISTRY.setdefault(probe, [])
+        if any(c.name == run.__name__ for c in cases):
+            raise ValueError(f"probe {probe} registers case {run.__name__} twice")
+        cases.append(Case(probe, run.__name__, must_preserve, expect, run, beyond_upstream))
+        return run
+
+    return register
+
+
+def cases_of(probe: str) -> list[Case]:
+    """The registered cases of one probe module (imported here so that its decorators run)."""
+    import importlib
+
+    importlib.import_module(f"{__name__}.{probe}")
+    return list(REGISTRY.get(probe, ()))
 
 
 class ProbeContext:

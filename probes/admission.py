@@ -25,15 +25,17 @@ stubbed to "fits" (in the incident decode's pool was large enough; that
 check's inputs drift from release to release and are not under test), and
 the DSV4/DSpark rebootstrap test is stubbed to "not that model".
 
-Not applicable: ``prefill_door_retraction_backup_not_retired`` on 0.5.17,
-whose requests cannot hold a host retraction backup (added in 0.5.18).
+Not applicable: ``prefill_door_retraction_backup_not_retired`` up to 0.5.17,
+whose requests cannot hold a host retraction backup (added in 0.5.18);
+``decode_door_rebootstrap_not_retired`` up to 0.5.15.post1, whose decode door
+has no ``is_rebootstrap`` flag (PD rebootstrap arrives in 0.5.16).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
     CountingPageAllocator,
     Ledger,
@@ -203,6 +205,10 @@ def _finish_abort(message: str):
 # rejected requests at the doors (the fix)
 
 
+@case(
+    must_preserve=False,
+    expect='A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.',
+)
 def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
     """#38935 prefill door: a request rejected by ``set_finish_with_abort``
     gets no KV sender, no bootstrap queue entry, no metadata buffer, and the
@@ -218,6 +224,10 @@ def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
     return Outcome(UNSAFE, "Admitted at the prefill door; " + _handoff_summary(obs) + ".", obs)
 
 
+@case(
+    must_preserve=False,
+    expect='A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: no KV receiver, no prealloc queue entry, its 400 streamed once.',
+)
 def decode_door_rejected_not_enqueued(ctx) -> Outcome:
     """#38935 decode door: a rejected request gets no KV receiver and no
     prealloc queue entry; the 400 is streamed once."""
@@ -229,6 +239,73 @@ def decode_door_rejected_not_enqueued(ctx) -> Outcome:
     if _retired_cleanly(obs):
         return Outcome(SAFE, "Retired at the decode door: no receiver, not queued, 400 streamed once.", obs)
     return Outcome(UNSAFE, "Admitted at the decode door; " + _handoff_summary(obs) + ".", obs)
+
+
+class _ClientStream:
+    """Stands for the output streamer as the client sees it. Like the tree's
+    own streamer, a finished request goes out once: one whose finished output
+    already went out (``finished_output``) is skipped, and emitting one sets
+    it. Records what went out."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def stream_output(self, reqs, return_logprob=False, *args, **kwargs):
+        for req in reqs:
+            if req.finished() and req.finished_output:
+                continue
+            if req.finished():
+                req.finished_output = True
+            self.ledger.record("stream", rid=req.rid, finish=describe_finish(req.finished_reason))
+
+
+@case(
+    must_preserve=False,
+    expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
+)
+def finished_abort_retired_at_doors(ctx) -> Outcome:
+    """#38935 (as upstream's predicate, ``is_aborted``): an abort already
+    promoted into ``finished_reason`` (``update_finish_state``) and streamed
+    reaches each door; it gets no handoff object and no queue entry, and is
+    not streamed a second time."""
+    rig = DoorRig(ctx)
+    client = _ClientStream(rig.ledger)
+    rig.shell.output_streamer = client
+    if "stream_output" in rig.shell.__dict__:  # up to 0.5.12.post1 the scheduler streams itself
+        rig.shell.stream_output = client.stream_output
+    doors: dict[str, Any] = {}
+    for side, room in (("prefill", 103), ("decode", 104)):
+        req = make_req(f"finished-abort-{side}", 9000, room=room)
+        reject_at_intake(req, REJECTION)
+        if hasattr(req, "update_finish_state"):
+            req.update_finish_state()  # the 400 promoted into finished_reason ...
+        else:  # up to 0.5.12.post1 the scheduler promotes it inline
+            req.finished_reason, req.to_finish = req.to_finish, None
+        client.stream_output([req], False)  # ... and streamed to the client
+        if side == "prefill":
+            rig.prefill_door(req)
+        else:
+            rig.decode_door(req)
+        doors[side] = rig.observe(req)
+    failed = [
+        side
+        for side, obs in doors.items()
+        if not (_retired_cleanly(obs) and obs["release_aborted_request_calls"] == 1)
+    ]
+    if not failed:
+        return Outcome(
+            SAFE, "Retired at both doors: no handoff object, not queued, the 400 streamed once in all.", doors
+        )
+    return Outcome(
+        UNSAFE,
+        "; ".join(
+            f"{side} door: {_handoff_summary(doors[side])}, cache-side release "
+            f"{doors[side]['release_aborted_request_calls']} time(s)"
+            for side in failed
+        )
+        + ".",
+        doors,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -253,6 +330,10 @@ def _not_retired_outcome(obs: dict[str, Any], side: str, what: str) -> Outcome:
     return Outcome(UNSAFE, f"{what} was not admitted normally; " + _handoff_summary(obs) + ".", obs)
 
 
+@case(
+    must_preserve=True,
+    expect='A valid request gets a KV sender and a bootstrap queue entry at the prefill door.',
+)
 def prefill_door_valid_admitted(ctx) -> Outcome:
     """A valid request still gets its sender and a bootstrap queue entry."""
     rig = DoorRig(ctx)
@@ -261,6 +342,10 @@ def prefill_door_valid_admitted(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "prefill", "A valid request")
 
 
+@case(
+    must_preserve=True,
+    expect='A valid request gets a KV receiver and a prealloc queue entry at the decode door.',
+)
 def decode_door_valid_admitted(ctx) -> Outcome:
     """A valid request still gets its receiver and a prealloc queue entry."""
     rig = DoorRig(ctx)
@@ -269,6 +354,10 @@ def decode_door_valid_admitted(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "decode", "A valid request")
 
 
+@case(
+    must_preserve=True,
+    expect='A re-entering request with a pending abort that owns a metadata buffer is admitted, not retired.',
+)
 def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
     """A re-entering request with a pending abort (abort method 3) that still
     owns a metadata buffer is not retired: its queue owes that release."""
@@ -283,6 +372,10 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(obs, "prefill", "A request owning a metadata buffer")
 
 
+@case(
+    must_preserve=True,
+    expect='A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.',
+)
 def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
     """A re-entering request with a pending abort that holds a host
     retraction backup is not retired (only its queue frees the backup)."""
@@ -298,6 +391,10 @@ def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(obs, "prefill", "A request holding a retraction backup")
 
 
+@case(
+    must_preserve=True,
+    expect='A preempted re-entry (is_retracted, no resources) carrying to_finish is admitted at the prefill door, not retired.',
+)
 def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
     """A preempted request (``is_retracted``, seqlen <= 1, no backup) that
     carries ``to_finish`` and re-enters through the bare dispatcher is not
@@ -310,6 +407,10 @@ def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "prefill", "A preempted re-entry")
 
 
+@case(
+    must_preserve=True,
+    expect='A retracted request with a pending abort enters the decode retracted queue, not retirement.',
+)
 def decode_door_retracted_not_retired(ctx) -> Outcome:
     """``DecodePreallocQueue.add(req, is_retracted=True)`` with a pending
     abort puts the request in the retracted queue, which owns its host
@@ -322,9 +423,19 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "decode_retracted", "A retracted request")
 
 
+@case(
+    must_preserve=True,
+    expect='A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.',
+)
 def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
     """A PD rebootstrap (``is_rebootstrap=True``) carrying ``to_finish`` goes
     through the normal receiver path, not retirement."""
+    import inspect
+
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    if "is_rebootstrap" not in inspect.signature(DecodePreallocQueue.add).parameters:
+        raise NotApplicable("DecodePreallocQueue.add has no is_rebootstrap flag: no PD rebootstrap in this release")
     rig = DoorRig(ctx)
     req = make_req("rebootstrap-d", 64, room=207)
     req.to_finish = _finish_abort("Abort in running batch.")
@@ -332,6 +443,10 @@ def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "decode", "A rebootstrapping request")
 
 
+@case(
+    must_preserve=True,
+    expect='A preempted re-entry (req.is_retracted) carrying to_finish is admitted at the decode door, not retired.',
+)
 def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
     """A preempted request (``req.is_retracted`` set, no door flag) carrying
     ``to_finish`` is not retired at the decode door."""
@@ -343,6 +458,10 @@ def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
     return _not_retired_outcome(rig.observe(req), "decode", "A preempted re-entry")
 
 
+@case(
+    must_preserve=True,
+    expect='In non-PD mode _add_request_to_queue only dispatches: the rejected request reaches the waiting queue and is not retired there.',
+)
 def null_mode_dispatch_untouched(ctx) -> Outcome:
     """Non-PD mode: ``Scheduler._add_request_to_queue`` stays a pure
     dispatcher; a request carrying an intake rejection goes to the waiting
@@ -358,75 +477,3 @@ def null_mode_dispatch_untouched(ctx) -> Outcome:
     if obs["waiting_queued"] and not obs["streamed"] and obs["release_aborted_request_calls"] == 0:
         return Outcome(SAFE, "NULL mode queued the request for normal scheduling; nothing retired.", obs)
     return Outcome(UNSAFE, "NULL mode did not simply queue the request; " + _handoff_summary(obs) + ".", obs)
-
-
-CASES = [
-    Case(
-        "prefill_door_rejected_not_enqueued",
-        False,
-        "A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: "
-        "no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.",
-        prefill_door_rejected_not_enqueued,
-    ),
-    Case(
-        "decode_door_rejected_not_enqueued",
-        False,
-        "A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: "
-        "no KV receiver, no prealloc queue entry, its 400 streamed once.",
-        decode_door_rejected_not_enqueued,
-    ),
-    Case(
-        "prefill_door_valid_admitted",
-        True,
-        "A valid request gets a KV sender and a bootstrap queue entry at the prefill door.",
-        prefill_door_valid_admitted,
-    ),
-    Case(
-        "decode_door_valid_admitted",
-        True,
-        "A valid request gets a KV receiver and a prealloc queue entry at the decode door.",
-        decode_door_valid_admitted,
-    ),
-    Case(
-        "prefill_door_metadata_owner_not_retired",
-        True,
-        "A re-entering request with a pending abort that owns a metadata buffer is admitted, not retired.",
-        prefill_door_metadata_owner_not_retired,
-    ),
-    Case(
-        "prefill_door_retraction_backup_not_retired",
-        True,
-        "A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.",
-        prefill_door_retraction_backup_not_retired,
-    ),
-    Case(
-        "prefill_door_preempted_reentry_not_retired",
-        True,
-        "A preempted re-entry (is_retracted, no resources) carrying to_finish is admitted at the prefill door, not retired.",
-        prefill_door_preempted_reentry_not_retired,
-    ),
-    Case(
-        "decode_door_retracted_not_retired",
-        True,
-        "A retracted request with a pending abort enters the decode retracted queue, not retirement.",
-        decode_door_retracted_not_retired,
-    ),
-    Case(
-        "decode_door_rebootstrap_not_retired",
-        True,
-        "A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.",
-        decode_door_rebootstrap_not_retired,
-    ),
-    Case(
-        "decode_door_preempted_reentry_not_retired",
-        True,
-        "A preempted re-entry (req.is_retracted) carrying to_finish is admitted at the decode door, not retired.",
-        decode_door_preempted_reentry_not_retired,
-    ),
-    Case(
-        "null_mode_dispatch_untouched",
-        True,
-        "In non-PD mode _add_request_to_queue only dispatches: the rejected request reaches the waiting queue and is not retired there.",
-        null_mode_dispatch_untouched,
-    ),
-]

@@ -12,11 +12,16 @@
 5-6. Decode would then attend over its full reservation, of which all but the
    first page were never written by this request.
 
+7. Decode's transfer queue polls the completed transfer and commits the
+   request, or refuses it.
+
 The case compares what prefill would hand over with what decode reserved.
 Unsafe: the last chunk is sent (transfer complete) while it covers fewer
-tokens than decode reserved. Safe: the handoff never starts (#38935 retires the
-request at the door) or is retired before any KV is sent (#36988 retires the
-aborted result), or the coverage matches.
+tokens than decode reserved, and decode commits it. Safe: the handoff never
+starts (#38935 retires the request at the door), is retired before any KV is
+sent (#36988 retires the aborted result), the coverage matches, or decode
+refuses the short handoff with a 5xx (the pack's transferred-coverage check,
+``sbp-transfer-coverage``).
 
 Driven code is the tree's: ``validate_input_length``,
 ``Req.set_finish_with_abort``, ``Scheduler._add_request_to_queue``,
@@ -24,15 +29,18 @@ Driven code is the tree's: ``validate_input_length``,
 ``DecodePreallocQueue.add`` and ``process_batch_result_disagg_prefill``.
 Stand-ins: decode's page reservation and prefill's forward allocation
 (CountingPageAllocator), the transport (RecordingKVSender/Receiver),
-``send_kv_chunk`` (counts the tokens it would hand over), cache helpers, and
-the output streamer.
+``send_kv_chunk`` (counts the tokens it would hand over, then runs the tree's
+real ``send_kv_chunk`` on the collaborators of ``probes.transfer_coverage``),
+cache helpers, and the output streamer. Decode's side after the transfer is
+``probes.transfer_coverage.DecodeSide``: the tree's ``DecodeTransferQueue``
+with the metadata row prefill wrote.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, Case, Outcome
+from probes import SAFE, UNSAFE, Outcome, case
 from probes.admission import DoorRig
 from probes.standins import (
     CountingPageAllocator,
@@ -43,10 +51,25 @@ from probes.standins import (
     patch_cache_helpers,
     sg,
 )
+from probes.transfer_coverage import (
+    DecodeSide,
+    PrefillSide,
+    copy_metadata_row,
+    coverage_rig,
+    refused,
+    set_forward_range,
+)
 
 PAGE_SIZE = 16
 PREFILL_POOL_TOKENS = 256  # the prefill worker's KV pool (681,280 in the incident)
 MAX_REQ_INPUT_LEN = PREFILL_POOL_TOKENS - 1
+
+
+class DeviceKVPoolStandIn:
+    """The prefill worker's GPU KV cache; `finalize_bootstrap` reads only its page size (0.5.16)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
 
 
 class HandoffRig(DoorRig):
@@ -64,6 +87,30 @@ class HandoffRig(DoorRig):
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL
         self.prefill_queue.max_total_num_tokens = PREFILL_POOL_TOKENS
+        self.prefill_queue.token_to_kv_pool = DeviceKVPoolStandIn(PAGE_SIZE)
+        # Prefill's last chunk also runs the tree's real send_kv_chunk (what it
+        # records in the metadata row reaches decode); decode's transfer queue.
+        self.collective = coverage_rig(ctx)
+        self.wire = PrefillSide(ctx, self.ledger)
+        self.decode_side = DecodeSide(ctx, self.ledger, pages=self.decode_pages)
+        patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.decode_pages)
+        counting_send = type(self.shell).send_kv_chunk
+
+        def send_kv_chunk(req, last_chunk=False, end_idx=None, *args, **kwargs):
+            from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+            counting_send(self.shell, req, last_chunk, end_idx)
+            if last_chunk:
+                set_forward_range(req, len(req.origin_input_ids))
+                # Where a release reads the forward's end elsewhere: Req.fill_len
+                # (0.5.13/0.5.14), the length of Req.fill_ids (up to 0.5.12.post1).
+                if isinstance(getattr(req, "fill_len", None), int):
+                    req.fill_len = len(req.origin_input_ids)
+                elif getattr(req, "fill_ids", None) == []:
+                    req.fill_ids = list(req.origin_input_ids)
+                SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.wire.shell, req, last_chunk=True)
+
+        self.shell.send_kv_chunk = send_kv_chunk
 
     def run(self, prompt_tokens: int, room: int) -> dict[str, Any]:
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
@@ -86,8 +133,14 @@ class HandoffRig(DoorRig):
         if admitted:
             # 3. bootstrap with decode completes; prefill runs the forward on
             #    whatever prompt the request now carries.
-            self.prefill_queue.queue.remove(req)
-            PrefillBootstrapQueue.finalize_bootstrap(self.prefill_queue, req)
+            if hasattr(PrefillBootstrapQueue, "finalize_bootstrap"):
+                self.prefill_queue.queue.remove(req)
+                PrefillBootstrapQueue.finalize_bootstrap(self.prefill_queue, req)
+            else:
+                # Up to 0.5.12.post1 bootstrap completes inside pop_bootstrapped
+                # (its poll all-reduce runs on coverage_rig's single-rank stand-in).
+                self.shell.attn_cp_cpu_group = self.shell.attn_tp_cpu_group = None
+                PrefillBootstrapQueue.pop_bootstrapped(self.prefill_queue)
             self.prefill_pages.reserve(req.rid, len(req.origin_input_ids))
             give_kv_row(req, 0, len(req.origin_input_ids))
             # 4. the forward result.
@@ -96,6 +149,13 @@ class HandoffRig(DoorRig):
         led = self.ledger
         inits = led.of("sender_init", room=room)
         last_chunks = led.of("send_kv_chunk", rid=req.rid, last_chunk=True)
+        decode = None
+        if last_chunks and not decode_req.finished():
+            # 7. the transfer completed: the metadata row lands, decode polls.
+            dreq = self.decode_side.admit(decode_req)
+            copy_metadata_row(self.wire.buffers, req.metadata_buffer_index,
+                              self.decode_side.buffers, dreq.metadata_buffer_index)
+            decode = self.decode_side.outcome(dreq, self.decode_side.pop(self.collective))
         reserved_tokens = len(decode_req.origin_input_ids)
         reserved_pages = self.decode_pages.held_by(decode_req.rid)
         handed_tokens = sum(c["tokens"] for c in last_chunks)
@@ -116,16 +176,32 @@ class HandoffRig(DoorRig):
             ),
             "prefill_streamed": [s["finish"] for s in led.of("stream", rid=req.rid)],
             "prefill_finished_reason": describe_finish(req.finished_reason),
+            "decode_committed": bool(decode and decode["committed"]),
+            "decode_refused": bool(decode and refused(decode)),
+            "decode": decode,
         }
 
 
+
+@case(
+    must_preserve=False,
+    expect='A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled complete with fewer tokens than decode reserved.',
+)
 def oversized_prompt_handoff_not_started(ctx) -> Outcome:
     """The incident: a 640-token prompt against a 256-token prefill pool. On an
     unfixed tree prefill admits the rejected request, announces one page and
     completes a one-token transfer into decode's 40-page reservation."""
     rig = HandoffRig(ctx)
     obs = rig.run(640, room=401)
-    if obs["transfer_complete_signalled"] and obs["tokens_handed_over"] < obs["decode_reserved_tokens"]:
+    short = obs["transfer_complete_signalled"] and obs["tokens_handed_over"] < obs["decode_reserved_tokens"]
+    if short and obs["decode_refused"]:
+        return Outcome(
+            SAFE,
+            f"Prefill handed over {obs['tokens_handed_over']} token(s) for {obs['decode_reserved_tokens']} reserved; "
+            "decode refused the short handoff (5xx, pages released, never committed).",
+            obs,
+        )
+    if short:
         return Outcome(
             UNSAFE,
             f"Transfer signalled complete with {obs['tokens_handed_over']} token(s) handed over for "
@@ -139,6 +215,10 @@ def oversized_prompt_handoff_not_started(ctx) -> Outcome:
     return Outcome(SAFE, text, obs)
 
 
+@case(
+    must_preserve=True,
+    expect='A prompt that fits is admitted and its handoff covers exactly the tokens and pages decode reserved.',
+)
 def fitting_prompt_covers_reservation(ctx) -> Outcome:
     """Must-preserve: a 200-token prompt that fits the prefill pool is
     admitted and hands over exactly what decode reserved."""
@@ -150,26 +230,10 @@ def fitting_prompt_covers_reservation(ctx) -> Outcome:
         and obs["tokens_handed_over"] == obs["decode_reserved_tokens"]
         and obs["pages_announced_by_sender"] == obs["decode_reserved_pages"]
         and not obs["prefill_streamed"]
+        and obs["decode_committed"]
     )
     if ok:
         return Outcome(
             SAFE, "The fitting prompt was handed over in full: coverage equals the reservation.", obs
         )
     return Outcome(UNSAFE, "The fitting prompt was not handed over in full.", obs)
-
-
-CASES = [
-    Case(
-        "oversized_prompt_handoff_not_started",
-        False,
-        "A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled "
-        "complete with fewer tokens than decode reserved.",
-        oversized_prompt_handoff_not_started,
-    ),
-    Case(
-        "fitting_prompt_covers_reservation",
-        True,
-        "A prompt that fits is admitted and its handoff covers exactly the tokens and pages decode reserved.",
-        fitting_prompt_covers_reservation,
-    ),
-]

@@ -39,6 +39,7 @@ from probes import (
     NotApplicable,
     Outcome,
     ProbeContext,
+    cases_of,
 )
 
 # Imported once, timed, before any case runs. The probes import them again
@@ -99,7 +100,7 @@ def run_case(probe: str, case: Case) -> dict[str, Any]:
             ctx.close()
         except Exception:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
-    return {
+    document = {
         "probe": probe,
         "case": case.name,
         "must_preserve": case.must_preserve,
@@ -108,6 +109,38 @@ def run_case(probe: str, case: Case) -> dict[str, Any]:
         "verdict": outcome.verdict,
         "details": jsonable(outcome.details),
     }
+    if case.beyond_upstream:
+        document["beyond_upstream"] = True  # only when set: every other case document stays as it was
+    return document
+
+
+def start_coverage(tree: str, files: list[str]):
+    """coverage.py over only the given files of the tree (None when none is asked for)."""
+    if not files:
+        return None
+    import coverage
+
+    from probes.preload import preload
+
+    preload()  # third-party imports are not what is measured: keep them out of the tracer
+
+    include = [os.path.join(tree, rel) for rel in files]
+    cov = coverage.Coverage(data_file=None, include=include, config_file=False, branch=False)
+    cov.start()
+    return cov
+
+
+def coverage_report(cov, tree: str, files: list[str]) -> dict[str, Any]:
+    """Per file: its executable lines (coverage.py's statements) and those that ran."""
+    cov.stop()
+    report: dict[str, Any] = {}
+    for rel in sorted(set(files)):
+        path = os.path.join(tree, rel)
+        if not os.path.isfile(path):
+            continue  # the release has no such file
+        _, statements, _excluded, missing, _ = cov.analysis2(path)
+        report[rel] = {"statements": sorted(statements), "executed": sorted(set(statements) - set(missing))}
+    return report
 
 
 class _UsageError(Exception):
@@ -123,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m probes.harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
+    parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
+                        help="record the lines of this file (relative to the tree) that run, from before "
+                             "`import sglang` to the last case (repeatable; needs the coverage package)")
     try:
         args = parser.parse_args(argv)
     except _UsageError as exc:
@@ -143,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(tree, f"{tree} has no sglang/ package", real_stdout)
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    coverage_missing = None
+    try:
+        cov = start_coverage(tree, args.coverage)
+    except ImportError:
+        # An operator's own interpreter (--python) may lack coverage.py: the run goes on and the
+        # document says why no coverage was recorded, rather than claiming any.
+        cov, coverage_missing = None, "the probe interpreter has no coverage package"
     started = time.monotonic()
     try:
         import sglang
@@ -174,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cases: list[dict[str, Any]] = []
     for probe in args.probe or list(PROBE_NAMES):
-        module = importlib.import_module(f"probes.{probe}")
-        for case in module.CASES:
+        for case in cases_of(probe):
             cases.append(run_case(probe, case))
 
     document = {
@@ -187,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         "import_seconds": import_seconds,
         "cases": cases,
     }
+    if cov is not None:
+        document["coverage"] = coverage_report(cov, tree, args.coverage)
+    elif coverage_missing:
+        document["coverage_unavailable"] = coverage_missing
     real_stdout.write(json.dumps(document, indent=1, sort_keys=False) + "\n")
     real_stdout.flush()
     return 0

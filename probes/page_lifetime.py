@@ -13,8 +13,10 @@ behind ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` (off by default,
 decode-initiated aborts only), #37454 gated it on a backend capability,
 #41023 turned it on by default and #41404 holds on every failure.
 
-All cases run with the release's DEFAULT environment (the variable unset),
-which is what operators run.
+All cases but one run with the release's DEFAULT environment (the variable
+unset), which is what operators run; ``explicit_deferral_on_incapable_backend_is_reported``
+sets it to 1, as an operator who asks for deferral does, and captures the
+decode module's warnings.
 
 How it is driven: the tree's ``DecodeTransferQueue`` (its real constructor,
 called with the parameters its release asks for), its real
@@ -41,16 +43,22 @@ Absent structures, decided per case:
   (0.5.17/0.5.18) there is nothing to drive: ``not-applicable``.
 - ``no_capability_backend_releases_at_once`` runs everywhere (the FAKE
   backend exists in every release).
+- ``explicit_deferral_on_incapable_backend_is_reported`` is ``not-applicable``
+  where the release has no deferral variable (before 0.5.19). Its backend is
+  a ``CommonKVManager`` without an opt-in of its own, standing for Mori on
+  0.5.19 - 0.5.21 (Mori's module needs the ``mori`` package); Mori itself
+  opts in from 0.5.22.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections import defaultdict
 from typing import Any
 
-from probes import SAFE, UNSAFE, Case, NotApplicable, Outcome
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
     CountingPageAllocator,
     Ledger,
@@ -186,11 +194,11 @@ def note_ack(mgr, room: int, rank: int, generation: int | None) -> None:
 class TransferRig:
     """The tree's DecodeTransferQueue with one request whose transfer failed."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, deferred_env: str | None = None) -> None:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         pin_runtime(ctx)
-        ctx.setenv(DEFERRED_ENV, None)  # the release's default
+        ctx.setenv(DEFERRED_ENV, deferred_env)  # None: the release's default
         self.ledger = Ledger()
         self.pages = CountingPageAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.pages)
@@ -210,6 +218,14 @@ class TransferRig:
 
         # The transport's verdict for every queued room: the transfer failed.
         self.queue._poll_with_metadata_gate = lambda: [KVPoll.Failed] * len(self.queue.queue)
+        # Up to 0.5.12.post1 pop_transferred all-reduces the polls itself, over
+        # a process group a CPU probe does not have; the same verdict stands in.
+        if not hasattr(DecodeTransferQueue, "_poll_with_metadata_gate"):
+            ctx.patch_if_present(
+                sg("disaggregation.decode"),
+                "poll_and_all_reduce",
+                lambda pollers, *a, **k: [KVPoll.Failed] * len(pollers),
+            )
         self.queue.enable_staging = False
 
     def enqueue(self, receiver, rid: str, room: int):
@@ -242,6 +258,10 @@ class TransferRig:
 # ---------------------------------------------------------------------------
 
 
+@case(
+    must_preserve=False,
+    expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
+)
 def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     """#41404 + #41023: a failure decode did not initiate (prefill fault,
     transport error) reaching ``pop_transferred`` under the default env holds
@@ -303,6 +323,10 @@ def _tracker_or_skip():
         raise NotApplicable("CommonKVManager has no deferred-abort ACK tracker in this release (no #35049)")
 
 
+@case(
+    must_preserve=False,
+    expect='A drain ACK that arrives before the room is registered does not count toward its release.',
+)
 def ack_before_registration_not_counted(ctx) -> Outcome:
     """#35049: an ACK for a room that is not held (it arrived before the room
     was registered) is dropped; after registration the room still needs
@@ -325,6 +349,10 @@ def ack_before_registration_not_counted(ctx) -> Outcome:
     return Outcome(UNSAFE, "An ACK from before registration counted toward release.", details)
 
 
+@case(
+    must_preserve=False,
+    expect="A drain ACK that arrives after the room was released does not count for the room's next request.",
+)
 def ack_after_release_not_counted(ctx) -> Outcome:
     """#35049: once a room was released, a late ACK for it is dropped, so a
     reused ``bootstrap_room`` is not pre-acknowledged for its next request."""
@@ -351,6 +379,10 @@ def ack_after_release_not_counted(ctx) -> Outcome:
     return Outcome(UNSAFE, "A late ACK survived release and counted for the reused room.", details)
 
 
+@case(
+    must_preserve=True,
+    expect="A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly once.",
+)
 def no_capability_backend_releases_at_once(ctx) -> Outcome:
     """#37454 must-preserve: a backend without the drain-ACK capability
     (FAKE) releases a failed transfer's pages at once, exactly once, and
@@ -384,30 +416,71 @@ def no_capability_backend_releases_at_once(ctx) -> Outcome:
     )
 
 
-CASES = [
-    Case(
-        "failed_transfer_holds_pages_until_drain",
-        False,
-        "With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata "
-        "slot until every prefill rank has ACKed the drain, then releases them exactly once.",
-        failed_transfer_holds_pages_until_drain,
-    ),
-    Case(
-        "ack_before_registration_not_counted",
-        False,
-        "A drain ACK that arrives before the room is registered does not count toward its release.",
-        ack_before_registration_not_counted,
-    ),
-    Case(
-        "ack_after_release_not_counted",
-        False,
-        "A drain ACK that arrives after the room was released does not count for the room's next request.",
-        ack_after_release_not_counted,
-    ),
-    Case(
-        "no_capability_backend_releases_at_once",
-        True,
-        "A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly once.",
-        no_capability_backend_releases_at_once,
-    ),
-]
+def _no_capability_manager(ledger: Ledger):
+    """A KV manager of a backend without the drain-ACK capability: Mori on
+    0.5.19 - 0.5.21 (its module needs the ``mori`` package, which a CPU cannot
+    have), or any other ``CommonKVManager`` that does not opt in."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    # No opt-in of its own: the release's CommonKVManager default decides.
+    cls = type("NoDrainAckKVManager", (CommonKVManager,), {})
+    mgr = object.__new__(cls)
+    mgr.__dict__.update(_drain_acking_manager(ledger).__dict__)
+    mgr.enable_deferred_decode_kv_release = _flag_from_env(cls)
+    return mgr
+
+
+class _WarningRecorder(logging.Handler):
+    """Collects the WARNING records of the decode module's logger."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@case(
+    must_preserve=True,
+    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, a transfer decode aborted on a backend without the drain-ACK capability either keeps its pages held (the deferral asked for) or releases them exactly once; whether a warning named the variable is reported.",
+)
+def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
+    """#37454/#41023 must-preserve: before the capability gate, setting the
+    variable made every ``CommonKVManager`` backend (Mori too) hold a
+    decode-aborted transfer's pages; after it, such a backend releases them at
+    once. An operator who set the variable is then told so by a warning."""
+    envs = sg_attr("environ", "envs")
+    if envs is None or not hasattr(envs, DEFERRED_ENV):
+        raise NotApplicable(f"no {DEFERRED_ENV} in this release (no #35049): there is no deferral to ask for")
+    rig = TransferRig(ctx, deferred_env="1")
+    mgr = _no_capability_manager(rig.ledger)
+    rcv = _drain_acking_receiver(rig.ledger, mgr, room=505, prefill_ranks=1)
+    req = rig.enqueue(rcv, "incapable-aborted", 505)
+    rcv.abort()  # decode aborts the request mid-transfer
+    recorder = _WarningRecorder()
+    decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
+    decode_logger.addHandler(recorder)
+    try:
+        rig.queue.pop_transferred()
+    finally:
+        decode_logger.removeHandler(recorder)
+    after_pop = rig.snapshot(req)
+    warnings = [m for m in recorder.messages if DEFERRED_ENV in m]
+    details = {
+        "backend_flag": bool(mgr.enable_deferred_decode_kv_release),
+        "after_pop_transferred": after_pop,
+        "warnings_naming_the_variable": warnings,
+        "double_releases": rig.ledger.count("pages_double_release"),
+    }
+    held = after_pop["pages_held"] > 0 and after_pop["deferred_entries"] == 1
+    released_once = after_pop["pages_held"] == 0 and after_pop["release_calls"] == 1
+    # The verdict is the pages' fate (held, or released exactly once); whether the operator was
+    # told is reported, not judged: upstream 0.5.21/0.5.22 release silently, the pack warns on
+    # 0.5.19/0.5.20 (tests/test_matrix.py checks the warning there).
+    if held:
+        return Outcome(SAFE, "The pages were held, as the variable asks.", details)
+    if released_once and not details["double_releases"]:
+        told = "and a warning named the variable" if warnings else "silently (no warning named the variable)"
+        return Outcome(SAFE, f"The pages were released at once, exactly once, {told}.", details)
+    return Outcome(UNSAFE, "The pages were neither held nor released exactly once.", details)

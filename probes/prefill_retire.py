@@ -19,14 +19,16 @@ How it is driven: the tree's real ``process_batch_result_disagg_prefill``
 (CountingPageAllocator, fed back by the ``release_kv_cache`` recorder), the
 radix cache (RecordingTreeCache plus recorders for the module's
 ``maybe_cache_unfinished_req``/``checkpoint_kv_cache``), ``send_kv_chunk``
-(which would gather GPU page indices) and the output streamer.
+(which would gather GPU page indices), the output streamer, and a grammar
+object that rejects the sampled token. ``grammar_rejected_result_sends_no_kv``
+is not applicable where the final-result path never asks a grammar.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, Case, Outcome
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
     CountingPageAllocator,
     Ledger,
@@ -144,6 +146,10 @@ def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcom
 # ---------------------------------------------------------------------------
 
 
+@case(
+    must_preserve=False,
+    expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, release_kv_cache without insert once, abort streamed once.",
+)
 def final_aborted_result_retired(ctx) -> Outcome:
     """#36988 final result: an aborted request (here the incident's intake
     rejection, ``set_finish_with_abort``) whose final prefill result arrives is
@@ -167,10 +173,19 @@ def final_aborted_result_retired(ctx) -> Outcome:
     )
 
 
+@case(
+    must_preserve=False,
+    expect='A result arriving after the request was retired by bootstrap-failure cleanup has no effect.',
+)
 def delayed_result_after_retirement_ignored(ctx) -> Outcome:
     """#36988 delayed result: after the request was retired by bootstrap-failure
     cleanup (``handle_bootstrap_failure``), a late result for it sends nothing,
     caches nothing, releases nothing twice and streams nothing again."""
+    if not has_method("managers.scheduler.Scheduler", "handle_bootstrap_failure"):
+        raise NotApplicable(
+            "no handle_bootstrap_failure (no optimistic prefill, before 0.5.13): bootstrap failure is "
+            "handled in pop_bootstrapped before the request reaches a forward, so no result can follow it"
+        )
     rig = RetireRig(ctx)
     req = rig.prefilled_req("delayed", 64, room=302)
     type(rig.shell).handle_bootstrap_failure(rig.shell, req)
@@ -191,6 +206,10 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
     return Outcome(UNSAFE, "The delayed result acted on a retired request: " + "; ".join(problems) + ".", obs)
 
 
+@case(
+    must_preserve=False,
+    expect="When the sender's abort() raises, the request is still retired once with all local cleanup.",
+)
 def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
     """#36988: ``disagg_kv_sender.abort()`` is best effort; when it raises, the
     metadata buffer, the KV and the terminal stream are still handled."""
@@ -207,6 +226,10 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
     return _verdict(problems, "The raising sender.abort() did not skip cleanup: retired once.", obs)
 
 
+@case(
+    must_preserve=False,
+    expect='An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.',
+)
 def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
     """#36988 chunked prefill: while a later overlapped chunk is still running,
     an aborted middle-chunk result does not retire the request; the final
@@ -215,7 +238,8 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
 
     rig = RetireRig(ctx)
     req = rig.prefilled_req("aborted-chunked", 64, room=304)
-    req.inflight_middle_chunks = 1
+    # The in-flight chunk counter: is_chunked up to 0.5.12.post1.
+    setattr(req, "inflight_middle_chunks" if hasattr(req, "inflight_middle_chunks") else "is_chunked", 1)
     rig.shell.chunked_req = req  # its next chunk is already launched
     req.to_finish = FINISH_ABORT("Embedding validation failed.")
     rig.deliver_result([req])
@@ -240,6 +264,54 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
     return Outcome(UNSAFE, "Chunked abort mishandled: " + "; ".join(problems) + ".", details)
 
 
+class _RejectingGrammar:
+    """Stands for a constrained-decoding grammar object that rejects the
+    sampled token (``accept_token`` raises ``ValueError``, as the grammar
+    backends do); records that it was asked."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.accept_calls = 0
+
+    def accept_token(self, token: int) -> None:
+        self.accept_calls += 1
+        raise ValueError(f"token {token} is not allowed by the grammar")
+
+
+@case(
+    must_preserve=False,
+    expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
+)
+def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
+    """#36988 as 0.5.20 orders it: the grammar check runs before the final
+    result is cached, queued or sends its last chunk, and a request whose
+    token it rejects (``prepare_abort``, HTTP 500) is retired with no KV
+    chunk sent. Before, the last chunk went out and the rejection came after."""
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("grammar-rejected", 64, room=306)
+    grammar = _RejectingGrammar()
+    req.grammar = grammar
+    rig.deliver_result([req])
+    if not grammar.accept_calls:
+        raise NotApplicable(
+            "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this release"
+        )
+    obs = rig.observe(req)
+    # The sampled token is appended before the check in 0.5.20 as well.
+    problems = [p for p in _retired_once(obs) if p != "sampled token appended"]
+    if not obs["sender_aborted"]:
+        problems.append("sender not aborted")
+    return _verdict(
+        problems,
+        "The grammar rejection retired the request before any KV chunk: not cached, not queued, released once, abort streamed once.",
+        obs,
+    )
+
+
+@case(
+    must_preserve=True,
+    expect='A valid finished request is cached, queued for transfer and sends its last KV chunk; nothing is released or streamed.',
+)
 def valid_finished_request_sends_kv(ctx) -> Outcome:
     """Must-preserve: a valid finished prefill keeps its token, is cached,
     queued for transfer and sends its last KV chunk; nothing is released or
@@ -261,38 +333,3 @@ def valid_finished_request_sends_kv(ctx) -> Outcome:
     if ok:
         return Outcome(SAFE, "The valid request was cached, queued and sent its 64-token last chunk.", obs)
     return Outcome(UNSAFE, "The valid request did not take the normal transfer path.", obs)
-
-
-CASES = [
-    Case(
-        "final_aborted_result_retired",
-        False,
-        "An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, "
-        "metadata buffer freed, release_kv_cache without insert once, abort streamed once.",
-        final_aborted_result_retired,
-    ),
-    Case(
-        "delayed_result_after_retirement_ignored",
-        False,
-        "A result arriving after the request was retired by bootstrap-failure cleanup has no effect.",
-        delayed_result_after_retirement_ignored,
-    ),
-    Case(
-        "sender_abort_failure_does_not_skip_cleanup",
-        False,
-        "When the sender's abort() raises, the request is still retired once with all local cleanup.",
-        sender_abort_failure_does_not_skip_cleanup,
-    ),
-    Case(
-        "middle_chunk_inflight_delays_retirement",
-        False,
-        "An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.",
-        middle_chunk_inflight_delays_retirement,
-    ),
-    Case(
-        "valid_finished_request_sends_kv",
-        True,
-        "A valid finished request is cached, queued for transfer and sends its last KV chunk; nothing is released or streamed.",
-        valid_finished_request_sends_kv,
-    ),
-]

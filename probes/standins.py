@@ -147,17 +147,28 @@ def pin_runtime(ctx) -> None:
     (``get_disagg``), without publishing a real server configuration.
 
     ``Req.set_finish_with_abort`` logs on rank 0 only and reads the rank through
-    ``get_parallel``; so do the retire paths of later releases.
+    ``get_parallel`` (0.5.16+) or ``get_tensor_model_parallel_rank`` (up to
+    0.5.15.post1); so do the retire paths. Each release's own lookup names are
+    patched where a module imported them.
     """
     parallel = ParallelStandIn()
     disagg = release_disagg_defaults()
+    lookups = {
+        "get_parallel": lambda: parallel,
+        "get_disagg": lambda: disagg,
+        # the distributed-state getters of releases before get_parallel
+        "get_tensor_model_parallel_rank": lambda: parallel.tp_rank,
+        "get_tensor_model_parallel_world_size": lambda: parallel.tp_size,
+        "get_attention_tp_rank": lambda: parallel.attn_tp_rank,
+        "get_attention_tp_size": lambda: parallel.attn_tp_size,
+    }
     for name in RUNTIME_MODULES:
         try:
             module = sg(name)
         except ImportError:
             continue
-        ctx.patch_if_present(module, "get_parallel", lambda: parallel)
-        ctx.patch_if_present(module, "get_disagg", lambda: disagg)
+        for lookup, value in lookups.items():
+            ctx.patch_if_present(module, lookup, value)
 
 
 # ---------------------------------------------------------------------------
@@ -283,6 +294,9 @@ def recording_sender_class(ledger: Ledger, *, abort_raises: bool = False):
 
         def should_send_kv_chunk(self, num_pages, last_chunk) -> bool:
             return num_pages > 0 or last_chunk
+
+        def get_max_transfer_tokens(self):
+            return None  # the base sender's default (0.5.21+): no per-send limit
 
         def send(self, kv_indices, *args, **kwargs):
             ledger.record("sender_send", room=self.bootstrap_room, n=len(kv_indices))
@@ -634,7 +648,13 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         ),
         "enable_hisparse": False,
         "enable_decode_hicache": False,
+        # Up to 0.5.12.post1 the scheduler reports stats itself (the metrics mixin).
+        "is_stats_logging_rank": False,
+        "current_scheduler_metrics_enabled": False,
     }
+    if callable(getattr(Scheduler, "stream_output", None)):
+        # Up to 0.5.12.post1 the scheduler streams itself (no output_streamer).
+        defaults["stream_output"] = defaults["output_streamer"].stream_output
     defaults.update(attrs)
     shell.__dict__.update(defaults)
     return shell
@@ -694,3 +714,80 @@ def construct_with(cls, **available: Any):
         elif p.default is p.empty:
             raise TypeError(f"{cls.__name__}.__init__ needs {pname!r}, the probe has no value for it")
     return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------
+# prefill-side transfer (prefill_drain)
+
+
+class WorkerStopped(BaseException):
+    """Raised by the stand-in queues when they run dry, so a worker's endless
+    loop returns to the probe. A BaseException: the workers' own crash
+    handlers catch Exception and must not mistake this for a crash."""
+
+
+class TransferEngineStandIn:
+    """Stands for the RDMA transfer engine under one prefill rank's send calls
+    (``send_kvcache``, ``send_aux``, ``maybe_send_extra``): each call posts a
+    write toward decode's pages, and the probe's ``plan`` decides what happens
+    to it, one entry per call:
+
+    - ``complete``: the write lands, the call returns 0;
+    - ``timeout``: the call gives up and returns -1 while the write is still
+      running (Mooncake's ``batch_transfer_sync`` on its wall-clock timeout);
+    - ``hold``: the write is in flight while ``during`` runs (an ABORT arriving
+      mid-transfer), then lands and the call returns 0;
+    - ``crash``: the write is posted, then the call raises (a worker bug).
+
+    ``in_flight`` counts posted writes that have not settled; ``settle()``
+    lets them land. Every drain ACK is recorded with that count, so a case can
+    tell an ACK sent while a write could still hit decode's pages.
+    """
+
+    def __init__(self, ledger: Ledger, plan: list[str] | None = None, during=None) -> None:
+        self.ledger = ledger
+        self.plan = list(plan or [])
+        self.during = during
+        self.in_flight = 0
+
+    def submit(self, kind: str, room: int) -> int:
+        mode = self.plan.pop(0) if self.plan else "complete"
+        self.ledger.record("write_posted", what=kind, room=room, mode=mode)
+        if mode == "complete":
+            return 0
+        self.in_flight += 1
+        if mode == "timeout":
+            return -1
+        if mode == "hold":
+            if self.during is not None:
+                self.during()
+            self.in_flight -= 1
+            return 0
+        if mode == "crash":
+            raise RuntimeError("probe: transfer worker bug while a write was posted")
+        raise ValueError(f"unknown transfer plan entry {mode!r}")
+
+    def settle(self) -> None:
+        self.ledger.record("writes_settled", count=self.in_flight)
+        self.in_flight = 0
+
+
+class DecodePeerWire:
+    """Stands for the prefill rank's ZMQ pushes to decode endpoints
+    (``_send_multipart_locked``): records drain ACKs (with the writes still
+    in flight at that moment) and status messages."""
+
+    def __init__(self, ledger: Ledger, engine: TransferEngineStandIn) -> None:
+        self.ledger, self.engine = ledger, engine
+
+    def send(self, endpoint: str, parts, is_ipv6: bool = False) -> None:
+        head = bytes(parts[0]) if parts else b""
+        if head == b"ABORT_ACK":
+            self.ledger.record(
+                "drain_ack",
+                endpoint=str(endpoint),
+                room=int(bytes(parts[1]).decode("ascii")),
+                writes_in_flight=self.engine.in_flight,
+            )
+        else:
+            self.ledger.record("status_to_decode", endpoint=str(endpoint))

@@ -62,11 +62,9 @@ def release_tree(shared_cache):
 @pytest.fixture(scope="session")
 def patched_tree(shared_cache, release_tree, tmp_path_factory):
     """patched_tree("0.5.19") -> (Tree of a fresh clone with the whole pack applied, ApplyReport)."""
-    import git
-
-    from backport.apply import apply_series
-    from backport.series import load_pack
-    from backport.tree import Tree
+    from backport.engine import apply_series
+    from backport.pack import load_pack
+    from backport.tree import clone_tree
 
     made: dict[str, tuple] = {}
 
@@ -74,10 +72,8 @@ def patched_tree(shared_cache, release_tree, tmp_path_factory):
         if version not in made:
             pristine = release_tree(version)
             dest = tmp_path_factory.mktemp(f"patched-{version}") / "tree"
-            git.Repo.clone_from(str(pristine.path), str(dest)).close()
+            tree = clone_tree(pristine, dest.parent, dest)
             report = apply_series(dest, load_pack(REPO / "patches"), version)
-            tree = Tree(dest, "", version, pristine.spec, pristine.artifact_sha256,
-                        pristine.tree_digest, pristine.base_commit)
             made[version] = (tree, report)
         return made[version]
 
@@ -87,7 +83,7 @@ def patched_tree(shared_cache, release_tree, tmp_path_factory):
 @pytest.fixture(scope="session")
 def probe_python(shared_cache) -> str:
     """The CPU probe interpreter: SGLANG_BACKPORT_PROBE_PYTHON, else the cached env (built once)."""
-    from backport.probeenv import ensure_env
+    from backport.probing import ensure_env
 
     with _with_cache(shared_cache):
         return str(ensure_env())

@@ -15,6 +15,7 @@ from pathlib import Path
 import git
 
 PKG = "sglang/srt/disaggregation"
+FIX_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # every test fix's upstream_commit
 ENV = {
     "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.invalid",
     "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.invalid",
@@ -77,11 +78,12 @@ def diff_of(tmp: Path, before: dict[str, str | bytes], after: dict[str, str | by
 
 
 def header(description: str = "Fix a thing", applies_to: str = ">=0.5.17", depends_on: str = "none",
-           last_update: str = "2026-11-30", pr: int = 11111, notes: str | None = "Same as upstream.",
+           last_update: str = "2026-11-30", pr: int = 100, notes: str | None = "Same as upstream.",
            drop: tuple[str, ...] = ()) -> str:
     fields = {
         "Description": description + "\n a longer explanation of the fix",
-        "Origin": f"upstream, https://github.com/sgl-project/sglang/pull/{pr}, commit abcdef0",
+        # agrees with make_pack's fixes.toml entry for pr<pr> (the commit abbreviated)
+        "Origin": f"upstream, https://github.com/sgl-project/sglang/pull/{pr}, commit {FIX_COMMIT[:10]}",
         "Bug": f"https://github.com/sgl-project/sglang/pull/{pr}",
         "Applies-To": applies_to,
         "Depends-On": depends_on,
@@ -97,27 +99,26 @@ def make_pack(root: Path, fixes: list[dict], patches: dict[str, dict[str, str]])
     patches: {fix_id: {file_name: full patch text}}."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "series").write_text("# test series\n" + "".join(f["id"] + "\n" for f in fixes))
-    out = []
-    for f in fixes:
-        out.append(f"[fixes.{f['id']}]")
-        out.append(f"title = {f.get('title', 'Fix ' + f['id'])!r}".replace("'", '"'))
-        out.append(f"pr = {f.get('pr', int(f['id'][2:]) if f['id'][2:].isdigit() else 1)}")
-        out.append(f'upstream_commit = "{f.get("commit", "0123456789abcdef0123456789abcdef01234567")}"')
-        out.append(f'fixed_in = "{f.get("fixed_in", "")}"')
-        if "scope" in f:
-            out.append(f'scope = "{f["scope"]}"')
-        out.append("depends_on = [" + ", ".join(f'"{d}"' for d in f.get("depends_on", [])) + "]")
-        rules = f.get("fingerprint", [])
-        out.append("fingerprint = [" + ", ".join(
-            "{{ file = {}, pattern = {} }}".format(_toml_str(r["file"]), _toml_str(r["pattern"])) for r in rules) + "]")
-        out.append("")
-    (root / "fixes.toml").write_text("\n".join(out))
+    (root / "fixes.toml").write_text("".join(make_fix_table(**f) for f in fixes))
     for fid, files in patches.items():
         d = root / fid
         d.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             (d / name).write_text(text)
     return root
+
+
+def make_fix_table(id: str, **f) -> str:
+    """One fix's [fixes.<id>] table: keys title, pr, commit, fixed_in, scope, depends_on, fingerprint."""
+    out = [f"[fixes.{id}]", f"title = {f.get('title', 'Fix ' + id)!r}".replace("'", '"'),
+           f"pr = {f.get('pr', int(id[2:]) if id[2:].isdigit() else 1)}",
+           f'upstream_commit = "{f.get("commit", FIX_COMMIT)}"', f'fixed_in = "{f.get("fixed_in", "")}"']
+    if "scope" in f:
+        out.append(f'scope = "{f["scope"]}"')
+    out.append("depends_on = [" + ", ".join(f'"{d}"' for d in f.get("depends_on", [])) + "]")
+    out.append("fingerprint = [" + ", ".join("{{ file = {}, pattern = {} }}".format(
+        _toml_str(r["file"]), _toml_str(r["pattern"])) for r in f.get("fingerprint", [])) + "]")
+    return "\n".join(out) + "\n\n"
 
 
 def _toml_str(s: str) -> str:
@@ -149,3 +150,52 @@ def snapshot(repo: Path) -> dict:
 
 def dedent(s: str) -> str:
     return textwrap.dedent(s).lstrip("\n")
+
+
+# ------------------------------------------------------- fault injection
+
+APPLY_SCRIPT = ("import sys\nfrom pathlib import Path\nfrom backport.engine import apply_series\n"
+                "from backport.pack import load_pack\n"
+                "print(apply_series(Path(sys.argv[1]), load_pack(sys.argv[2]), '0.5.19').status)\n")
+
+
+def work_files(repo: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of the work tree outside .git: (mode, bytes)."""
+    return {p.relative_to(repo).as_posix(): (p.stat().st_mode, p.read_bytes())
+            for p in sorted(repo.rglob("*")) if p.is_file() and ".git" not in p.relative_to(repo).parts}
+
+
+def leftovers(repo: Path) -> list[str]:
+    """What an apply must never leave behind once recovered: locks, journal, pending ref."""
+    git_dir = repo / ".git"
+    found = [n for n in ("index.lock", "sglang-backport-apply.json", "sglang-backport-index",
+                         "sglang-backport-index.lock") if (git_dir / n).exists()]
+    found += run_git(repo, "for-each-ref", "--format=%(refname)", "refs/sglang-backport/").split()
+    return found
+
+
+def tree_state(repo: Path, pristine: dict, patched: dict) -> str:
+    """"pristine", "patched" (files, HEAD, index all agree with one of them) or "half"."""
+    head = run_git(repo, "rev-parse", "HEAD").strip()
+    clean = run_git(repo, "status", "--porcelain", "--untracked-files=all") == ""
+    files = work_files(repo)
+    for name, want in (("pristine", pristine), ("patched", patched)):
+        if head == want["head"] and files == want["files"] and clean:
+            return name
+    return "half"
+
+
+def git_wrapper(bin_dir: Path, marker: Path, command: str, when: str) -> dict[str, str]:
+    """Environment with a `git` first on PATH that, for the git subcommand
+    ``command``, sleeps before running the real git (when="pre") or after it
+    returned ("post"), having touched ``marker`` so the test knows when."""
+    import shutil
+
+    real = shutil.which("git")
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    hit = f'case " $* " in *" {command} "*) touch "{marker}"; sleep 60;; esac\n'
+    body = (hit + f'"{real}" "$@"\nrc=$?\n') if when == "pre" else (f'"{real}" "$@"\nrc=$?\n' + hit)
+    script = bin_dir / "git"
+    script.write_text("#!/bin/sh\n" + body + "exit $rc\n")
+    script.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}

@@ -48,9 +48,10 @@ def build_wheel(directory: Path, version: str, *, files: dict[str, bytes] | None
 
 
 def write_pins(path: Path, wheels: dict[str, tuple[str, str]]) -> Path:
-    """targets.toml pinning {version: (filename, sha256)}."""
+    """A release matrix (releases.toml) pinning {version: (filename, sha256)}, with no expectations."""
     text = "".join(
-        f'[[wheel]]\nversion = "{v}"\nfilename = "{name}"\nsha256 = "{sha}"\n\n' for v, (name, sha) in wheels.items()
+        f'[[release]]\nversion = "{v}"\nwheel = {{ file = "{name}", sha256 = "{sha}" }}\n\n'
+        for v, (name, sha) in wheels.items()
     )
     path.write_text(text)
     return path

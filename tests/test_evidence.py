@@ -2,8 +2,9 @@
 
 The fixtures have the shapes `probes.harness`, `ApplyReport.to_json()` and
 `run_upstream_tests` print, with absolute temporary paths in them as a real run has, so
-normalisation and determinism are tested on their own. One end-to-end test runs the real
-`run sglang==0.5.19` (marked probe_env; needs SGLANG_BACKPORT_PROBE_PYTHON).
+normalisation and determinism are tested on their own, without a probe environment. The
+`run` tests at the end drive the real job on the cached 0.5.19 tree with the probe subprocess
+stubbed; one end-to-end test runs the real `run sglang==0.5.19` (marked probe_env).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import copy
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
-from backport import cli, cli_run, evidence
+from backport import cli, evidence
+from backport.errors import BadInput, Finding
 from backport.evidence import TreeInput
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,6 +27,8 @@ SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
 
 D = {n: f"{n:x}" * 64 for n in range(1, 10)}  # fake sha256 digests
 C = {n: f"{n:x}" * 40 for n in range(1, 10)}  # fake commits
+BUNDLE_FILES = ["REPORT.md", "SHA256SUMS", "apply-report.json", "probes/patched.json", "probes/pristine.json",
+                "probes/reference.json", "receipt.json", "upstream-tests.json"]
 
 
 def case(probe, name, verdict, must_preserve=False, **details):
@@ -44,7 +48,8 @@ PASSING_CASES = [
 ]
 
 
-def probe_doc(root: Path, role_index: int, cases, *, import_seconds=8.5) -> dict:
+def probe_doc(root: Path, role_index: int, cases, *, import_seconds=8.5, link: Path | None = None) -> dict:
+    link = link or Path("/nowhere/probes")
     return {
         "tree": str(root),
         "version": "0.5.19" if role_index < 2 else "0.5.22",
@@ -54,7 +59,7 @@ def probe_doc(root: Path, role_index: int, cases, *, import_seconds=8.5) -> dict
         "import_seconds": import_seconds,
         "cases": [case(p, n, verdicts[role_index], mp,
                        traceback=f"File \"{root}/sglang/srt/disaggregation/prefill.py\", line 1",
-                       link="/tmp/sglang-backport-probes-ab12_cd/probes/admission.py")
+                       link=f"{link}/admission.py")
                   for p, n, mp, *verdicts in cases],
     }
 
@@ -66,6 +71,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
     patched = tmp / "cache" / "work" / "sglang-0.5.19-x1y2z3"
     ref = tmp / "cache" / "trees" / f"wheel-{D[2]}" / "tree"
     series = tmp / "toolkit" / "patches"
+    link = tmp / "probe-link" / "probes"  # a caller's own directory, named in extra_paths
     trees = {
         "pristine": TreeInput("pristine", "sglang==0.5.19", "0.5.19", D[3], C[1], D[1], False, pristine, pristine),
         "patched": TreeInput("patched", "sglang==0.5.19", "0.5.19", D[4], C[2], D[1], False, patched, patched),
@@ -74,7 +80,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
     if reference:
         trees["reference"] = TreeInput("reference", "sglang==0.5.22", "0.5.22", D[5], C[3], D[2], False, ref, ref)
         roots.append(ref)
-    probe_docs = {role: probe_doc(root, i, cases, import_seconds=import_seconds + i)
+    probe_docs = {role: probe_doc(root, i, cases, import_seconds=import_seconds + i, link=link)
                   for i, (role, root) in enumerate(zip(trees, roots))}
     apply_report = {
         "schema": 1, "tree": str(patched), "version": "0.5.19", "package_prefix": "", "check": False,
@@ -117,7 +123,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         environment=environment, toolkit={"name": "sglang-backport", "version": "0.1.0", "git_commit": None,
                                           "git_dirty": None},
         timestamps=timestamps, reference_choice="default",
-        extra_paths=[(series, ""), (tmp / "cache", "<cache>")])
+        extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")])
 
 
 @pytest.fixture
@@ -130,10 +136,27 @@ def _files(bundle: Path) -> list[str]:
 
 
 def _validate(statement: dict) -> None:
-    import jsonschema
-
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     jsonschema.Draft202012Validator(SCHEMA).validate(statement)
+
+
+def _receipt(bundle: Path) -> dict:
+    return json.loads((bundle / "receipt.json").read_text())
+
+
+def _reseal(bundle: Path, statement: dict | None = None) -> None:
+    """Write the receipt (if given) and recompute SHA256SUMS, as someone hiding a change would."""
+    if statement is not None:
+        (bundle / "receipt.json").write_bytes(evidence.canonical_json(statement))
+    digests = {n: evidence.sha256_file(bundle / n) for n in _files(bundle) if n != "SHA256SUMS"}
+    (bundle / "SHA256SUMS").write_text(evidence.sums_text(digests))
+
+
+def _rewrite(bundle: Path, edit) -> None:
+    """Edit the receipt and reseal SHA256SUMS."""
+    statement = _receipt(bundle)
+    edit(statement)
+    _reseal(bundle, statement)
 
 
 # ---- pair verdicts --------------------------------------------------------------------------------
@@ -165,8 +188,9 @@ def test_findings_and_must_preserve():
     assert evidence.is_finding("regressed", True)
     assert evidence.is_finding("still-unsafe", False)
     assert not evidence.is_finding("still-unsafe", True)  # must-preserve: only regressions count
-    for ok in ("fixed", "held", "added", "not-applicable"):
+    for ok in evidence.PASSING:
         assert not evidence.is_finding(ok, False)
+    assert set(evidence.PAIR_VERDICTS) - evidence.PASSING == {"still-unsafe", "regressed", "error"}
 
 
 def test_case_rows_pair_and_reference_check(tmp_path):
@@ -200,6 +224,7 @@ def test_failing_runs(tmp_path, extra, finding):
     assert s["findings"] == [{"probe": extra[0], "case": extra[1], "pair": finding, "must_preserve": extra[2]}]
     _validate(bundle.statement)
     assert "**" + finding + "**" in bundle.files["REPORT.md"].decode()
+    assert evidence.verify(evidence.write_bundle(tmp_path / "out", bundle)).summary["result"] == "fail"
 
 
 def test_must_preserve_still_unsafe_is_not_a_finding(tmp_path):
@@ -208,11 +233,15 @@ def test_must_preserve_still_unsafe_is_not_a_finding(tmp_path):
     assert s["result"] == "pass" and s["pair_verdicts"]["still-unsafe"] == 1
 
 
+def test_a_run_without_cases_fails(tmp_path):
+    assert fixture_run(tmp_path, cases=[]).summary["result"] == "fail"
+
+
 # ---- the receipt ----------------------------------------------------------------------------------
 
 
 def test_receipt_is_an_in_toto_statement_and_validates(bundle_dir):
-    statement = json.loads((bundle_dir / "receipt.json").read_text())
+    statement = _receipt(bundle_dir)
     _validate(statement)
     assert statement["_type"] == "https://in-toto.io/Statement/v1"
     assert statement["predicateType"] == "https://sglang-backport.dev/receipt/v1"
@@ -227,10 +256,15 @@ def test_receipt_is_an_in_toto_statement_and_validates(bundle_dir):
     assert p["inputs"]["trees"]["pristine"]["tree_digest"] == D[3]
     assert p["inputs"]["reference"]["spec"] == "sglang==0.5.22"
     assert p["inputs"]["reference"]["chosen"] == "default"
+    for role in ("pristine", "patched", "reference"):
+        assert p["probes"][role]["file"] == f"probes/{role}.json"
+        assert p["probes"][role]["sha256"] == evidence.sha256_file(bundle_dir / "probes" / f"{role}.json")
+    assert p["upstream_tests"]["sha256"] == evidence.sha256_file(bundle_dir / "upstream-tests.json")
+    assert evidence.check_statement(statement) == []
 
 
 def test_probe_outputs_are_normalised(bundle_dir, tmp_path):
-    p = json.loads((bundle_dir / "receipt.json").read_text())["predicate"]
+    p = _receipt(bundle_dir)["predicate"]
     for role in ("pristine", "patched", "reference"):
         doc = json.loads((bundle_dir / "probes" / f"{role}.json").read_text())
         assert doc["tree"] == role
@@ -241,6 +275,11 @@ def test_probe_outputs_are_normalised(bundle_dir, tmp_path):
     assert p["timestamps"]["import_seconds"] == {"pristine": 8.5, "patched": 9.5, "reference": 10.5}
     apply_report = json.loads((bundle_dir / "apply-report.json").read_text())
     assert apply_report["tree"] == "patched"
+    upstream = json.loads((bundle_dir / "upstream-tests.json").read_text())
+    assert upstream["trees"][0]["tests"][0]["reason"] == "AssertionError in pristine/sglang/x.py"
+    assert "source" not in upstream["files"][0]
+    assert p["timestamps"]["upstream_test_sources"] == {f"{upstream['files'][0]['path']}@{C[5]}":
+                                                        "https://example/raw"}
     # No temporary path survives anywhere outside `timestamps`.
     for name in _files(bundle_dir):
         text = (bundle_dir / name).read_text()
@@ -249,6 +288,18 @@ def test_probe_outputs_are_normalised(bundle_dir, tmp_path):
             body["predicate"].pop("timestamps")
             text = json.dumps(body)
         assert str(tmp_path) not in text, name
+
+
+def test_only_the_paths_named_are_replaced(tmp_path):
+    """The evidence module guesses no path (no other module's temporary names): the caller names them."""
+    foreign = "/tmp/sglang-backport-probes-ab12_cd/probes/admission.py"
+    doc = {"tree": "/x/tree", "cases": [], "details": {"link": foreign, "own": "/x/tree/sglang/a.py"}}
+    from backport.evidence.scrub import normalise_probe
+
+    normalised, _ = normalise_probe(doc, "patched", "/x/tree")
+    assert normalised["details"] == {"link": foreign, "own": "patched/sglang/a.py"}
+    named, _ = normalise_probe(doc, "patched", "/x/tree", [("/tmp/sglang-backport-probes-ab12_cd/probes", "probes")])
+    assert named["details"]["link"] == "probes/admission.py"
 
 
 def test_same_inputs_differ_only_in_timestamps(tmp_path):
@@ -283,15 +334,44 @@ def test_written_bundles_are_byte_identical_apart_from_the_receipt(tmp_path):
     assert differing == ["SHA256SUMS", "receipt.json"]
 
 
+def test_schema_rejects_broken_receipts(bundle_dir):
+    statement = _receipt(bundle_dir)
+    _validate(statement)
+    for breaking in (lambda s: s.pop("subject"),
+                     lambda s: s["predicate"]["cases"][0].update(pair="fine"),
+                     lambda s: s["predicate"]["probes"]["patched"].update(import_seconds=1.0),
+                     lambda s: s["predicate"].pop("timestamps"),
+                     lambda s: s["subject"][0]["digest"].update(sha256="abc")):
+        broken = copy.deepcopy(statement)
+        breaking(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft202012Validator(SCHEMA).validate(broken)
+
+
 # ---- the bundle -----------------------------------------------------------------------------------
 
 
 def test_bundle_layout(bundle_dir):
-    assert _files(bundle_dir) == ["REPORT.md", "SHA256SUMS", "apply-report.json", "probes/patched.json",
-                                  "probes/pristine.json", "probes/reference.json", "receipt.json",
-                                  "upstream-tests.json"]
+    assert _files(bundle_dir) == BUNDLE_FILES
     listed = [line.split("  ", 1)[1] for line in (bundle_dir / "SHA256SUMS").read_text().splitlines()]
     assert listed == sorted(set(_files(bundle_dir)) - {"SHA256SUMS"})
+
+
+def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
+    """`run BASE --head HEAD`: nothing applied, so no apply-report.json; it still verifies."""
+    raw = fixture_run(tmp_path / "r", reference=False)
+    p = raw.statement["predicate"]
+    trees = {role: TreeInput(role, t["spec"], t["version"], t["tree_digest"], t["commit"], t["artifact_sha256"])
+             for role, t in p["inputs"]["trees"].items()}
+    docs = {role: {**evidence.statement.embedded(p, f"probes/{role}.json"), "tree": "/x"} for role in trees}
+    bundle = evidence.assemble(
+        mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
+        probe_docs=docs, apply_report=None, patches=[], series_files=[], upstream_tests=None,
+        environment=p["environment"], toolkit=p["toolkit"], timestamps=p["timestamps"])
+    out = evidence.write_bundle(tmp_path / "pair", bundle)
+    assert "apply-report.json" not in _files(out)
+    assert "No patch applied (the head tree is given" in (out / "REPORT.md").read_text()
+    assert evidence.verify(out).ok, evidence.verify(out).problems
 
 
 def test_sha256sum_c_passes(bundle_dir):
@@ -315,15 +395,19 @@ def test_report_md(bundle_dir):
             "| not-applicable | **no** |") in report
     assert ("| `test/registered/unit/disaggregation/test_admission_abort_not_enqueued.py::T::test_rejected` "
             "| failed | passed | passed |") in report
+    assert report == evidence.render_report(_receipt(bundle_dir))
 
 
 def test_write_bundle_replaces_only_bundles(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("mine")
-    with pytest.raises(evidence.BadInput):
+    with pytest.raises(BadInput):
         evidence.write_bundle(out, fixture_run(tmp_path / "r"))
     assert (out / "precious.txt").read_text() == "mine"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BadInput, match="not a directory"):
+        evidence.check_bundle_target(tmp_path / "afile")
     bundle = tmp_path / "bundle"
     evidence.write_bundle(bundle, fixture_run(tmp_path / "r", started="2026-01-01T00:00:00+00:00"))
     (bundle / "stale.txt").write_text("left over")
@@ -333,13 +417,14 @@ def test_write_bundle_replaces_only_bundles(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
 
 
-# ---- verify ---------------------------------------------------------------------------------------
+# ---- verify: digests ------------------------------------------------------------------------------
 
 
 def test_verify_passes(bundle_dir):
     result = evidence.verify(bundle_dir)
     assert result.ok, result.problems
     assert len(result.files) == 7 and result.summary["result"] == "pass"
+    assert result.to_json()["first"] is None
 
 
 def _positions(size: int) -> list[int]:
@@ -353,21 +438,20 @@ def test_any_single_byte_change_is_named(bundle_dir, tmp_path):
         original = (bundle_dir / name).read_bytes()
         for pos in _positions(len(original)):
             for replacement in {original[pos] ^ 0x01, ord("x") if original[pos] != ord("x") else ord("y")}:
-                copy_dir = tmp_path / f"c{checked}"
-                shutil.copytree(bundle_dir, copy_dir)
                 changed = bytearray(original)
                 changed[pos] = replacement
-                (copy_dir / name).write_bytes(bytes(changed))
-                result = evidence.verify(copy_dir)
+                (bundle_dir / name).write_bytes(bytes(changed))
+                result = evidence.verify(bundle_dir)
                 assert not result.ok, (name, pos)
                 assert result.first.file == name, (name, pos, result.first)
                 assert result.first.kind == "modified", (name, pos, result.first)
-                shutil.rmtree(copy_dir)
                 checked += 1
+        (bundle_dir / name).write_bytes(original)
     assert checked > 50
+    assert evidence.verify(bundle_dir).ok
 
 
-def test_every_byte_of_sha256sums(bundle_dir, tmp_path):
+def test_every_byte_of_sha256sums(bundle_dir):
     """SHA256SUMS is the one file whose edits could be blamed on another file: try every byte."""
     original = (bundle_dir / "SHA256SUMS").read_bytes()
     for pos in range(len(original)):
@@ -395,53 +479,281 @@ def test_added_file_is_named(bundle_dir, name):
     assert not result.ok and result.first.file == name and result.first.kind == "unexpected"
 
 
+def test_symlink_is_named(bundle_dir):
+    (bundle_dir / "link.md").symlink_to(bundle_dir / "REPORT.md")
+    result = evidence.verify(bundle_dir)
+    assert (result.first.file, result.first.kind) == ("link.md", "unexpected")
+
+
 def test_renamed_file_is_named(bundle_dir):
     (bundle_dir / "REPORT.md").rename(bundle_dir / "REPORT.txt")
     result = evidence.verify(bundle_dir)
     assert [(p.file, p.kind) for p in result.problems] == [("REPORT.md", "missing"), ("REPORT.txt", "unexpected")]
 
 
-def _rewrite(bundle: Path, edit) -> None:
-    """Edit the receipt and re-seal SHA256SUMS, as someone hiding a change would."""
-    statement = json.loads((bundle / "receipt.json").read_text())
-    edit(statement)
-    (bundle / "receipt.json").write_bytes(evidence.canonical_json(statement))
-    digests = {n: evidence.sha256_file(bundle / n) for n in _files(bundle) if n != "SHA256SUMS"}
-    (bundle / "SHA256SUMS").write_text(evidence.sums_text(digests))
-
-
 def test_resealed_file_is_caught_by_the_receipt(bundle_dir):
     (bundle_dir / "probes" / "patched.json").write_text("{}\n")
-    digests = {n: evidence.sha256_file(bundle_dir / n) for n in _files(bundle_dir) if n != "SHA256SUMS"}
-    (bundle_dir / "SHA256SUMS").write_text(evidence.sums_text(digests))
+    _reseal(bundle_dir)
     result = evidence.verify(bundle_dir)
     assert (result.first.file, result.first.kind) == ("probes/patched.json", "modified")
 
 
-def test_summary_must_agree_with_cases(bundle_dir):
-    _rewrite(bundle_dir, lambda s: s["predicate"]["summary"]["pair_verdicts"].update(fixed=3))
+def test_verify_of_a_missing_directory_is_bad_input(tmp_path):
+    with pytest.raises(BadInput):
+        evidence.verify(tmp_path / "nope")
+
+
+# ---- verify: the schema is never skipped -----------------------------------------------------------
+
+
+def test_a_receipt_outside_the_schema_is_named(bundle_dir):
+    """An extra key breaks no derivation, only the schema: verify must still refuse it."""
+    _rewrite(bundle_dir, lambda s: s["predicate"].update(note="trust me"))
     result = evidence.verify(bundle_dir)
-    assert result.first.file == "receipt.json" and result.first.kind == "inconsistent"
-    assert "summary.pair_verdicts" in result.first.detail
+    assert (result.first.file, result.first.kind) == ("receipt.json", "inconsistent")
+    assert "receipt schema" in result.first.detail
 
 
-def test_pair_verdicts_must_follow_from_tree_verdicts(bundle_dir):
-    def edit(s):
-        s["predicate"]["cases"][0]["pair"] = "held"
-        s["predicate"]["summary"]["pair_verdicts"].update(fixed=1, held=3)
+def test_verify_refuses_to_run_without_its_schema(bundle_dir, tmp_path, monkeypatch):
+    from backport import resources
+    from backport.evidence import statement
 
-    _rewrite(bundle_dir, edit)
+    monkeypatch.setattr(resources, "receipt_schema", lambda: tmp_path / "missing.schema.json")
+    statement._validator.cache_clear()
+    try:
+        with pytest.raises(Finding, match="receipt schema cannot be read"):
+            evidence.verify(bundle_dir)
+    finally:
+        statement._validator.cache_clear()
+
+
+# ---- verify: every value shared by several files agrees ------------------------------------------
+
+RECEIPT, REPORT, APPLY = "receipt.json", "REPORT.md", "apply-report.json"
+PATCHED, PRISTINE, REF, UPSTREAM = ("probes/patched.json", "probes/pristine.json", "probes/reference.json",
+                                    "upstream-tests.json")
+
+
+def _restated(**documents):
+    """A receipt edit that keeps the receipt consistent with itself (a careful forger)."""
+    def edit(statement, document_edit):
+        from backport.evidence.statement import embedded, restate
+
+        p = statement["predicate"]
+        if "probes" in documents:
+            probes = {role: embedded(p, f"probes/{role}.json") for role in p["probes"]}
+            document_edit(probes)
+            new = restate(statement, probes=probes)
+        else:
+            upstream = embedded(p, UPSTREAM)
+            document_edit(upstream)
+            new = restate(statement, upstream=upstream)
+        statement.clear()
+        statement.update(new)
+
+    return lambda s: edit(s, next(iter(documents.values())))
+
+
+def _set(path: str, value):
+    """An edit that sets one value of a JSON document, by a dotted path with [index] parts."""
+    def edit(document):
+        parts = path.replace("[", ".").replace("]", "").split(".")
+        target = document
+        for part in parts[:-1]:
+            target = target[int(part)] if part.isdigit() else target[part]
+        last = parts[-1]
+        target[int(last) if last.isdigit() else last] = value
+    return edit
+
+
+def _both(*edits):
+    def edit(document):
+        for one in edits:
+            one(document)
+    return edit
+
+
+P = "predicate."
+# (case id, file edited, the edit, files verify must name). A JSON edit is a function of the
+# document; a REPORT.md edit is (old text, new text). One name: verify names that file alone.
+# Two names: only the receipt and REPORT.md hold the value, so verify names both.
+TAMPER_CASES = [
+    # patch digests and statuses
+    ("patch-sha-receipt-inputs", RECEIPT, _set(P + "inputs.patches[0].sha256", D[9]), [RECEIPT]),
+    ("patch-sha-receipt-apply", RECEIPT, _set(P + "apply.patches[0].variant_sha256", D[9]), [RECEIPT]),
+    ("patch-sha-receipt-everywhere", RECEIPT, _both(_set(P + "inputs.patches[0].sha256", D[9]),
+                                                    _set(P + "apply.patches[0].variant_sha256", D[9])), [RECEIPT]),
+    ("patch-sha-apply-report", APPLY, _set("patches[0].variant_sha256", D[9]), [APPLY]),
+    ("patch-sha-report-md", REPORT, (f"| applied | `{D[6]}` |", f"| applied | `{D[9]}` |"), [REPORT]),
+    ("patch-status-apply-report", APPLY, _set("patches[1].status", "already-present"), [APPLY]),
+    ("patch-status-receipt", RECEIPT, _set(P + "inputs.patches[1].status", "already-present"), [RECEIPT]),
+    ("patch-status-report-md", REPORT, ("`pr38935/pr38935-0.5.19.patch` | applied |",
+                                        "`pr38935/pr38935-0.5.19.patch` | already-present |"), [REPORT]),
+    ("patch-commit-apply-report", APPLY, _set("patches[0].commit", C[9]), [APPLY, RECEIPT]),
+    # tree digests
+    ("tree-digest-receipt", RECEIPT, _set(P + "inputs.trees.patched.tree_digest", D[9]), [REPORT, RECEIPT]),
+    ("tree-digest-report-md", REPORT, (f"`{D[4]}`", f"`{D[9]}`"), [REPORT, RECEIPT]),
+    ("reference-digest-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.reference.tree_digest", D[9]),
+     [RECEIPT]),
+    ("reference-digest-receipt-both-copies", RECEIPT,
+     _both(_set(P + "inputs.trees.reference.tree_digest", D[9]), _set(P + "inputs.reference.tree_digest", D[9])),
+     [REPORT, RECEIPT]),
+    ("artifact-digest-receipt", RECEIPT, _set(P + "inputs.target.artifact_sha256", D[9]), [RECEIPT]),
+    # commits
+    ("head-commit-apply-report", APPLY, _set("head_commit", C[9]), [APPLY]),
+    ("patched-commit-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.patched.commit", C[9]), [RECEIPT]),
+    ("patched-commit-receipt-both-copies", RECEIPT,
+     _both(_set(P + "inputs.trees.patched.commit", C[9]), _set(P + "apply.head_commit", C[9])), [RECEIPT]),
+    ("head-commit-report-md", REPORT, (f"head commit `{C[2]}`", f"head commit `{C[9]}`"), [REPORT]),
+    ("pristine-commit-receipt", RECEIPT, _set(P + "inputs.trees.pristine.commit", C[9]), [REPORT, RECEIPT]),
+    ("pristine-commit-report-md", REPORT, (f"`{C[1]}`", f"`{C[9]}`"), [REPORT, RECEIPT]),
+    # verdicts
+    ("verdict-probe-file", PATCHED, _set("cases[0].verdict", "unsafe"), [PATCHED]),
+    ("verdict-reference-file", REF, _set("cases[5].verdict", "not-applicable"), [REF]),
+    ("verdict-receipt-everywhere", RECEIPT, _restated(probes=_set("patched.cases[0].verdict", "unsafe")),
+     [RECEIPT]),
+    ("verdict-receipt-embedded-only", RECEIPT, _set(P + "probes.patched.cases[0].verdict", "unsafe"), [RECEIPT]),
+    ("pair-receipt", RECEIPT, _set(P + "cases[0].pair", "held"), [RECEIPT]),
+    ("verdict-report-md", REPORT, ("enqueued_prefill | unsafe | safe | safe | fixed |",
+                                   "enqueued_prefill | safe | safe | safe | held |"), [REPORT]),
+    ("observed-probe-file", PATCHED, _set("cases[0].observed", "all is well"), [PATCHED, RECEIPT]),
+    ("observed-receipt", RECEIPT, _restated(probes=_set("patched.cases[0].observed", "all is well")),
+     [PATCHED, RECEIPT]),
+    # the summary
+    ("summary-result-receipt", RECEIPT, _set(P + "summary.result", "fail"), [RECEIPT]),
+    ("summary-counts-receipt", RECEIPT, _set(P + "summary.pair_verdicts.fixed", 3), [RECEIPT]),
+    ("summary-findings-receipt", RECEIPT, _set(P + "summary.findings", [{"probe": "admission", "case": "x",
+                                                                      "pair": "error", "must_preserve": False}]),
+     [RECEIPT]),
+    ("reference-differences-receipt", RECEIPT, _set(P + "reference_differences", []), [RECEIPT]),
+    ("summary-result-report-md", REPORT, ("Result: **PASS**", "Result: **FAIL**"), [REPORT]),
+    ("summary-counts-report-md", REPORT, ("- fixed: 2", "- fixed: 3"), [REPORT]),
+    # upstream tests
+    ("upstream-outcome-file", UPSTREAM, _set("trees[0].tests[0].outcome", "passed"), [UPSTREAM]),
+    ("upstream-outcome-receipt", RECEIPT, _restated(upstream=_set("trees.0.tests.0.outcome", "passed")),
+     [RECEIPT]),
+    ("upstream-outcome-report-md", REPORT, ("| failed | passed | passed |", "| passed | passed | passed |"),
+     [REPORT]),
+    ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM, RECEIPT]),
+    # the environment the probes ran in
+    ("torch-probe-file", PRISTINE, _set("torch", "2.14.0+cpu"), [PRISTINE]),
+    ("torch-receipt", RECEIPT, _set(P + "environment.torch", "2.14.0+cpu"), [RECEIPT]),
+    ("python-receipt", RECEIPT, _set(P + "environment.python", "3.12.1"), [REPORT, RECEIPT]),
+    # digests the receipt records of the files it embeds
+    ("probe-digest-receipt", RECEIPT, _set(P + "probes.patched.sha256", D[9]), [RECEIPT]),
+    ("upstream-digest-receipt", RECEIPT, _set(P + "upstream_tests.sha256", D[9]), [RECEIPT]),
+    ("probe-file-name-receipt", RECEIPT, _set(P + "probes.patched.file", "probes/pristine.json"), [RECEIPT]),
+    # the target and the mode
+    ("target-spec-receipt", RECEIPT, _set(P + "inputs.target.spec", "sglang==0.5.20"), [REPORT, RECEIPT]),
+    ("target-spec-report-md", REPORT, ("# Evidence: sglang==0.5.19", "# Evidence: sglang==0.5.20"),
+     [REPORT, RECEIPT]),
+    ("target-version-receipt", RECEIPT, _set(P + "inputs.target.version", "0.5.20"), [RECEIPT]),
+    ("mode-receipt", RECEIPT, _set(P + "mode", "upstream-pair"), [RECEIPT]),
+]
+
+
+def _tamper(bundle: Path, name: str, edit, *, careful: bool = True) -> None:
+    """Edit one file, then make every digest agree again: the receipt's subject (and, when
+    `careful`, the digest the predicate records beside its copy) and SHA256SUMS."""
+    statement = _receipt(bundle)
+    if name == RECEIPT:
+        edit(statement)
+    else:
+        path = bundle / name
+        if name == REPORT:
+            old, new = edit
+            text = path.read_text()
+            assert text.count(old) >= 1, old
+            path.write_text(text.replace(old, new, 1))
+        else:
+            document = json.loads(path.read_text())
+            edit(document)
+            path.write_bytes(evidence.canonical_json(document))
+        digest = evidence.sha256_file(path)
+        for subject in statement["subject"]:
+            if subject["name"] == name:
+                subject["digest"]["sha256"] = digest
+        p = statement["predicate"]
+        recorded = p["upstream_tests"] if name == UPSTREAM else p["probes"].get(name[7:-5]) \
+            if name.startswith("probes/") else None
+        if careful and recorded is not None:
+            recorded["sha256"] = digest
+    _reseal(bundle, statement)
+
+
+@pytest.mark.parametrize("name, edit, named", [c[1:] for c in TAMPER_CASES], ids=[c[0] for c in TAMPER_CASES])
+def test_a_shared_value_edited_in_one_file_is_named(bundle_dir, name, edit, named, capsys):
+    _tamper(bundle_dir, name, edit)
     result = evidence.verify(bundle_dir)
-    assert result.first.file == "receipt.json" and "pair verdict 'held' does not follow" in result.first.detail
+    assert not result.ok
+    assert sorted({p.file for p in result.problems}) == sorted(named), result.problems
+    assert result.first.file == named[0] and result.first.kind == "inconsistent", result.first
+    assert cli.main(["verify", str(bundle_dir)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {named[0]}: inconsistent") and name in out, out
 
 
-def test_receipt_must_match_embedded_files(bundle_dir):
-    def edit(s):
-        s["predicate"]["probes"]["patched"]["cases"][0]["observed"] = "something else"
+def test_tamper_table_edits_every_file_that_shares_values():
+    assert {c[1] for c in TAMPER_CASES} == {RECEIPT, REPORT, APPLY, PATCHED, PRISTINE, REF, UPSTREAM}
 
-    _rewrite(bundle_dir, edit)
+
+@pytest.mark.parametrize("name, edit", [(PATCHED, _set("cases[0].verdict", "unsafe")),
+                                        (UPSTREAM, _set("trees[0].tests[0].outcome", "passed"))])
+def test_a_forger_who_leaves_the_recorded_digest_is_named_too(bundle_dir, name, edit):
+    _tamper(bundle_dir, name, edit, careful=False)
     result = evidence.verify(bundle_dir)
-    assert (result.first.file, result.first.kind) == ("probes/patched.json", "inconsistent")
+    assert [p.file for p in result.problems] == [name]
+
+
+def test_a_file_rewritten_in_another_json_form_is_named(bundle_dir):
+    """Same values, other bytes: the receipt's digest covers the canonical form only."""
+    path = bundle_dir / APPLY
+    path.write_text(json.dumps(json.loads(path.read_text())))
+    statement = _receipt(bundle_dir)
+    for subject in statement["subject"]:
+        if subject["name"] == APPLY:
+            subject["digest"]["sha256"] = evidence.sha256_file(path)
+    _reseal(bundle_dir, statement)
+    result = evidence.verify(bundle_dir)
+    assert [(p.file, p.kind) for p in result.problems] == [(APPLY, "inconsistent")]
+    assert "canonical" in result.first.detail
+
+
+def _leaves(value, path=()):
+    """Every place in a JSON value, first list items only (the others have the same shape)."""
+    yield path
+    children = value.items() if isinstance(value, dict) else list(enumerate(value))[:1] \
+        if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _leaves(child, (*path, key))
+
+
+def test_verify_never_raises_on_a_resealed_receipt(bundle_dir):
+    """Every value of the receipt replaced by one of another type, resealed: verify answers (no
+    exception) and accepts only edits of values that no other file holds."""
+    statement = _receipt(bundle_dir)
+    original = {name: (bundle_dir / name).read_bytes() for name in ("receipt.json", "SHA256SUMS")}
+    unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty")
+    accepted, checked = [], 0
+    same_shape = (("predicate", "probes", "pristine"), ("predicate", "probes", "reference"),
+                  ("predicate", "summary", "per_tree", "pristine"), ("predicate", "summary", "per_tree", "reference"),
+                  ("predicate", "timestamps"), ("predicate", "environment", "packages"))
+    for path in list(_leaves(statement))[1:]:
+        if any(path[:len(prefix)] == prefix for prefix in same_shape):
+            continue
+        edited = copy.deepcopy(statement)
+        target = edited
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = 7 if target[path[-1]] is None else None
+        _reseal(bundle_dir, edited)
+        if evidence.verify(bundle_dir).ok:
+            accepted.append(path)
+        checked += 1
+    for name, data in original.items():
+        (bundle_dir / name).write_bytes(data)
+    assert evidence.verify(bundle_dir).ok and checked > 150, checked
+    assert all(any(word in path for word in unwitnessed) for path in accepted), accepted
 
 
 def test_verify_cli(bundle_dir, capsys):
@@ -452,223 +764,3 @@ def test_verify_cli(bundle_dir, capsys):
     assert cli.main(["verify", str(bundle_dir)]) == 1
     assert capsys.readouterr().out.startswith("FAIL REPORT.md: modified")
     assert cli.main(["verify", str(bundle_dir / "nope")]) == 2
-
-
-def test_schema_rejects_broken_receipts(bundle_dir):
-    import jsonschema
-
-    statement = json.loads((bundle_dir / "receipt.json").read_text())
-    _validate(statement)
-    for breaking in (lambda s: s.pop("subject"),
-                     lambda s: s["predicate"]["cases"][0].update(pair="fine"),
-                     lambda s: s["predicate"]["probes"]["patched"].update(import_seconds=1.0),
-                     lambda s: s["predicate"].pop("timestamps"),
-                     lambda s: s["subject"][0]["digest"].update(sha256="abc")):
-        broken = copy.deepcopy(statement)
-        breaking(broken)
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.Draft202012Validator(SCHEMA).validate(broken)
-
-
-# ---- run's own inputs -----------------------------------------------------------------------------
-
-
-def test_default_reference_is_newest_pinned_release_with_every_fix():
-    from backport.series import load_pack
-
-    pack = load_pack(REPO / "patches")
-    spec = cli_run.default_reference(pack)
-    version = spec.removeprefix("sglang==")
-    assert all(fix.is_fixed_in(version) for fix in pack.fixes.values())
-    from backport.sources import load_pins
-
-    newer = [v for v in load_pins() if v > version and all(f.is_fixed_in(v) for f in pack.fixes.values())]
-    assert newer == []
-
-
-def test_pairs_toml_lists_releases_and_upstream_pairs():
-    import tomllib
-
-    pairs = tomllib.loads((REPO / "patches" / "pairs.toml").read_text())["pair"]
-    names = [p["name"] for p in pairs]
-    assert names[:4] == ["0.5.17", "0.5.18", "0.5.19", "0.5.20"]
-    for p in pairs[:4]:
-        assert p["base"] == f"sglang=={p['name']}" and p["head"] == "backport"
-    upstream = {p["name"]: p for p in pairs if p["head"] != "backport"}
-    assert upstream["pr38935"]["base"].endswith("@17ba2c2e7c7b81f31a8a9e693e7435ab262c16b4")
-    assert upstream["pr38935"]["head"].endswith("@8f3d6944b76c428d884582cb6c82a39db1465360")
-    assert upstream["pr36988"]["base"].endswith("@9c254df8cdbe99ef5f58e7fcd932da052f258538")
-    assert upstream["pr36988"]["head"].endswith("@2ee5742af92db2727236460473554c2ee8c4ddaa")
-
-
-def test_nox_lists_one_pair_session_per_pair():
-    if shutil.which("nox") is None and not (Path(sys.executable).parent / "nox").exists():
-        pytest.skip("nox is not installed")
-    nox = shutil.which("nox") or str(Path(sys.executable).parent / "nox")
-    proc = subprocess.run([nox, "-l", "-f", str(REPO / "noxfile.py")], capture_output=True, text=True,
-                          cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stderr
-    for name in ("tests", "lint", "bench", "pair(name='0.5.17')", "pair(name='0.5.19')", "pair(name='0.5.20')",
-                 "pair(name='pr38935')", "pair(name='pr36988')"):
-        assert name in proc.stdout, (name, proc.stdout)
-
-
-# ---- `run` on the real 0.5.19 tree, probes stubbed ------------------------------------------------
-
-
-@pytest.fixture
-def stub_probes(monkeypatch):
-    """Stand in for the probe subprocess (the real one takes ~20 s per tree): fixture verdicts per role."""
-    import backport.probeenv
-    import backport.probing
-
-    calls = []
-
-    def fake_harness(python, package_root, probes=None, label=None):
-        role = label.split(" ")[0]
-        calls.append((role, Path(package_root)))
-        return probe_doc(Path(package_root), ("pristine", "patched", "reference").index(role), PASSING_CASES)
-
-    monkeypatch.setattr(backport.probing, "run_harness", fake_harness)
-    monkeypatch.setattr(backport.probeenv, "ensure_env", lambda python=None, **_: Path(sys.executable))
-    return calls
-
-
-@pytest.fixture
-def real_cache(shared_cache, monkeypatch):
-    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
-    return shared_cache
-
-
-def test_run_writes_a_bundle_that_verifies(real_cache, stub_probes, tmp_path, capsys):
-    out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--no-upstream-tests", "--json"])
-    captured = capsys.readouterr()
-    document = json.loads(captured.out)  # exactly one JSON document on stdout
-    assert code == 0 and document["result"] == "pass" and document["bundle"] == str(out.absolute())
-    assert "[1/" in captured.err and "probing the patched tree" in captured.err
-    assert evidence.verify(out).ok
-    p = json.loads((out / "receipt.json").read_text())["predicate"]
-    _validate(json.loads((out / "receipt.json").read_text()))
-    assert [role for role, _ in stub_probes] == ["pristine", "patched", "reference"]
-    assert p["inputs"]["reference"]["spec"] == cli_run.default_reference(__import__("backport.series").series
-                                                                         .load_pack(REPO / "patches"))
-    trees = p["inputs"]["trees"]
-    assert trees["pristine"]["tree_digest"] != trees["patched"]["tree_digest"]
-    assert trees["patched"]["commit"] == p["apply"]["head_commit"]
-    assert p["apply"]["status"] == "applied" and p["apply"]["tree"] == "patched"
-    for patch in p["inputs"]["patches"]:
-        assert patch["sha256"] == evidence.sha256_file(REPO / "patches" / patch["path"])
-    assert not Path(p["timestamps"]["paths"]["patched"]).exists()  # the work clone is removed
-    assert p["upstream_tests"]["skipped"] == "disabled with --no-upstream-tests"
-
-
-def test_run_records_upstream_tests(real_cache, stub_probes, tmp_path, monkeypatch, capsys):
-    import backport.upstream_tests
-
-    seen = {}
-
-    def fake_tests(trees, refs, *, python, base_url=None, **_):
-        seen.update(trees=[label for label, _ in trees], refs=refs, base_url=base_url)
-        return {"skipped": None, "files": [], "trees": [
-            {"tree": label, "tests": [{"file": refs[0].path, "rev": refs[0].rev, "sha256": D[8],
-                                       "nodeid": refs[0].path + "::test_x",
-                                       "outcome": "failed" if label == "pristine" else "passed",
-                                       "reason": f"in {root}" if label == "pristine" else None}]}
-            for label, root in trees]}
-
-    monkeypatch.setattr(backport.upstream_tests, "run_upstream_tests", fake_tests)
-    out = tmp_path / "bundle"
-    assert cli.main(["run", "sglang==0.5.19", "--out", str(out), "--upstream-base-url", "http://mirror.invalid",
-                     "--reference", "none"]) == 0
-    assert seen["trees"] == ["pristine", "patched"] and seen["base_url"] == "http://mirror.invalid"
-    upstream = json.loads((out / "upstream-tests.json").read_text())
-    assert upstream["trees"][0]["tests"][0]["reason"] == "in pristine"
-    assert "| failed | passed |" in (out / "REPORT.md").read_text()
-    assert json.loads((out / "receipt.json").read_text())["predicate"]["inputs"]["reference"] is None
-    assert evidence.verify(out).ok
-    assert "PASS" in capsys.readouterr().out
-
-
-def test_run_when_the_series_does_not_apply(real_cache, stub_probes, tmp_path, capsys):
-    series = tmp_path / "patches"
-    shutil.copytree(REPO / "patches", series)
-    patch = series / "pr36988" / "pr36988-0.5.19.patch"
-    text = patch.read_text()
-    patch.write_text(text.replace("\n         logprob_pt = 0\n", "\n         logprob_pt = 12345\n", 1))
-    out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests"])
-    assert code == 1
-    assert "does not apply" in capsys.readouterr().err
-    assert not out.exists() and stub_probes == []
-
-
-def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_probes, tmp_path, capsys):
-    """`run BASE --head HEAD` (upstream's own before/after pairs): nothing applied, both trees probed."""
-    base, head = release_tree("0.5.19"), release_tree("0.5.22")
-    out = tmp_path / "pair"
-    code = cli.main(["run", str(base.path), "--head", str(head.path), "--reference", "none", "--out", str(out),
-                     "--no-upstream-tests", "--json"])
-    assert code == 0, capsys.readouterr().err
-    statement = json.loads((out / "receipt.json").read_text())
-    _validate(statement)
-    p = statement["predicate"]
-    assert p["mode"] == "upstream-pair" and p["apply"] is None and p["inputs"]["patches"] == []
-    assert p["inputs"]["trees"]["patched"]["version"] == "0.5.22"
-    assert p["inputs"]["trees"]["pristine"]["tree_digest"] == base.tree_digest
-    assert [role for role, _ in stub_probes] == ["pristine", "patched"]
-    assert not (out / "apply-report.json").exists()
-    assert evidence.verify(out).ok
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["run", "sglang==9.9.9"], "not pinned"),
-    (["run", "sglang==0.5.19", "--series", "/nonexistent/series"], "no such patch series"),
-])
-def test_run_bad_input(argv, message, real_cache, stub_probes, capsys):
-    assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
-
-
-def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, stub_probes, tmp_path, capsys):
-    (tmp_path / "notes.txt").write_text("mine")
-    assert cli.main(["run", "sglang==0.5.19", "--out", str(tmp_path), "--no-upstream-tests"]) == 2
-    assert "not an evidence bundle" in capsys.readouterr().err
-    assert stub_probes == [] and (tmp_path / "notes.txt").read_text() == "mine"
-
-
-# ---- end to end -----------------------------------------------------------------------------------
-
-
-@pytest.mark.probe_env
-def test_run_sglang_0_5_19_end_to_end(real_cache, probe_python, tmp_path, capsys):
-    """The README's first command, for real: exit 0, a bundle that verifies, sha256sum -c passes,
-    and a second run gives files that differ only in the receipt's timestamps."""
-    python = probe_python
-    out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--python", python, "--no-upstream-tests",
-                     "--json"])
-    document = json.loads(capsys.readouterr().out)
-    assert document["bundle"] == str(out.absolute())
-    statement = json.loads((out / "receipt.json").read_text())
-    _validate(statement)
-    assert evidence.verify(out).ok
-    proc = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, check=False)
-    assert proc.returncode == 0
-    p = statement["predicate"]
-    assert p["inputs"]["target"]["artifact_sha256"] == \
-        "425e87377e725d03db8262382008f3fd9561a6cf5d82f485f8b9929f02ffe12b"
-    assert p["apply"]["status"] == "applied"
-    assert {"pristine", "patched", "reference"} <= set(p["probes"])
-    assert code == (0 if p["summary"]["result"] == "pass" else 1)
-    assert code == 0, p["summary"]["findings"]
-    again = tmp_path / "again"
-    assert cli.main(["run", "sglang==0.5.19", "--out", str(again), "--python", python, "--no-upstream-tests",
-                     "--json"]) == 0
-    capsys.readouterr()
-    for name in ("apply-report.json", "probes/pristine.json", "probes/patched.json", "probes/reference.json",
-                 "REPORT.md", "upstream-tests.json"):
-        assert (out / name).read_bytes() == (again / name).read_bytes(), name
-    second = json.loads((again / "receipt.json").read_text())
-    statement["predicate"].pop("timestamps"), second["predicate"].pop("timestamps")
-    assert statement == second

@@ -42,7 +42,7 @@ def error_line(err: str) -> str:
 
 
 def pin(tmp_path, monkeypatch, wheels):
-    monkeypatch.setenv("SGLANG_BACKPORT_TARGETS", str(write_pins(tmp_path / "targets.toml", wheels)))
+    monkeypatch.setenv("SGLANG_BACKPORT_RELEASES", str(write_pins(tmp_path / "releases.toml", wheels)))
 
 
 def assert_no_entry(cache_dir: Path):
@@ -130,7 +130,7 @@ def test_broken_wheels_exit_2_and_leave_no_entry(case, tmp_path, monkeypatch, lo
     assert code == 2, err
     assert error_line(err).startswith("sglang-backport: error: sglang==9.9.1")
     expected_word = {"sha-mismatch": "does not match the pin", "truncated": "not a readable wheel",
-                     "record-mismatch": "RECORD", "unrecorded-file": "not listed in RECORD",
+                     "record-mismatch": "RECORD", "unrecorded-file": "not mentioned in RECORD",
                      "not-a-zip": "not a readable wheel"}[case]
     assert expected_word in err
     assert_no_entry(cache_dir)

@@ -15,7 +15,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from backport import cli
-from backport.upstream_tests import load_refs
+from backport.upstream import load_refs
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.probe_env, pytest.mark.network]

@@ -22,9 +22,10 @@ from pathlib import Path
 import git
 import pytest
 
-from backport import cli_upstream, upstream_tests
-from backport.errors import BadInput, Finding
-from backport.upstream_tests import Fetcher, TestRef, fetch_refs, load_refs, run_upstream_tests
+from backport import cli, upstream
+from backport.cli import upstream as cli_upstream
+from backport.errors import BadInput
+from backport.upstream import Fetcher, TestRef, fetch_refs, load_refs, run_upstream_tests
 
 REV = "8f3d6944b76c428d884582cb6c82a39db1465360"
 UNIT = "test/registered/unit/disaggregation"
@@ -81,11 +82,12 @@ Description: do not admit intake-rejected requests to a PD handoff
 Origin: upstream, https://github.com/sgl-project/sglang/pull/38935, commit 3f8eb35ead
 Applies-To: >=0.5.19
 Depends-On: none
+Last-Update: 2026-01-01
 ---
 diff --git a/sglang/srt/disaggregation/utils.py b/sglang/srt/disaggregation/utils.py
 --- a/sglang/srt/disaggregation/utils.py
 +++ b/sglang/srt/disaggregation/utils.py
-@@ -8,7 +8,14 @@ class DisaggregationMode(Enum):
+@@ -8,7 +8,13 @@ class DisaggregationMode(Enum):
      DECODE = "decode"
  
  
@@ -125,10 +127,13 @@ def series(tmp_path):
     root = tmp_path / "patches"
     (root / "pr38935").mkdir(parents=True)
     (root / "pr38935" / "pr38935-0.5.19.patch").write_text(PATCH)
+    (root / "series").write_text("pr36988\npr38935\n")
     (root / "fixes.toml").write_text(textwrap.dedent(f'''\
         [[fix]]
         id = "pr38935"
+        title = "Do not admit intake-rejected requests to a PD handoff"
         pr = 38935
+        upstream_commit = "3f8eb35ead"
         upstream_tests = [
           {{ path = "{UNIT}/test_admission_behaviour.py", rev = "{REV}" }},
           {{ path = "{UNIT}/test_admission_abort_not_enqueued.py", rev = "{REV}" }},
@@ -136,6 +141,9 @@ def series(tmp_path):
 
         [[fix]]
         id = "pr36988"
+        title = "Retire aborted disaggregated prefill results"
+        pr = 36988
+        upstream_commit = "febb360519"
         upstream_tests = [{{ path = "{UNIT}/test_newer_runtime.py", rev = "{REV}" }}]
         '''))
     return root
@@ -263,7 +271,7 @@ def server(tmp_path):
 def cache_dir(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(path))
-    monkeypatch.delenv(upstream_tests.BASE_URL_ENV, raising=False)
+    monkeypatch.delenv(upstream.BASE_URL_ENV, raising=False)
     return path / "upstream-tests"
 
 
@@ -354,19 +362,22 @@ def test_incompatible_names_what_the_tree_lacks(server, trees, series):
     assert tests[f"{cls}::test_valid_request_still_admitted"]["outcome"] == "passed"
 
 
-def test_whole_file_incompatible_when_it_needs_a_newer_module(server, trees):
+def test_whole_file_needing_a_newer_module_is_incompatible_unless_it_also_needs_the_fix(server, trees):
     server.put(f"{UNIT}/test_runtime_context.py", NEWER_MODULE)
     ref = TestRef(f"{UNIT}/test_runtime_context.py", REV, "pr38935", frozenset({"is_unadmitted_reject"}))
     document = run_upstream_tests([("pristine", trees["pristine"]), ("patched", trees["patched"])], [ref],
                                   python=PYTHON, base_url=server.url)
-    for label in ("pristine", "patched"):
-        (only,) = by_nodeid(document, label).values()
-        assert only["nodeid"] == ref.path
-        assert only["outcome"] == "incompatible"
-        assert "sglang.srt.runtime_context" in only["reason"]
-    # On pristine the fix's own name is also missing; the file still cannot run there -> incompatible.
+    (patched,) = by_nodeid(document, "patched").values()
+    assert patched["nodeid"] == ref.path
+    assert patched["outcome"] == "incompatible"
+    assert "sglang.srt.runtime_context" in patched["reason"]
+    assert "is_unadmitted_reject" not in patched["reason"]
+    # On pristine the fix's own name is missing too: the tree lacks the fix, which is a failure
+    # (never hidden behind the newer module it also lacks, which the reason still names).
     (pristine,) = by_nodeid(document, "pristine").values()
-    assert "is_unadmitted_reject" in pristine["reason"]
+    assert pristine["outcome"] == "failed"
+    assert "lacks sglang.srt.disaggregation.utils.is_unadmitted_reject, which the fixes add" in pristine["reason"]
+    assert "also lacks sglang.srt.runtime_context" in pristine["reason"]
 
 
 def test_an_unrelated_missing_name_is_incompatible_even_for_a_fix_test(server, trees):
@@ -380,7 +391,7 @@ def test_an_unrelated_missing_name_is_incompatible_even_for_a_fix_test(server, t
 
 
 def test_series_added_names_come_from_the_patches(series):
-    names = upstream_tests.series_added_names(series)
+    names = upstream.series_added_names(series)
     assert "is_unadmitted_reject" in names
     assert "admit" not in names  # a context line, not added
 
@@ -403,7 +414,7 @@ def test_404_is_a_per_file_error_and_bad_input_in_the_cli(server, trees, series,
                  "--base-url", server.url, "--python", PYTHON])
 
 
-def test_server_down_skips_with_a_reason(trees, series, closed_port_url, capsys, cache_dir):
+def test_server_down_skips_with_a_reason(trees, series, closed_port_url, capsys, caplog, cache_dir):
     refs = load_refs(series)
     document = run_upstream_tests([("patched", trees["patched"])], refs, python=PYTHON,
                                   base_url=closed_port_url)
@@ -413,16 +424,17 @@ def test_server_down_skips_with_a_reason(trees, series, closed_port_url, capsys,
 
     code = run_cli(["upstream-tests", str(trees["patched"]), "--series", str(series), "--json",
                     "--base-url", closed_port_url, "--python", PYTHON])
-    out, err = capsys.readouterr()
+    out = capsys.readouterr().out
     assert code == 0
     assert json.loads(out)["skipped"] == document["skipped"]
-    assert "section skipped" in err and "unreachable" in err
+    logged = [r for r in caplog.records if r.name == "backport.upstream"]
+    assert any("section skipped" in r.getMessage() and "unreachable" in r.getMessage() for r in logged)
 
 
 def test_env_var_base_url_and_cache_when_server_is_down(server, trees, closed_port_url, monkeypatch, cache_dir):
     server.put(f"{UNIT}/test_admission_behaviour.py", BEHAVIOUR)
     ref = TestRef(f"{UNIT}/test_admission_behaviour.py", REV)
-    monkeypatch.setenv(upstream_tests.BASE_URL_ENV, server.url)
+    monkeypatch.setenv(upstream.BASE_URL_ENV, server.url)
     first = Fetcher().fetch(ref)
     assert first.source == f"{server.url}/{REV}/{ref.path}" and first.error is None
     # Later the mirror is gone: the cached copy (recorded sha256) still runs.
@@ -521,10 +533,11 @@ def test_upstream_checkout_supplies_its_own_test_files(tmp_path, closed_port_url
 
 def test_cli_json_and_exit_codes(server, trees, series, capsys):
     serve_pack(server)
-    with pytest.raises(Finding, match="failed or errored"):
-        run_cli(["upstream-tests", str(trees["pristine"]), str(trees["patched"]), "--series", str(series),
-                 "--fix", "pr38935", "--base-url", server.url, "--python", PYTHON, "--json"])
-    document = json.loads(capsys.readouterr().out)
+    code = cli.main(["upstream-tests", str(trees["pristine"]), str(trees["patched"]), "--series", str(series),
+                     "--fix", "pr38935", "--base-url", server.url, "--python", PYTHON, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "failed or errored" in err
+    document = json.loads(out)  # exactly one JSON document, the results
     assert [t["tree"] for t in document["trees"]] == [str(trees["pristine"]), str(trees["patched"])]
     patched = document["trees"][1]["tests"]
     assert {t["outcome"] for t in patched} == {"passed", "skipped"}
@@ -554,3 +567,305 @@ def test_cli_bad_input(trees, series, tmp_path, server):
     with pytest.raises(BadInput, match="commit id"):
         run_cli(["upstream-tests", str(trees["patched"]), "--series", str(series), "--rev", "HEAD",
                  "--python", PYTHON, "--base-url", server.url])
+
+
+# ---- issue 14: a fix's names in any form, and stale tests ------------------------------------------
+
+BASE_CONN = '''\
+class BaseKVManager:
+    """The transfer backend's manager."""
+
+    enable_deferred_decode_kv_release: bool = False
+{capability}
+
+class KVReceiver:
+    def __init__(self, kv_mgr, room):
+        self.kv_mgr = kv_mgr
+        self.room = room
+
+    def poll(self):
+        self.kv_mgr.note_abort(self.room, "peer-0")
+        return self.kv_mgr.transfer_state
+
+    def ensure_abort_notified(self{keyword}):
+        return True
+
+    def abort(self):
+        {abort}
+
+    def flush(self):
+        return self._drain(1, 2)  # a bug of the tree's own: never a stale test
+
+    def _drain(self, n):
+        return n
+'''
+
+DECODE_PRISTINE = '''\
+def release(req, pool):
+    pool.free(req)
+'''
+
+DECODE_PATCHED = '''\
+def release(req, pool):
+    pool.free(req)
+
+
+def resolve_deferred_releases(pending, drained):
+    return [room for room in pending if room in drained]
+'''
+
+CAPABILITY_PATCH = '''\
+Description: capability flag for deferred decode KV release
+Origin: upstream, https://github.com/sgl-project/sglang/pull/41023
+Applies-To: >=0.5.19
+Depends-On: none
+Last-Update: 2026-01-01
+---
+diff --git a/sglang/srt/disaggregation/base/conn.py b/sglang/srt/disaggregation/base/conn.py
+--- a/sglang/srt/disaggregation/base/conn.py
++++ b/sglang/srt/disaggregation/base/conn.py
+@@ -2,6 +2,7 @@ class BaseKVManager:
+     """The transfer backend's manager."""
+ 
+     enable_deferred_decode_kv_release: bool = False
++    supports_deferred_decode_kv_release: bool = False
+ 
+ 
+ class KVReceiver:
+@@ -15,6 +16,6 @@ class KVReceiver:
+         self.kv_mgr.note_abort(self.room, "peer-0")
+         return self.kv_mgr.transfer_state
+ 
+-    def ensure_abort_notified(self):
++    def ensure_abort_notified(self, *, force_arm: bool = False):
+         return True
+ 
+'''
+
+
+def make_kv_tree(root: Path, patched: bool) -> Path:
+    make_tree(root, UTILS_PATCHED if patched else UTILS_PRISTINE)
+    base = root / "sglang/srt/disaggregation/base"
+    base.mkdir()
+    (base / "__init__.py").write_text("")
+    (base / "conn.py").write_text(BASE_CONN.format(
+        capability="    supports_deferred_decode_kv_release: bool = False\n" if patched else "",
+        keyword=", *, force_arm: bool = False" if patched else "",
+        abort="self.kv_mgr.room = self.room" if patched else "pass"))
+    (root / "sglang/srt/disaggregation/decode.py").write_text(DECODE_PATCHED if patched else DECODE_PRISTINE)
+    return root
+
+
+@pytest.fixture
+def kv_trees(tmp_path):
+    return {"pristine": make_kv_tree(tmp_path / "kv-pristine", False),
+            "patched": make_kv_tree(tmp_path / "kv-patched", True)}
+
+
+@pytest.fixture
+def kv_pack(tmp_path):
+    """pr41023 adds a class attribute and a keyword; pr35049 has no patch here, only its fingerprint."""
+    root = tmp_path / "kv-pack"
+    (root / "pr41023").mkdir(parents=True)
+    (root / "pr41023" / "pr41023-0.5.19.patch").write_text(CAPABILITY_PATCH)
+    (root / "series").write_text("pr35049\npr41023\n")
+    (root / "fixes.toml").write_text(textwrap.dedent(f'''\
+        [[fix]]
+        id = "pr35049"
+        title = "Deferred decode-side KV release for aborts mid-transfer"
+        pr = 35049
+        upstream_commit = "97dedd1ce9b161c476e0a91106857f210b5bfa41"
+        fixed_in = ">=0.5.19"
+        fingerprint = [
+            {{ file = "sglang/srt/disaggregation/decode.py", pattern = "def resolve_deferred_releases\\\\(" }},
+        ]
+        upstream_tests = [{{ path = "{UNIT}/test_deferred_release.py", rev = "{REV}" }}]
+
+        [[fix]]
+        id = "pr41023"
+        title = "Enable deferred decode-side KV release by default"
+        pr = 41023
+        upstream_commit = "cd1103700941a11901f12536a9a29bf1bd4417cd"
+        upstream_tests = [{{ path = "{UNIT}/test_capability.py", rev = "{REV}" }}]
+        '''))
+    return root
+
+
+NEEDS_CLASS_ATTRIBUTE = '''\
+import unittest
+
+from sglang.srt.disaggregation.base.conn import BaseKVManager
+
+
+class TestCapability(unittest.TestCase):
+    def test_base_manager_does_not_claim_the_drain_ack(self):
+        self.assertFalse(BaseKVManager.supports_deferred_decode_kv_release)
+'''
+
+NEEDS_FINGERPRINT_NAME = '''\
+import unittest
+
+from sglang.srt.disaggregation.decode import resolve_deferred_releases
+
+
+class TestDeferredRelease(unittest.TestCase):
+    def test_only_drained_rooms_are_released(self):
+        self.assertEqual(resolve_deferred_releases([1, 2, 3], {2}), [2])
+'''
+
+
+def test_pack_names_in_every_form(kv_pack):
+    from backport.upstream.names import fingerprint_names, pack_fix_names
+    from backport.upstream.refs import load_pack
+
+    names = pack_fix_names(load_pack(kv_pack))
+    assert {"supports_deferred_decode_kv_release", "force_arm", "resolve_deferred_releases"} <= names
+    assert not {"enable_deferred_decode_kv_release", "ensure_abort_notified", "self", "bool"} & names  # context
+    assert fingerprint_names(r"^\s+enable_x: bool = False") == {"enable_x"}
+    assert fingerprint_names(r"self\.kv_mgr\._maybe_ack\(self\.room\)") == {"kv_mgr", "_maybe_ack", "room"}
+
+
+def test_missing_class_attribute_and_fingerprint_fixes_are_failed_with_exit_1(server, kv_trees, kv_pack, capsys):
+    server.put(f"{UNIT}/test_capability.py", NEEDS_CLASS_ATTRIBUTE)
+    server.put(f"{UNIT}/test_deferred_release.py", NEEDS_FINGERPRINT_NAME)
+    code = cli.main(["upstream-tests", str(kv_trees["pristine"]), str(kv_trees["patched"]), "--series",
+                     str(kv_pack), "--base-url", server.url, "--python", PYTHON, "--json"])
+    assert code == 1
+    document = json.loads(capsys.readouterr().out)
+    pristine = by_nodeid(document, str(kv_trees["pristine"]))
+    patched = by_nodeid(document, str(kv_trees["patched"]))
+    attribute = f"{UNIT}/test_capability.py::TestCapability::test_base_manager_does_not_claim_the_drain_ack"
+    assert pristine[attribute]["outcome"] == "failed"
+    assert "BaseKVManager.supports_deferred_decode_kv_release, which the fixes add" in pristine[attribute]["reason"]
+    whole = pristine[f"{UNIT}/test_deferred_release.py"]
+    assert whole["outcome"] == "failed"
+    assert "resolve_deferred_releases, which the fixes add" in whole["reason"]
+    assert {t["outcome"] for t in patched.values()} == {"passed"}
+
+
+STALE_STAND_INS = '''\
+import unittest
+
+from sglang.srt.disaggregation.base.conn import KVReceiver
+
+
+class FakeKVManager:
+    """Stands in for the transfer backend as it was when the test was written."""
+
+    def note_abort(self, room):
+        self.noted = room
+
+
+class FakeKVManagerWithState(FakeKVManager):
+    def note_abort(self, room, peer):
+        self.noted = room
+
+
+class FailingKVManager:
+    def note_abort(self, room, peer):
+        raise RuntimeError("transfer failed")
+
+
+class TestReceiver(unittest.TestCase):
+    def test_stand_in_signature_is_older_than_the_release(self):
+        KVReceiver(FakeKVManager(), 7).poll()
+
+    def test_stand_in_lacks_an_attribute_the_release_reads(self):
+        KVReceiver(FakeKVManagerWithState(), 7).poll()
+
+    def test_a_stand_in_raising_on_purpose_is_behaviour(self):
+        KVReceiver(FailingKVManager(), 7).poll()
+
+    def test_abort_hands_the_room_back_to_the_manager(self):
+        manager = FakeKVManager()
+        KVReceiver(manager, 7).abort()
+        self.assertEqual(manager.room, 7)
+
+    def test_flush(self):
+        KVReceiver(FakeKVManager(), 7).flush()
+
+    def test_keyword_the_fix_adds(self):
+        self.assertTrue(KVReceiver(FakeKVManager(), 7).ensure_abort_notified(force_arm=True))
+
+    def test_keyword_newer_than_the_release(self):
+        self.assertTrue(KVReceiver(FakeKVManager(), 7).ensure_abort_notified(urgent=True))
+'''
+
+
+def test_stale_tests_are_kept_apart_from_failures(server, kv_trees, kv_pack, capsys):
+    server.put(f"{UNIT}/test_receiver.py", STALE_STAND_INS)
+    code = cli.main(["upstream-tests", str(kv_trees["pristine"]), str(kv_trees["patched"]), "--series",
+                     str(kv_pack), "--test", f"{UNIT}/test_receiver.py", "--rev", REV,
+                     "--base-url", server.url, "--python", PYTHON, "--json"])
+    document = json.loads(capsys.readouterr().out)
+    assert code == 1  # the raising stand-in and the missing keyword are real failures
+    cls = f"{UNIT}/test_receiver.py::TestReceiver"
+    for label in ("pristine", "patched"):
+        tests = by_nodeid(document, str(kv_trees[label]))
+        signature = tests[f"{cls}::test_stand_in_signature_is_older_than_the_release"]
+        assert signature["outcome"] == "stale-test"
+        assert "stand-in FakeKVManager.note_abort does not take the call made at " \
+               "sglang/srt/disaggregation/base/conn.py:" in signature["reason"]
+        attribute = tests[f"{cls}::test_stand_in_lacks_an_attribute_the_release_reads"]
+        assert attribute["outcome"] == "stale-test"
+        assert "stand-in FakeKVManagerWithState has no transfer_state" in attribute["reason"]
+        raising = tests[f"{cls}::test_a_stand_in_raising_on_purpose_is_behaviour"]
+        assert (raising["outcome"], raising["reason"]) == ("failed", "RuntimeError: transfer failed")
+        newer = tests[f"{cls}::test_keyword_newer_than_the_release"]
+        assert newer["outcome"] == "stale-test"
+        assert "calls KVReceiver.ensure_abort_notified with a signature this release does not have" \
+               in newer["reason"]
+        flush = tests[f"{cls}::test_flush"]
+        assert (flush["outcome"], flush["reason"]) == (
+            "failed", "TypeError: KVReceiver._drain() takes 2 positional arguments but 3 were given")
+    # The test reading its own stand-in for what the fix's code sets there: a failure, not stale.
+    handed = f"{cls}::test_abort_hands_the_room_back_to_the_manager"
+    assert by_nodeid(document, str(kv_trees["patched"]))[handed]["outcome"] == "passed"
+    assert by_nodeid(document, str(kv_trees["pristine"]))[handed]["outcome"] == "failed"
+    keyword = f"{cls}::test_keyword_the_fix_adds"
+    assert by_nodeid(document, str(kv_trees["patched"]))[keyword]["outcome"] == "passed"
+    missing = by_nodeid(document, str(kv_trees["pristine"]))[keyword]
+    assert missing["outcome"] == "failed"
+    assert "has no keyword force_arm, which the fixes add" in missing["reason"]
+
+
+def test_only_stale_tests_exit_0_and_are_never_counted_as_passed(server, kv_trees, kv_pack, capsys):
+    only_stale = STALE_STAND_INS.split("    def test_stand_in_lacks")[0]
+    server.put(f"{UNIT}/test_stale_only.py", only_stale)
+    code = cli.main(["upstream-tests", str(kv_trees["patched"]), "--series", str(kv_pack),
+                     "--test", f"{UNIT}/test_stale_only.py", "--rev", REV,
+                     "--base-url", server.url, "--python", PYTHON])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.rstrip().endswith(f"{kv_trees['patched']}: 1 stale-test")
+
+
+NEEDS_A_COORDINATOR = '''\
+import unittest
+from unittest.mock import MagicMock
+
+from sglang.srt.disaggregation.base.conn import KVReceiver
+
+
+class TestBeamGroups(unittest.TestCase):
+    def test_abort_retires_the_beam_group(self):
+        coordinator = MagicMock()
+        receiver = KVReceiver(MagicMock(), 7)
+        receiver.coordinator = coordinator
+        receiver.abort()
+        coordinator.retire_group.assert_called_once_with(7)
+'''
+
+
+def test_a_mock_the_tree_never_calls_because_it_has_no_such_code_is_incompatible(server, kv_trees):
+    server.put(f"{UNIT}/test_beam_groups.py", NEEDS_A_COORDINATOR)
+    ref = TestRef(f"{UNIT}/test_beam_groups.py", REV, None, frozenset({"supports_deferred_decode_kv_release"}))
+    document = run_upstream_tests([("patched", kv_trees["patched"])], [ref], python=PYTHON, base_url=server.url)
+    (only,) = by_nodeid(document, "patched").values()
+    assert only["outcome"] == "incompatible"
+    assert only["reason"].startswith("the tree has no retire_group: the test needs code this tree does not have")
+    # The same expectation on a name a fix adds is the fix missing.
+    named = TestRef(ref.path, REV, None, frozenset({"retire_group"}))
+    document = run_upstream_tests([("patched", kv_trees["patched"])], [named], python=PYTHON, base_url=server.url)
+    (only,) = by_nodeid(document, "patched").values()
+    assert only["outcome"] == "failed" and "lacks retire_group, which the fixes add" in only["reason"]

@@ -1,0 +1,94 @@
+"""`sglang-backport audit [--python EXE | TREE] [--server URL ...] [--report FILE] [--json]`.
+
+Exit codes: 0 when no gate fails (`pass`, `warn` and `unknown` gates; `unknown` is printed as
+not verified, never as a pass), 1 when any gate fails, 2 for bad input (one line, or with
+--json one document `{"error": {"code": 2, "message": ...}}`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from backport.errors import BadInput
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "audit", help="the four operator gates for a running PD deployment",
+        description=("Check an SGLang deployment against the four gates of the incident analysis: "
+                     "1 pool versus context (each server's /server_info), 2 rejection at admission "
+                     "(the code, by fingerprint and by the admission and prefill-retirement probes), "
+                     "3 transfer covers read (the handoff checksum on both sides), 4 page lifetime "
+                     "(the fixes, deferred release, the backend's capability, the timeout, both sides). "
+                     "Exit 1 when any gate fails; unknown gates are reported as not verified."))
+    p.add_argument("tree", nargs="?", metavar="TREE",
+                   help="an SGLang tree the servers run (checkout or unpacked release)")
+    p.add_argument("--python", metavar="EXE",
+                   help="the interpreter of the serving environment; its sglang package is audited")
+    p.add_argument("--server", action="append", default=[], metavar="URL",
+                   help="a server's base URL, e.g. http://prefill-0:30000 (repeat for every node of the pair)")
+    p.add_argument("--report", metavar="FILE", help="write the Markdown report here")
+    p.add_argument("--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.set_defaults(func=cmd_audit)
+    return p
+
+
+def _pack(series: str | None):
+    from backport.pack import load_pack
+
+    if series:
+        root = Path(series)
+    else:
+        try:
+            from backport.resources import pack_dir
+        except ImportError:  # older layout
+            pack_dir = lambda: Path(__file__).resolve().parents[2] / "patches"
+        root = pack_dir()
+    if not root.is_dir():
+        raise BadInput(f"{root}: no such patch series directory")
+    return load_pack(root)
+
+
+def _audit(args) -> tuple[int, dict, str]:
+    from backport.audit import gates, report
+    from backport.audit.code import inspect_code
+    from backport.audit.servers import check_url, fetch_server
+
+    if args.tree and args.python:
+        raise BadInput("audit: give either --python EXE or a TREE, not both")
+    if not (args.tree or args.python or args.server):
+        raise BadInput("audit: nothing to audit: give --server URL and/or --python EXE or a TREE")
+    if args.timeout <= 0:
+        raise BadInput(f"--timeout {args.timeout}: must be positive")
+    urls = [check_url(u) for u in args.server]
+    if len(set(urls)) != len(urls):
+        raise BadInput("--server: the same URL is given twice")
+    if args.report and not Path(args.report).resolve().parent.is_dir():
+        raise BadInput(f"--report {args.report}: its directory does not exist")
+    if args.tree and not Path(args.tree).is_dir():
+        raise BadInput(f"{args.tree}: not a directory")
+    pack = _pack(args.series)
+    servers = tuple(fetch_server(u, timeout=args.timeout) for u in urls)
+    code = inspect_code(pack, tree=args.tree, python=args.python) if (args.tree or args.python) else None
+    results = gates.evaluate(code, servers, pack)
+    if args.report:
+        Path(args.report).write_text(report.markdown(results, code, servers))
+    return report.exit_code(results), report.to_json(results, code, servers), report.terminal(results)
+
+
+def cmd_audit(args) -> int:
+    # BadInput propagates: the CLI's main turns it into exit 2 and one line (one JSON document
+    # `{"error": {"code": 2, "message": ...}}` with --json).
+    code, document, human = _audit(args)
+    if args.json:
+        print(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        print(human)
+    if args.report:
+        print(f"report: {args.report}", file=sys.stderr)
+    return code

@@ -1,0 +1,81 @@
+"""The audit as a JSON document (automation) and as Markdown (a reviewer attaches it)."""
+
+from __future__ import annotations
+
+from backport import __version__
+from backport.audit.code import CodeFacts
+from backport.audit.gates import FAIL, PASS, UNKNOWN, GateResult, worst
+from backport.audit.servers import ServerFacts
+
+SCHEMA = "sglang-backport/audit/1"
+
+
+def exit_code(gates: tuple[GateResult, ...]) -> int:
+    """1 when any gate fails; 0 otherwise. `unknown` and `warn` do not fail the run, but the
+    overall verdict and every report show them as what they are, never as a pass."""
+    return 1 if any(g.verdict == FAIL for g in gates) else 0
+
+
+def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...]) -> dict:
+    return {
+        "schema": SCHEMA,
+        "toolkit_version": __version__,
+        "verdict": worst(g.verdict for g in gates),
+        "exit_code": exit_code(gates),
+        "code": code.to_json() if code else None,
+        "servers": [s.to_json() for s in servers],
+        "gates": [g.to_json() for g in gates],
+    }
+
+
+def terminal(gates: tuple[GateResult, ...]) -> str:
+    lines = []
+    for g in gates:
+        lines.append(f"gate {g.gate} {g.name}: {g.verdict.upper()}")
+        lines += [f"    {line}" for line in g.evidence]
+    overall = worst(g.verdict for g in gates)
+    unverified = [str(g.gate) for g in gates if g.verdict == UNKNOWN]
+    tail = f"; not verified: gate {', '.join(unverified)}" if unverified else ""
+    lines.append(f"overall: {overall.upper()}{tail}")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...]) -> str:
+    overall = worst(g.verdict for g in gates)
+    out = ["# SGLang PD deployment audit: the four operator gates", "",
+           (f"Overall: **{overall}** (sglang-backport {__version__}). Gates from the incident analysis: "
+           "pool versus context, rejection at admission, transfer covers read, page lifetime. "
+           "`unknown` means the evidence was not available; it is not a pass."), "",
+           "| gate | verdict |", "| --- | --- |"]
+    out += [f"| {g.gate}. {g.name} | **{g.verdict}** |" for g in gates]
+    out += ["", "## What was examined", ""]
+    if code is not None:
+        out.append(f"- Code: {code.how}, sglang {code.version}, package root `{code.package_root}`; "
+                   f"probes run by {code.harness}.")
+    else:
+        out.append("- Code: none given.")
+    if servers:
+        out += ["", "| server | endpoint | role | version | backend | pool (tokens) | context | page size |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s in servers:
+            if s.error:
+                out.append(f"| {s.url} | - | not read: {_cell(s.error)} | | | | | |")
+                continue
+            pool = f"{s.pool_tokens:,}" if s.pool_tokens is not None else "-"
+            ctx = f"{s.context_length:,}" if s.context_length is not None else "-"
+            out.append(f"| {s.url} | {s.endpoint} | {s.role or '-'} | {s.version or '-'} | {s.backend or '-'} "
+                       f"| {pool} | {ctx} | {s.page_size if s.page_size is not None else '-'} |")
+    else:
+        out.append("- Servers: none given.")
+    for g in gates:
+        out += ["", f"## Gate {g.gate}: {g.name}: {g.verdict}", ""]
+        out += [f"- {_cell(line)}" for line in g.evidence]
+        if g.remedy:
+            out += ["", f"Remedy: {g.remedy}"]
+    if overall != PASS:
+        out += ["", "A gate that is not `pass` is not verified for this deployment."]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,5 @@
+import sys
+
+from backport.cli import main
+
+sys.exit(main())

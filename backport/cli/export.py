@@ -1,0 +1,48 @@
+"""`sglang-backport export TREE --wheel DIR --patches DIR`: ship a patched tree of a wheel target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backport.cli import emit
+from backport.errors import BadInput
+
+
+def cmd_export(args) -> int:
+    from backport.export import build_wheel, read_lineage, write_series
+
+    if not args.wheel and not args.patches:
+        raise BadInput("export: nothing to write (give --wheel DIR, --patches DIR or both)")
+    target = Path(args.tree)
+    if (target / "receipt.json").is_file() and (target / "SHA256SUMS").is_file():
+        raise BadInput(f"{target}: an evidence bundle holds no tree; export the patched tree "
+                       "(`run --keep-trees` or `apply --out`), or use `run --export`")
+    if args.patches and Path(args.patches).exists() and (
+            not Path(args.patches).is_dir() or any(Path(args.patches).iterdir())):
+        raise BadInput(f"--patches {args.patches}: exists and is not an empty directory")
+    lineage = read_lineage(target)
+    document = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
+                "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
+                "commits": list(lineage.commits), "wheel": None, "patches": None}
+    lines = [f"{lineage.spec}: {len(lineage.commits)} backport commits, patch set {lineage.patch_set_sha256[:12]}, "
+             f"tree {lineage.tree_digest[:12]}"]
+    if args.patches:
+        written = write_series(lineage, Path(args.patches))
+        document["patches"] = [str(p) for p in written]
+        lines.append(f"patches: {len(written)} files in {Path(args.patches).resolve()}")
+    if args.wheel:
+        exported = build_wheel(lineage, Path(args.wheel))
+        document["wheel"] = {**exported.to_json(), "path": str(exported.path)}
+        lines.append(f"wheel: {exported.path}\n  version {exported.version}  sha256 {exported.sha256}")
+    emit(args, document, "\n".join(lines))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="a patched tree as a deployable wheel and/or a git format-patch series")
+    p.add_argument("tree", metavar="TREE", help="a patched tree of a wheel target (apply --out, run --keep-trees)")
+    p.add_argument("--wheel", metavar="DIR", help="write sglang-X+backport.N-<tags>.whl here")
+    p.add_argument("--patches", metavar="DIR", help="write the backport commits as `git format-patch` files here "
+                                                     "(a new or empty directory)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,53 @@
+"""Subcommands about probing: `env` (the CPU probe environment) and `probe` (per-case verdicts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backport import resources
+from backport.cli import emit
+from backport.errors import BadInput
+from backport.tree import open_tree
+
+
+def cmd_env(args) -> int:
+    from backport.probing import ensure_env
+
+    python = ensure_env(args.python)
+    emit(args, {"python": str(python)}, str(python))
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from backport.probing import ensure_env, run_harness
+
+    # Bad input is refused before the probe environment is built.
+    trees = [open_tree(Path(target)) for target in args.trees]
+    for name in args.probe or ():
+        if name.startswith(("_", "harness", "standins")) or not (resources.probes_dir() / f"{name}.py").is_file():
+            raise BadInput(f"--probe {name}: no such probe in {resources.probes_dir()}")
+    python = str(ensure_env(args.python))
+    documents = [run_harness(python, tree.package_root, args.probe or None) for tree in trees]
+    unsafe = [(d["tree"], c["probe"], c["case"]) for d in documents for c in d["cases"]
+              if c["verdict"] in ("unsafe", "error")]
+    lines = []
+    for d in documents:
+        lines.append(f"{d['tree']} (sglang {d['version']})")
+        lines += [f"  {c['verdict']:14} {c['probe']}/{c['case']}" + (" [must-preserve]" if c["must_preserve"] else "")
+                  for c in d["cases"]]
+    emit(args, {"trees": documents}, "\n".join(lines))
+    return 1 if unsafe else 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("env", help="build (once) and print the CPU probe environment")
+    p.add_argument("--python", help="use this interpreter instead of the cached environment")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("probe", help="run the differential probes on each tree")
+    p.add_argument("trees", nargs="+", metavar="TREE")
+    p.add_argument("--probe", action="append", help="run only this probe (repeatable)")
+    p.add_argument("--python", help="probe interpreter (default: the cached probe environment)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_probe)

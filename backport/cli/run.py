@@ -1,0 +1,127 @@
+"""`sglang-backport run` (the main job, `backport.job.run`) and `sglang-backport verify` (check a bundle).
+
+run SPEC: fetch the target, apply the pack on a fresh clone, probe the pristine tree, the
+patched tree and the reference (upstream's newest pinned release that has every fix), run
+upstream's own unit tests for the fixes, and write an evidence bundle. Exit 0 when no case
+regressed or errored and every case outside the must-preserve set is fixed or held (or not
+applicable); 1 otherwise (or when the series does not apply: then no bundle is written,
+there is no patched tree to prove); 2 for bad input.
+
+With --head SPEC the pack is not applied: SPEC is the base and the head is another tree
+(upstream's own before/after commits of a fix, `patches/pairs.toml`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backport import evidence
+from backport.errors import BadInput
+
+
+def render_summary(bundle: evidence.Bundle, written: Path) -> str:
+    p = bundle.statement["predicate"]
+    roles = [r for r in evidence.ROLES if r in p["probes"]]
+    lines = [f"{'case':58} " + " ".join(f"{r:14}" for r in roles) + " pair"]
+    for row in p["cases"]:
+        name = f"{row['probe']}/{row['case']}" + (" *" if row["must_preserve"] else "")
+        mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+                     + f" {row['pair']}{mark}")
+    s = p["summary"]
+    counts = ", ".join(f"{n} {v}" for v, n in s["pair_verdicts"].items() if n)
+    lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); "
+                 f"patched differs from reference in {s['reference_differences']}")
+    lines.append(f"bundle: {written}  (check: sglang-backport verify {written})")
+    return "\n".join(lines)
+
+
+def options_from(args) -> list:
+    """One RunOptions per spec; with several specs --out is the folder their bundles go in."""
+    from backport.job import RunOptions
+
+    several = len(args.spec) > 1
+    if several and args.head:
+        raise BadInput("--head compares two given trees: give one SPEC with it")
+    out = Path(args.out) if args.out else None
+    return [RunOptions(spec=spec, out=None if several else out, reference=args.reference, head=args.head,
+                       series=Path(args.series) if args.series else None, python=args.python,
+                       allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
+                       upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
+                       bundle_root=out if several else None, min_coverage=args.min_coverage)
+            for spec in args.spec]
+
+
+def _document(outcome) -> dict:
+    return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
+            "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary}
+
+
+def cmd_run(args) -> int:
+    from backport.job import SeriesDoesNotApply, run_many
+
+    if args.jobs is not None and args.jobs < 1:
+        raise BadInput(f"--jobs {args.jobs}: must be 1 or more")
+    try:
+        outcomes = run_many(options_from(args), jobs=args.jobs)
+    except SeriesDoesNotApply as exc:
+        exc.document = {"result": "apply-failed", "bundle": None, "apply": exc.report.to_json()}
+        raise
+    code = max(outcome.exit_code for outcome in outcomes)
+    if args.json:
+        document = _document(outcomes[0]) if len(outcomes) == 1 else {
+            "exit_code": code, "runs": [{"spec": spec, **_document(o)} for spec, o in zip(args.spec, outcomes)]}
+        print(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(render_summary(o.bundle, o.written) for o in outcomes))
+    return code
+
+
+def cmd_verify(args) -> int:
+    result = evidence.verify(Path(args.bundle))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    elif result.ok:
+        s = result.summary or {}
+        print(f"OK {args.bundle}: {len(result.files)} files match SHA256SUMS and the receipt; receipt consistent "
+              f"(run result: {s.get('result')}, {s.get('cases')} cases)")
+    else:
+        first = result.first
+        more = f" (+{len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
+        print(f"FAIL {first.file}: {first.kind}: {first.detail}{more}")
+    return 0 if result.ok else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="the main job: fetch, apply, probe pristine/patched/reference, write a bundle",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("spec", nargs="+", help="sglang==X | git+URL@SHA | PATH | installed (several: one bundle "
+                                           "each, every tree probed in one probe matrix)")
+    p.add_argument("--out", help="bundle directory (default: evidence/<target>/ under the current directory); "
+                                 "with several SPECs the folder that holds their bundles")
+    p.add_argument("--jobs", type=int, metavar="N", help="trees probed at once (default: the core count)")
+    p.add_argument("--min-coverage", type=float, metavar="PCT",
+                   help="make it a finding (exit 1) when fewer than PCT%% of the executable lines the pack "
+                        "adds ran under a probe case")
+    p.add_argument("--reference", metavar="SPEC",
+                   help="the upstream-fixed tree to compare with, or 'none' (default: the newest pinned "
+                        "release whose version is in every fix's fixed_in)")
+    p.add_argument("--head", metavar="SPEC",
+                   help="probe this tree as the head instead of applying the pack (upstream before/after pairs)")
+    p.add_argument("--series", help="patch series directory (default: the pack shipped with the toolkit)")
+    p.add_argument("--python", metavar="EXE",
+                   help="probe interpreter (default: the cached probe environment); for the 'installed' spec "
+                        "also the interpreter whose sglang is taken")
+    p.add_argument("--allow-unpinned", action="store_true",
+                   help="fetch a sglang==X that patches/releases.toml does not pin (recorded as unpinned)")
+    p.add_argument("--upstream-base-url", metavar="URL", help="raw-file base URL for upstream's test files")
+    p.add_argument("--no-upstream-tests", action="store_true", help="do not run upstream's unit tests")
+    p.add_argument("--keep-trees", action="store_true", help="keep the patched work tree (path on stderr)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("verify", help="recompute every digest of an evidence bundle and re-check its receipt")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)

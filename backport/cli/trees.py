@@ -1,0 +1,157 @@
+"""Subcommands about trees: `fetch`, `status`, `apply`, `gc`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from backport import cache, resources
+from backport.cli import emit
+from backport.errors import BadInput
+from backport.tree import Tree, clone_tree, open_tree
+
+
+def target_args(p) -> None:
+    p.add_argument("--allow-unpinned", action="store_true",
+                   help="fetch a sglang==X that patches/releases.toml does not pin (recorded as unpinned)")
+    p.add_argument("--python", help="for the 'installed' spec: the interpreter whose sglang to take")
+
+
+def fetch_tree(spec: str, args) -> Tree:
+    """Fetch with the pins of the release matrix in force (a --series pack's own, if it has one)."""
+    from backport.releases import default_path, load_pins
+    from backport.sources import materialise
+
+    series = getattr(args, "series", None)
+    pins = load_pins(default_path(Path(series))) if series else None
+    return materialise(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins).tree
+
+
+def load_series(args):
+    from backport.pack import load_pack
+
+    series = Path(args.series) if getattr(args, "series", None) else resources.pack_dir()
+    if not series.is_dir():
+        raise BadInput(f"{series}: no such patch series directory")
+    return load_pack(series)
+
+
+def is_checkout(target: str) -> bool:
+    path = Path(target)
+    return path.is_dir() and (path / ".git").exists()
+
+
+def cmd_fetch(args) -> int:
+    from backport.sources import materialise
+
+    fetched = materialise(args.spec, allow_unpinned=args.allow_unpinned, python=args.python)
+    tree = fetched.tree
+    emit(args, fetched.to_json(),
+         f"{tree.path}\nversion {tree.version}  tree {tree.tree_digest}  "
+         f"artifact {tree.artifact_sha256 or '-'}  {'cache hit' if fetched.cached else 'fetched'}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from backport.engine import detect
+
+    pack = load_series(args)
+    path = Path(args.target)
+    if path.is_dir():
+        tree = open_tree(path)
+    else:
+        # Describe the fetched tree as it is now (its recorded digest is of the pristine tree).
+        fetched = fetch_tree(args.target, args)
+        tree = open_tree(fetched.path, spec=fetched.spec)
+    found = detect(tree.package_root, pack, version=tree.version)
+    document = {**tree.to_json(), "fixes": [d.to_json() for d in found]}
+    lines = [f"{tree.path}: sglang {tree.version}, tree digest {tree.tree_digest}"]
+    lines += [f"  {d.fix:10} {'present' if d.present else 'missing':8} {d.how}" for d in found]
+    emit(args, document, "\n".join(lines))
+    return 0
+
+
+def work_tree(args) -> Tree:
+    """The tree `apply` changes: a user's checkout in place, else a fresh clone of the fetched spec."""
+    if is_checkout(args.target):
+        return open_tree(Path(args.target))
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise BadInput(f"{out}: --out exists and is not an empty directory")
+        if not os.access(out if out.exists() else _existing_parent(out), os.W_OK):
+            raise BadInput(f"{out}: --out is not writable")
+        source = fetch_tree(args.target, args)
+        return clone_tree(source, out.parent, out)
+    source = fetch_tree(args.target, args)
+    return clone_tree(source, cache.work_root())
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def cmd_apply(args) -> int:
+    from backport.engine import apply_series
+
+    pack = load_series(args)
+    if args.check and not is_checkout(args.target):
+        tree = fetch_tree(args.target, args)  # --check on a spec: the cached pristine tree, unchanged
+    else:
+        tree = work_tree(args)
+    report = apply_series(tree.path, pack, tree.version, package_prefix=tree.package_prefix,
+                          only=args.only or None, check=args.check, allow_dirty=args.allow_dirty)
+    lines = [f"{tree.path}: sglang {tree.version} -> {report.status}"]
+    for patch in report.patches:
+        lines.append(f"  {patch.fix:10} {patch.status:16} {patch.variant or ''} {patch.reason or ''}".rstrip())
+        for hunk in patch.hunks:
+            lines.append(f"      {hunk.file}: {hunk.status} offset={hunk.offset} fuzz={hunk.fuzz}")
+    if not args.check and not is_checkout(args.target) and not args.out:
+        lines.append(f"(a work clone under {cache.work_root()}; `sglang-backport gc` removes old ones)")
+    emit(args, report.to_json(), "\n".join(lines))
+    return 1 if report.status == "failed" else 0
+
+
+def cmd_gc(args) -> int:
+    if args.older_than < 0:
+        raise BadInput(f"--older-than {args.older_than}: must be zero or more days")
+    result = cache.gc(older_than_days=args.older_than)
+    emit(args, result, f"removed {len(result['removed'])} item(s) from {result['cache']}"
+         + "".join(f"\n  {p}" for p in result["removed"]))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("fetch", help="materialise a target into the cache")
+    p.add_argument("spec", help="sglang==X | git+URL@SHA | PATH | installed")
+    target_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("status", help="which fixes a tree has, by fingerprint")
+    p.add_argument("target", help="a spec or a path")
+    target_args(p)
+    p.add_argument("--series", help="patch series directory (default: the pack shipped with the toolkit)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("apply", help="apply the series for the tree's version")
+    p.add_argument("target", help="a spec (worked on in a fresh clone) or a git checkout (in place)")
+    target_args(p)
+    p.add_argument("--series")
+    p.add_argument("--only", action="append", metavar="FIX", help="apply only this fix (repeatable)")
+    p.add_argument("--check", action="store_true", help="compute the whole report, change nothing")
+    p.add_argument("--out", help="where the fresh clone of a spec's tree goes")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="patch a checkout with uncommitted changes (files with changes are never touched)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("gc", help="remove old work clones and leftovers of killed runs from the cache")
+    p.add_argument("--older-than", type=float, default=7.0, metavar="DAYS",
+                   help="remove work clones not modified for this many days (default 7; 0 removes all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_gc)

@@ -1,0 +1,132 @@
+"""`sglang-backport upstream-tests`: upstream SGLang's own CPU unit tests against trees.
+
+The handler raises BadInput (exit 2) or Finding (exit 1, carrying the JSON document) and
+the main turns them into exit codes; progress goes to the `backport.upstream` logger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from backport import upstream
+from backport.errors import BadInput, Finding
+from backport.probing import ensure_env
+from backport.tree import find_package_prefix
+
+log = logging.getLogger("backport.upstream")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "upstream-tests",
+        help="run upstream SGLang's own CPU unit tests for the fixes against each tree",
+        description=(
+            "Obtain the upstream test files patches/fixes.toml lists for each fix, at their "
+            "revision (from an upstream checkout, the cache, or {base_url}/{rev}/{path}), and run "
+            "them with pytest in the probe environment against each tree. Outcomes: passed, "
+            "failed (also: the tree lacks a name a fix adds or fingerprints), error, skipped, "
+            "incompatible (the tree lacks a name the test needs that no fix adds), stale-test (the "
+            "failure is in the test's own stand-ins or a signature the release predates; never a "
+            "pass). Exit 1 when any test failed or errored on any tree; exit 0 with a skipped "
+            "section when the base URL cannot be reached."),
+    )
+    parser.add_argument("trees", nargs="+", metavar="TREE",
+                        help="a package root containing sglang/, or an upstream checkout (python/sglang/)")
+    parser.add_argument("--fix", action="append", metavar="FIX",
+                        help="only this fix's test files (repeatable; default: every fix)")
+    parser.add_argument("--rev", metavar="SHA", help="take every test file at this upstream commit instead")
+    parser.add_argument("--test", action="append", metavar="PATH",
+                        help="an upstream test file path to run instead of fixes.toml's (needs --rev; repeatable)")
+    parser.add_argument("--base-url", metavar="URL",
+                        help=f"raw-file base URL (default ${upstream.BASE_URL_ENV} or "
+                             f"{upstream.DEFAULT_BASE_URL})")
+    parser.add_argument("--python", metavar="EXE", help="probe interpreter (default: the cached probe environment)")
+    parser.add_argument("--series", metavar="DIR", type=Path, help="the patch pack directory (default: patches/)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.set_defaults(func=handle)
+    return parser
+
+
+def _tree_root(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise BadInput(f"{spec}: not a directory")
+    prefix = find_package_prefix(path)
+    if prefix is None:
+        raise BadInput(f"{spec}: not an SGLang tree (no sglang/__init__.py or python/sglang/__init__.py)")
+    return (path / prefix if prefix else path).resolve()
+
+
+def _refs(args) -> list[upstream.TestRef]:
+    if args.test:
+        if not args.rev:
+            raise BadInput("--test needs --rev (the upstream commit to take the file from)")
+        refs = upstream.ad_hoc_refs(args.series, args.test, args.rev)
+    else:
+        refs = upstream.load_refs(args.series, args.fix, args.rev)
+    for ref in refs:
+        problem = upstream.check_ref(ref)
+        if problem:
+            raise BadInput(problem)
+    return refs
+
+
+def render(document: dict) -> str:
+    if document["skipped"]:
+        return f"upstream tests skipped: {document['skipped']}\n"
+    lines: list[str] = []
+    labels = [t["tree"] for t in document["trees"]]
+    table: dict[str, dict[str, dict]] = {}
+    for tree in document["trees"]:
+        for test in tree["tests"]:
+            table.setdefault(test["nodeid"], {})[tree["tree"]] = test
+    for nodeid, per_tree in table.items():
+        lines.append(nodeid)
+        for label in labels:
+            test = per_tree.get(label)
+            if test is None:
+                whole = table.get(nodeid.split("::", 1)[0], {}).get(label)
+                lines.append(f"  {label}: (whole file: {whole['outcome']})" if whole else f"  {label}: (not run)")
+                continue
+            reason = f"  ({test['reason']})" if test["reason"] else ""
+            lines.append(f"  {label}: {test['outcome']}{reason}")
+    for tree in document["trees"]:
+        counts: dict[str, int] = {}
+        for test in tree["tests"]:
+            counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+        summary = ", ".join(f"{counts[o]} {o}" for o in upstream.OUTCOMES if o in counts) or "no tests"
+        lines.append(f"{tree['tree']}: {summary}")
+    return "\n".join(lines) + "\n"
+
+
+def handle(args) -> int:
+    roots = [(spec, _tree_root(spec)) for spec in args.trees]
+    refs = _refs(args)
+    base_url = upstream.resolve_base_url(args.base_url)
+    python = str(ensure_env(args.python))
+    fetched = upstream.fetch_refs(roots, refs, base_url=base_url)
+    bad = [f.error for f in fetched if f.error]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise BadInput(bad[0] + more)
+    document = upstream.run_upstream_tests(roots, refs, python=python, base_url=base_url, fetched=fetched)
+    text = json.dumps(document, indent=2, sort_keys=True) if args.json else render(document).rstrip("\n")
+    if document["skipped"]:
+        print(text)
+        log.warning("upstream-tests: section skipped: %s", document["skipped"])
+        return 0
+    failing = [(t["tree"], x["nodeid"]) for t in document["trees"] for x in t["tests"]
+               if x["outcome"] in ("failed", "error")]
+    if failing:
+        finding = Finding(f"{len(failing)} upstream test result(s) failed or errored "
+                          f"(first: {failing[0][1]} on {failing[0][0]})")
+        if args.json:
+            finding.document = document  # the main prints it as the one JSON document
+        else:
+            print(text)
+        raise finding
+    print(text)
+    return 0

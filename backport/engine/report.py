@@ -1,0 +1,97 @@
+"""What the engine reports: per hunk, per patch, per run (frozen until to_json).
+
+``ApplyReport.to_json`` is the CLI's ``apply --json`` document and the
+bundle's ``apply-report.json``; its keys do not change. ``recovery`` is set
+only when the run first finished or rolled back an interrupted apply, and
+appears in the JSON only then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .placement import CONFLICT
+
+APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
+NOTHING_TO_DO = "nothing-to-do"
+REPORT_SCHEMA = "sglang-backport/apply-report/1"
+
+
+@dataclass(frozen=True)
+class HunkResult:
+    file: str  # path relative to the package root, as in the patch
+    status: str  # exact | offset | fuzz | conflict
+    offset: int = 0  # line delta from the line the hunk header states
+    fuzz: int = 0
+    line: int = 0  # 1-based line where the hunk went (conflict: nearest candidate; 0: file-level)
+    expected: list[str] | None = None  # conflicts only: the hunk's old lines
+    actual: list[str] | None = None  # conflicts only: the file's lines at `line`
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        d = {"file": self.file, "status": self.status, "offset": self.offset, "fuzz": self.fuzz,
+             "line": self.line}
+        if self.status == CONFLICT:
+            d.update(reason=self.reason, expected=self.expected, actual=self.actual)
+        return d
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    fix: str
+    variant: str | None  # patch file name
+    status: str  # applied | already-present | not-applicable | failed
+    reason: str = ""
+    hunks: tuple[HunkResult, ...] = ()
+    commit: str | None = None
+    variant_sha256: str | None = None
+
+    def to_json(self) -> dict:
+        return {"fix": self.fix, "variant": self.variant, "variant_sha256": self.variant_sha256,
+                "status": self.status, "reason": self.reason, "commit": self.commit,
+                "hunks": [h.to_json() for h in self.hunks]}
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    tree: str
+    version: str
+    base_commit: str
+    head_commit: str
+    status: str  # applied | nothing-to-do | failed
+    patches: tuple[PatchResult, ...]
+    check: bool = False
+    package_prefix: str = ""
+    recovery: str = ""  # what this run did first about an interrupted apply ("" = nothing)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.status == FAILED else 0
+
+    def to_json(self) -> dict:
+        """The report as a dict ready for ``json.dumps``::
+
+            {"schema": "sglang-backport/apply-report/1",
+             "tree": "/abs/path", "version": "0.5.19", "package_prefix": "",
+             "check": false,                      # true: nothing was written
+             "base_commit": SHA, "head_commit": SHA,   # equal unless applied
+             "status": "applied" | "nothing-to-do" | "failed",
+             "patches": [{"fix": "pr38935", "variant": "pr38935-0.5.17.patch" | null,
+                          "variant_sha256": HEX | null,
+                          "status": "applied" | "already-present" | "not-applicable" | "failed",
+                          "reason": "...",             # why, for every status but applied
+                          "commit": SHA | null,        # the patch's commit when applied
+                          "hunks": [{"file": "sglang/srt/...", "status": "exact" | "offset"
+                                     | "fuzz" | "conflict", "offset": INT, "fuzz": 0..2,
+                                     "line": INT,       # 1-based; 0 = the file as a whole
+                                     # conflicts only:
+                                     "reason": "...", "expected": [lines], "actual": [lines]}]}],
+             "recovery": "..."}                   # only when an interrupted apply was recovered first
+        """
+        doc = {"schema": REPORT_SCHEMA, "tree": self.tree, "version": self.version,
+               "package_prefix": self.package_prefix, "check": self.check,
+               "base_commit": self.base_commit, "head_commit": self.head_commit,
+               "status": self.status, "patches": [p.to_json() for p in self.patches]}
+        if self.recovery:
+            doc["recovery"] = self.recovery
+        return doc

@@ -1,0 +1,205 @@
+"""Writing a decided series into a git work tree, so that no signal or crash
+leaves it half-patched.
+
+The order (each step a crash point the next run recovers from):
+
+1. create the journal ``<git dir>/sglang-backport-apply.json`` (O_EXCL: it is
+   also the lock against a second apply), phase ``objects``;
+2. ``git fast-import`` writes every blob, tree and commit, onto the pending
+   ref ``refs/sglang-backport/pending``; nothing in the work tree moves yet;
+3. the journal becomes phase ``files``: base and series commits, and per path
+   the sha256 of its bytes before and after, and its modes;
+4. each file is replaced whole (a temporary file renamed over it: a file is
+   always either as before or as after, never torn); deletions unlink;
+5. a copy of the index gets the new entries (``GIT_INDEX_FILE``: git's own
+   ``index.lock`` is never taken, so none can be left behind);
+6. one ref transaction moves HEAD from the base to the last commit and drops
+   the pending ref: this is the commit point;
+7. the new index replaces the old (rename), the journal is removed.
+
+Recovery (``recover``: the next run, or this one after an error) reads the
+journal: before the commit point (HEAD at the base) every file goes back to
+its old bytes and the index was never replaced; after it (HEAD at the
+series) every file goes to its new bytes and the index is rebuilt. Contents
+come from the commits themselves; a file whose bytes are neither the old nor
+the new ones (edited after the crash) is never overwritten: BadInput, and
+the journal stays. SIGINT, SIGTERM and SIGHUP are held during steps 1-7 and
+delivered after them. A power loss is not covered (nothing is fsynced).
+
+``SGLANG_BACKPORT_FAULT_LOG`` / ``SGLANG_BACKPORT_FAULT_PAUSE`` are the
+fault-injection seam of the tests: each step is logged, and the run pauses
+at step N (``N`` or ``N:seconds``) so that a test can kill it there.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+from .. import gitops
+from ..errors import BadInput
+from ..pack.model import Fix, PatchVariant
+from .decide import Decision
+from .journal import JOURNAL_NAME, NEXT_INDEX, FileMove, Journal, put_file, recover
+
+PENDING_REF = "refs/sglang-backport/pending"
+AUTHOR = "sglang-backport <sglang-backport@localhost>"
+UPSTREAM_REPO = "sgl-project/sglang"
+VENDOR_TRAILER = "Vendor-Fix:"  # tree.py knows a toolkit commit by this or Backport-Of:
+FAULT_LOG, FAULT_PAUSE = "SGLANG_BACKPORT_FAULT_LOG", "SGLANG_BACKPORT_FAULT_PAUSE"
+log = logging.getLogger("backport.engine")
+
+
+def commit_message(fix: Fix, variant: PatchVariant) -> str:
+    desc = variant.header.get("Description", "").strip()
+    notes = variant.header.get("Backport-Notes", "").strip()
+    title = f"sglang-backport {fix.id}: {fix.title}" if fix.is_vendor else f"Backport #{fix.pr}: {fix.title}"
+    parts = [title, desc]
+    if notes:
+        parts.append("Backport notes: " + notes)
+    if fix.is_vendor:  # this pack's own fix: nothing upstream to point at but its design
+        parts.append(f"{VENDOR_TRAILER} {fix.id}\n"
+                     f"Design-Reference: {fix.url}\n"
+                     f"Backport-Variant: {variant.name}")
+    else:
+        parts.append(f"Backport-Of: {UPSTREAM_REPO}#{fix.pr}\n"
+                     f"Upstream-Commit: {fix.upstream_commit}\n"
+                     f"Backport-Variant: {variant.name}")
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def _epoch(d: _dt.date) -> int:
+    return int(_dt.datetime(d.year, d.month, d.day, tzinfo=_dt.UTC).timestamp())
+
+
+def _sha256(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def _mode_bits(mode: str) -> int:
+    return 0o755 if mode == "100755" else 0o644
+
+
+def plan_commits(prefix: str, decision: Decision, base_entries: dict[str, tuple[str, str]]) -> list[tuple]:
+    """The series' commits for gitops.fast_import: (author, message, epoch,
+    {repo path: (mode, data) | None}); a file keeps its mode in the base
+    commit, a created file gets the patch's."""
+    modes = {p: m for p, (m, _) in base_entries.items()}
+    commits = []
+    for fix, variant, changes in decision.pending:
+        cc: dict[str, tuple[str, bytes] | None] = {}
+        for rel, data in changes.items():
+            rp = prefix + rel
+            if data is None:
+                cc[rp] = None
+                modes.pop(rp, None)
+            else:
+                modes.setdefault(rp, decision.overlay.modes.get(rel, "100644"))
+                cc[rp] = (modes[rp], data)
+        commits.append((AUTHOR, commit_message(fix, variant), _epoch(variant.last_update), cc))
+    return commits
+
+
+def plan_moves(repo: Path, prefix: str, decision: Decision) -> tuple[FileMove, ...]:
+    moves = []
+    for rel, after in decision.final_contents().items():
+        before = decision.overlay.disk(rel)
+        f = repo / prefix / rel
+        mode_before = f.stat().st_mode & 0o7777 if before is not None else None
+        mode_after = mode_before if mode_before is not None else _mode_bits(decision.overlay.modes.get(rel, ""))
+        moves.append(FileMove(prefix + rel, _sha256(before), _sha256(after), mode_before,
+                              None if after is None else mode_after))
+    return tuple(moves)
+
+
+def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: Decision,
+                 base_entries: dict[str, tuple[str, str]]) -> list[str]:
+    """Commit the decided series and move the work tree, index and HEAD to it
+    (see the module docstring); the commits' ids, in series order."""
+    commits = plan_commits(prefix, decision, base_entries)
+    moves = plan_moves(repo, prefix, decision)
+    final = {prefix + rel: data for rel, data in decision.final_contents().items()}
+    message = f"sglang-backport: apply {len(commits)} patch(es)"
+    journal = Journal.start(base, message)
+    steps = _Steps()
+    shas: list[str] = []
+    with _HeldSignals():
+        journal.create(git_dir)
+        try:
+            steps("objects")
+            shas = gitops.fast_import(repo, PENDING_REF, base, commits)
+            steps("journal")
+            journal = journal.with_files(shas[-1], moves)
+            journal.save(git_dir)
+            for mv in moves:
+                steps(f"file {mv.path}")
+                put_file(repo, mv.path, final[mv.path], mv.mode_after)
+            steps("index")
+            next_index = git_dir / NEXT_INDEX
+            shutil.copyfile(git_dir / "index", next_index)
+            gitops.update_index(repo, [mv.path for mv in moves], next_index)
+            steps("head")
+            gitops.move_refs(repo, message, [("HEAD", shas[-1], base), (PENDING_REF, None, None)])
+            steps("swap index")
+            os.replace(next_index, git_dir / "index")
+            steps("done")
+            (git_dir / JOURNAL_NAME).unlink()
+        except BaseException as exc:
+            try:
+                outcome = recover(repo, git_dir, PENDING_REF)
+            except (OSError, BadInput, gitops.GitError) as again:  # the first error matters; the journal stays
+                log.error("recovery after %s failed: %s", type(exc).__name__, again)
+                raise exc from None
+            if not (shas and gitops.read_ref(repo, "HEAD") == shas[-1]):
+                raise
+            log.warning("%s after the commit point: %s", exc, outcome)
+    return shas
+
+
+class _Steps:
+    """The fault-injection seam (see the module docstring); free when unset."""
+
+    def __init__(self):
+        self.log = os.environ.get(FAULT_LOG)
+        pause = os.environ.get(FAULT_PAUSE, "")
+        at, _, secs = pause.partition(":")
+        self.pause_at = int(at) if at.isdigit() else 0
+        self.secs = float(secs) if secs else 60.0
+        self.n = 0
+
+    def __call__(self, name: str) -> None:
+        if not self.log:
+            return
+        self.n += 1
+        with open(self.log, "a", encoding="utf-8") as fh:
+            fh.write(f"{self.n} {name}\n")
+        if self.n == self.pause_at:
+            time.sleep(self.secs)
+
+
+class _HeldSignals:
+    """Hold SIGINT/SIGTERM/SIGHUP while the work tree moves; deliver them after."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self.saved: dict[int, object] = {}
+        self.got: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.saved[sig] = signal.signal(sig, lambda signum, _frame: self.got.append(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for sig in dict.fromkeys(self.got):
+            signal.raise_signal(sig)
+        return False

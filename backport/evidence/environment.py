@@ -1,0 +1,89 @@
+"""What the results depend on besides the trees: the probe interpreter and the toolkit itself."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from backport import __version__, resources
+
+# Packages whose versions decide how SGLang's modules behave on a CPU (probes/requirements-cpu.txt).
+KEY_PACKAGES = ("torch", "transformers", "tokenizers", "triton", "numpy", "xgrammar", "apache-tvm-ffi",
+                "compressed-tensors", "pydantic", "pytest")
+TOOLKIT_PACKAGES = ("gitpython", "unidiff", "packaging", "requests")
+
+
+def toolkit_info(root: Path | None = None) -> dict:
+    """Version and git commit of the toolkit checkout (commit null when it is not a git checkout)."""
+    root = Path(root or resources.SOURCE_ROOT)
+    commit = None
+    dirty = None
+    try:
+        import git
+
+        repo = git.Repo(root)
+        try:
+            if repo.head.is_valid() and Path(repo.working_tree_dir).resolve() == root.resolve():
+                commit = repo.head.commit.hexsha
+                # Only the code that decides results; bundles written under evidence/ do not count.
+                status = repo.git.status("--porcelain", "--untracked-files=no", "--",
+                                         "backport", "probes", "patches", "pyproject.toml")
+                dirty = bool(status.strip())
+        finally:
+            repo.close()
+    except Exception:  # noqa: BLE001 - not a checkout, or no git: recorded as null
+        commit, dirty = None, None
+    return {"name": "sglang-backport", "version": __version__, "git_commit": commit, "git_dirty": dirty}
+
+
+_ENV_SCRIPT = r"""
+import json, platform, sys
+from importlib import metadata
+names = json.loads(sys.argv[1])
+packages = {}
+for name in names:
+    try:
+        packages[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        packages[name] = None
+print(json.dumps({"python": platform.python_version(), "implementation": platform.python_implementation(),
+                  "platform": platform.platform(), "machine": platform.machine(), "packages": packages}))
+"""
+
+
+def interpreter_environment(python: str, packages: Iterable[str] = KEY_PACKAGES) -> dict:
+    """Python, platform and package versions of an interpreter, read without importing the packages."""
+    packages = list(packages)
+    try:
+        proc = subprocess.run([python, "-c", _ENV_SCRIPT, json.dumps(packages)],
+                              check=False, capture_output=True, text=True, timeout=120)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {"python": None, "implementation": None, "platform": None, "machine": None,
+                "packages": {name: None for name in packages}}
+
+
+def probe_torch(probe_docs: dict[str, dict]) -> str | list[str] | None:
+    """The torch the probes ran with: one version, the sorted versions when trees differ, or None."""
+    torch = sorted({d.get("torch") for d in probe_docs.values() if d.get("torch")})
+    return torch[0] if len(torch) == 1 else (torch or None)
+
+
+def environment_record(probe_env: dict, probe_docs: dict[str, dict]) -> dict:
+    """The receipt's environment: the probe interpreter (where SGLang ran) and the toolkit's Python."""
+    own = interpreter_environment(sys.executable, TOOLKIT_PACKAGES) if probe_env is not None else {}
+    probe_env = probe_env or {}
+    return {
+        "python": probe_env.get("python"),
+        "implementation": probe_env.get("implementation"),
+        "platform": probe_env.get("platform"),
+        "machine": probe_env.get("machine"),
+        "torch": probe_torch(probe_docs),
+        "packages": probe_env.get("packages", {}),
+        "toolkit_python": own.get("python") or platform.python_version(),
+        "toolkit_packages": own.get("packages", {}),
+    }

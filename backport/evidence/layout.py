@@ -1,0 +1,76 @@
+"""A bundle's file names and bytes: canonical JSON, sha256 digests and the SHA256SUMS form.
+
+Users and scripts read these names and this form; they do not change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+RECEIPT = "receipt.json"
+SUMS = "SHA256SUMS"
+REPORT = "REPORT.md"
+APPLY_REPORT = "apply-report.json"
+UPSTREAM_TESTS = "upstream-tests.json"
+PROBES_DIR = "probes"
+
+
+def probe_file(role: str) -> str:
+    """The bundle file that holds one tree's normalised probe results."""
+    return f"{PROBES_DIR}/{role}.json"
+
+
+def role_of(name: str) -> str | None:
+    """The role whose probe results a bundle file holds (None: not a probe file)."""
+    if name.startswith(PROBES_DIR + "/") and name.endswith(".json") and name.count("/") == 1:
+        return name[len(PROBES_DIR) + 1:-len(".json")]
+    return None
+
+
+def canonical_json(document: Any) -> bytes:
+    """The one serialisation every bundle file uses: sorted keys, fixed separators, ASCII, LF."""
+    return (json.dumps(document, indent=2, sort_keys=True, separators=(",", ": "), ensure_ascii=True)
+            + "\n").encode()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with Path(path).open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def sums_text(digests: dict[str, str]) -> str:
+    """`sha256sum` output for these files, sorted by name (the form `sha256sum -c` reads)."""
+    return "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
+
+
+_SUM_LINE = re.compile(r"([0-9a-f]{64})  ([^\n]+)")
+
+
+def parse_sums(data: bytes) -> tuple[dict[str, str] | None, str | None]:
+    """(entries, None) for a canonical SHA256SUMS, (None, why) otherwise."""
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        return None, "not ASCII text"
+    if not text.endswith("\n"):
+        return None, "does not end with a newline"
+    entries: dict[str, str] = {}
+    for number, line in enumerate(text[:-1].split("\n"), 1):
+        match = _SUM_LINE.fullmatch(line)
+        if not match:
+            return None, f"line {number} is not '<sha256>  <name>'"
+        name = match.group(2)
+        if name in entries or name.startswith("/") or ".." in name.split("/") or "\\" in name:
+            return None, f"line {number} names {name!r}, which no bundle file can be"
+        entries[name] = match.group(1)
+    if sums_text(entries) != text:
+        return None, "lines are not in the canonical sorted form"
+    return entries, None

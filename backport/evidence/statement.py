@@ -1,0 +1,308 @@
+"""The receipt: an in-toto Statement v1 whose predicate records one run, and its own consistency.
+
+The predicate embeds every JSON file of the bundle (``probes``, ``apply``, ``upstream_tests``)
+and derives the rest from them (``cases``, ``reference_differences``, ``summary``, the patch
+digests and statuses in ``inputs.patches``, the patched tree's commit, ``environment.torch``).
+`check_statement` re-derives all of it, so a receipt edited in one place contradicts itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from backport import resources
+from backport.errors import Finding
+from backport.evidence.coverage import problems as coverage_problems
+from backport.evidence.environment import probe_torch
+from backport.evidence.layout import (
+    APPLY_REPORT,
+    UPSTREAM_TESTS,
+    canonical_json,
+    probe_file,
+    role_of,
+    sha256_bytes,
+)
+from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_differences, summarise
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
+SCHEMA_VERSION = 1
+_EMBEDDING_KEYS = ("file", "sha256")
+
+
+@dataclass(frozen=True)
+class TreeInput:
+    """One probed tree as the receipt records it (paths are for normalisation only)."""
+
+    role: str
+    spec: str
+    version: str
+    tree_digest: str
+    commit: str | None = None
+    artifact_sha256: str | None = None
+    unpinned: bool = False
+    package_root: Path | None = None
+    tree_path: Path | None = None
+
+    def to_input(self) -> dict:
+        return {"spec": self.spec, "version": self.version, "tree_digest": self.tree_digest,
+                "commit": self.commit, "artifact_sha256": self.artifact_sha256, "unpinned": self.unpinned}
+
+
+def _embed(document: dict, name: str) -> dict:
+    return {**document, "file": name, "sha256": sha256_bytes(canonical_json(document))}
+
+
+def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], probes: dict[str, dict],
+                    apply_report: dict | None, patches: list[dict], series_files: list[dict],
+                    upstream_tests: dict, environment: dict, toolkit: dict, subject: dict[str, str],
+                    timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None) -> dict:
+    rows = case_rows(probes)
+    reference = trees.get(REFERENCE)
+    predicate = {
+        "schema_version": SCHEMA_VERSION,
+        "mode": mode,
+        "toolkit": toolkit,
+        "environment": environment,
+        "inputs": {
+            "target": target,
+            "series": series_files,
+            "patches": patches,
+            "trees": {role: trees[role].to_input() for role in ROLES if role in trees},
+            "reference": None if reference is None else {**reference.to_input(), "chosen": reference_choice},
+        },
+        "apply": apply_report,
+        "probes": {role: _embed(probes[role], probe_file(role)) for role in ROLES if role in probes},
+        "cases": rows,
+        "reference_differences": reference_differences(rows),
+        "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
+        "summary": summarise(rows, probes, upstream_tests, coverage),
+        "timestamps": timestamps,
+    }
+    if coverage is not None:
+        predicate["coverage"] = coverage
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": name, "digest": {"sha256": subject[name]}} for name in sorted(subject)],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": predicate,
+    }
+
+
+def embedded(predicate: dict, name: str) -> Any:
+    """The document the receipt embeds for one bundle file, as the file must hold it (None: none)."""
+    role = role_of(name)
+    if role is not None:
+        doc = predicate["probes"].get(role)
+    elif name == UPSTREAM_TESTS:
+        doc = predicate["upstream_tests"]
+    elif name == APPLY_REPORT:
+        return predicate["apply"]
+    else:
+        return None
+    return None if doc is None else {k: v for k, v in doc.items() if k not in _EMBEDDING_KEYS}
+
+
+def _plain_probes(predicate: dict) -> dict[str, dict]:
+    return {role: embedded(predicate, probe_file(role)) for role in predicate["probes"]}
+
+
+def patch_inputs_from(apply_report: dict | None, recorded: list[dict] = ()) -> list[dict]:
+    """inputs.patches as the apply report implies them: one per patch that has a variant, in order."""
+    patches = []
+    recorded = list(recorded)
+    for patch in (apply_report or {}).get("patches", []):
+        if not patch.get("variant"):
+            continue
+        old = recorded[len(patches)] if len(patches) < len(recorded) else {}
+        path = old.get("path") if old.get("variant") == patch["variant"] else f"{patch['fix']}/{patch['variant']}"
+        patches.append({"fix": patch["fix"], "variant": patch["variant"], "path": path,
+                        "sha256": patch.get("variant_sha256"), "status": patch.get("status")})
+    return patches
+
+
+_KEEP = object()
+
+
+def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: Any = _KEEP,
+            upstream: dict | None = None) -> dict:
+    """The statement with some embedded documents replaced and everything derived from them redone:
+    what the receipt would say had the run produced these documents."""
+    s = copy.deepcopy(statement)
+    p = s["predicate"]
+    if probes is not None:
+        p["probes"] = {role: _embed(probes[role], probe_file(role)) for role in ROLES if role in probes}
+    if upstream is not None:
+        p["upstream_tests"] = _embed(upstream, UPSTREAM_TESTS)
+    if apply is not _KEEP:
+        p["apply"] = apply
+        if apply is not None:
+            p["inputs"]["patches"] = patch_inputs_from(apply, p["inputs"]["patches"])
+            p["inputs"]["trees"]["patched"]["commit"] = apply.get("head_commit")
+    plain = _plain_probes(p)
+    rows = case_rows(plain)
+    p["cases"] = rows
+    p["reference_differences"] = reference_differences(rows)
+    p["summary"] = summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"))
+    p["environment"]["torch"] = probe_torch(plain)
+    return s
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+
+
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    path = resources.receipt_schema()
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise Finding(f"{path}: the receipt schema cannot be read ({exc}); this installation of "
+                      f"sglang-backport is incomplete, so no bundle can be verified") from exc
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_errors(statement: Any) -> str | None:
+    """The first place where a receipt departs from the receipt schema (None: it matches)."""
+    errors = sorted(_validator().iter_errors(statement), key=lambda e: [str(x) for x in e.absolute_path])
+    if not errors:
+        return None
+    error = errors[0]
+    where = "/".join(str(part) for part in error.absolute_path) or "(top)"
+    return f"does not match the receipt schema at {where}: {error.message}"
+
+
+def _derived_problems(p: dict) -> list[str]:
+    problems = []
+    probes = _plain_probes(p)
+    expected_rows = case_rows(probes)
+    rows = p["cases"]
+    if len(rows) != len(expected_rows):
+        problems.append(f"cases lists {len(rows)} cases, the per-tree probe results have {len(expected_rows)}")
+    for row, expected in zip(rows, expected_rows):
+        name = f"{expected['probe']}/{expected['case']}"
+        if (row.get("probe"), row.get("case")) != (expected["probe"], expected["case"]):
+            problems.append(f"case {row.get('probe')}/{row.get('case')} is not {name} of the probe results")
+            break
+        if row.get("verdicts") != expected["verdicts"]:
+            problems.append(f"case {name}: verdicts {row.get('verdicts')} disagree with the per-tree "
+                            f"results {expected['verdicts']}")
+        if row.get("pair") != expected["pair"]:
+            problems.append(f"case {name}: pair verdict {row.get('pair')!r} does not follow from "
+                            f"{expected['verdicts']} (expected {expected['pair']!r})")
+        for key in ("must_preserve", "expect", "reference_agrees"):
+            if row.get(key) != expected[key]:
+                problems.append(f"case {name}: {key} {row.get(key)!r} disagrees with the probe results")
+    if p["reference_differences"] != reference_differences(expected_rows):
+        problems.append("reference_differences disagree with the cases")
+    problems += coverage_problems(p.get("coverage"))
+    expected_summary = summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"))
+    summary = p["summary"]
+    for key in sorted(set(expected_summary) | set(summary)):
+        if summary.get(key) != expected_summary.get(key):
+            problems.append(f"summary.{key} is {summary.get(key)!r}, the cases give {expected_summary.get(key)!r}")
+    torch = probe_torch(probes)
+    if p["environment"].get("torch") != torch:
+        problems.append(f"environment.torch is {p['environment'].get('torch')!r}, the probe results "
+                        f"give {torch!r}")
+    return problems
+
+
+def _embedding_problems(p: dict) -> list[str]:
+    """Each embedded document names its file (its digest is checked against the file: agreement.py)."""
+    problems = []
+    parts = [(f"probes.{role}", p["probes"][role], probe_file(role)) for role in p["probes"]]
+    parts.append(("upstream_tests", p["upstream_tests"], UPSTREAM_TESTS))
+    for where, doc, name in parts:
+        if doc.get("file") != name:
+            problems.append(f"{where}.file is {doc.get('file')!r}, not {name!r}")
+    return problems
+
+
+def _input_problems(p: dict) -> list[str]:
+    """The inputs against what the run's documents say of the same things."""
+    problems = []
+    inputs, apply = p["inputs"], p["apply"]
+    trees = inputs["trees"]
+    if set(trees) != set(p["probes"]):
+        problems.append(f"inputs.trees names {sorted(trees)}, probes cover {sorted(p['probes'])}")
+    reference = inputs["reference"]
+    if (reference is None) != (REFERENCE not in trees) or (
+            reference is not None and {k: v for k, v in reference.items() if k != "chosen"} != trees[REFERENCE]):
+        problems.append("inputs.reference disagrees with inputs.trees.reference")
+    target, pristine = inputs["target"], trees.get("pristine", {})
+    for key in ("version", "artifact_sha256", "unpinned"):
+        if target.get(key) != pristine.get(key):
+            problems.append(f"inputs.target.{key} is {target.get(key)!r}, inputs.trees.pristine.{key} is "
+                            f"{pristine.get(key)!r}")
+    if target.get("commit") not in (None, pristine.get("commit")):
+        problems.append(f"inputs.target.commit {target.get('commit')} is not the pristine tree's commit "
+                        f"{pristine.get('commit')}")
+    backport = p["mode"] == "backport"
+    if backport != (apply is not None) or backport != (target.get("head") is None):
+        problems.append(f"mode {p['mode']!r} disagrees with the apply report and inputs.target.head")
+    if backport:  # the patched tree is a clone of the pristine one
+        for key in ("spec", "version", "artifact_sha256", "unpinned"):
+            if trees.get("patched", {}).get(key) != pristine.get(key):
+                problems.append(f"inputs.trees.patched.{key} is {trees.get('patched', {}).get(key)!r}, but the "
+                                f"patched tree is the pristine tree's clone, whose {key} is {pristine.get(key)!r}")
+    expected_patches = patch_inputs_from(apply, inputs["patches"])
+    for index in range(max(len(expected_patches), len(inputs["patches"]))):
+        got = inputs["patches"][index] if index < len(inputs["patches"]) else None
+        want = expected_patches[index] if index < len(expected_patches) else None
+        if got is None or want is None:
+            problems.append(f"inputs.patches lists {len(inputs['patches'])} patches, predicate.apply has "
+                            f"{len(expected_patches)} with a variant")
+            break
+        for key in ("fix", "variant", "sha256", "status"):
+            if got.get(key) != want[key]:
+                problems.append(f"inputs.patches[{index}].{key} is {got.get(key)!r}, predicate.apply records "
+                                f"{want[key]!r} for {want['variant']}")
+        if not (got.get("path") == want["variant"] or str(got.get("path")).endswith("/" + want["variant"])):
+            problems.append(f"inputs.patches[{index}].path {got.get('path')!r} does not name {want['variant']}")
+    if apply is not None:
+        if trees.get("patched", {}).get("commit") != apply.get("head_commit"):
+            problems.append(f"inputs.trees.patched.commit is {trees.get('patched', {}).get('commit')!r}, "
+                            f"predicate.apply.head_commit is {apply.get('head_commit')!r}")
+        if apply.get("version") != trees.get("patched", {}).get("version"):
+            problems.append(f"predicate.apply.version is {apply.get('version')!r}, inputs.trees.patched.version "
+                            f"is {trees.get('patched', {}).get('version')!r}")
+    for tree in p["upstream_tests"].get("trees") or []:
+        if tree.get("tree") not in trees:
+            problems.append(f"upstream_tests ran on {tree.get('tree')!r}, which inputs.trees does not name")
+    return problems
+
+
+def check_statement(statement: Any) -> list[str]:
+    """Internal consistency of a receipt: its structure, everything it derives, its copies of one value."""
+    if not isinstance(statement, dict):
+        return ["is not a JSON object"]
+    problems: list[str] = []
+    if statement.get("_type") != STATEMENT_TYPE:
+        problems.append(f"_type is not {STATEMENT_TYPE}")
+    if statement.get("predicateType") != PREDICATE_TYPE:
+        problems.append(f"predicateType is not {PREDICATE_TYPE}")
+    p = statement.get("predicate")
+    if not isinstance(p, dict):
+        return problems + ["has no predicate object"]
+    for key in ("probes", "cases", "summary", "inputs", "upstream_tests", "reference_differences", "apply",
+                "environment", "mode"):
+        if key not in p:
+            return problems + [f"predicate has no {key!r}"]
+    try:
+        for role in p["probes"]:
+            if role not in ROLES:
+                problems.append(f"predicate.probes has an unknown role {role!r}")
+        problems += _derived_problems(p)
+        problems += _embedding_problems(p)
+        problems += _input_problems(p)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        problems.append(f"malformed predicate ({type(exc).__name__}: {exc})")
+    return problems

@@ -1,0 +1,52 @@
+"""`verify`: recompute every digest of a bundle and check that its files agree with each other.
+
+Problems come in a fixed order, and each stage runs only when the one before found none:
+
+1. the files against SHA256SUMS (in name order);
+2. the files against the receipt's subjects;
+3. the receipt against the receipt schema and against itself (statement.check_statement);
+4. the files against the receipt's copies of them, and REPORT.md against the receipt's
+   rendering (agreement.py), so that a file edited and resealed is named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backport.errors import BadInput
+from backport.evidence.agreement import agreement_problems
+from backport.evidence.integrity import bundle_files, digests, read_receipt, subject_problems, sums_problems
+from backport.evidence.layout import RECEIPT
+from backport.evidence.problem import Problem, VerifyResult
+from backport.evidence.statement import check_statement, schema_errors
+
+
+def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list[Problem], dict | None]:
+    statement, subjects = read_receipt(bundle)
+    problems = sums_problems(bundle, present, actual, subjects)
+    if problems:
+        return problems, statement
+    if statement is None:
+        return [Problem(RECEIPT, "inconsistent", "not an in-toto statement with a subject list")], None
+    problems = subject_problems(actual, subjects)
+    if problems:
+        return problems, statement
+    schema_error = schema_errors(statement)
+    if schema_error:
+        problems.append(Problem(RECEIPT, "inconsistent", schema_error))
+    problems += [Problem(RECEIPT, "inconsistent", message) for message in check_statement(statement)]
+    if problems:
+        return problems, statement
+    return agreement_problems(bundle, statement, set(actual)), statement
+
+
+def verify(bundle: Path | str) -> VerifyResult:
+    """Check one bundle directory (BadInput when it is not a directory)."""
+    bundle = Path(bundle)
+    if not bundle.is_dir():
+        raise BadInput(f"{bundle}: not a directory")
+    present = bundle_files(bundle)
+    actual = digests(present)
+    problems, statement = _problems(bundle, present, actual)
+    summary = statement["predicate"]["summary"] if not problems else None
+    return VerifyResult(bundle, actual, tuple(problems), summary)

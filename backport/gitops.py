@@ -1,0 +1,319 @@
+"""Every git process the toolkit starts, behind one small module.
+
+The engine talks to git through plumbing only (status, ls-files, ls-tree,
+cat-file, fast-import, update-index, update-ref) and parses its ``-z``
+output; git does all hashing, tree building and pack writing. The one
+exception is ``blob_id``: the id git gives a file's bytes, computed here to
+check that a file on disk is exactly its committed blob without a process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from .errors import BadInput
+
+REGULAR_MODES = ("100644", "100755")
+STATUS_ARGS = ("--no-optional-locks", "status", "--porcelain=v1", "-z", "--untracked-files=no",
+               "--ignore-submodules=none")
+
+
+class GitError(RuntimeError):
+    """A git command failed (its stderr is in the message)."""
+
+
+def _cmd(root: Path, args: Sequence[str]) -> list[str]:
+    return ["git", "-C", str(root), *args]
+
+
+def run(root: Path, *args: str, input: bytes | None = None, env: Mapping[str, str] | None = None) -> bytes:
+    """Run git in ``root``; its stdout, or GitError."""
+    p = subprocess.run(_cmd(root, args), input=input, capture_output=True, check=False,
+                       env=None if env is None else {**os.environ, **env})
+    if p.returncode != 0:
+        raise GitError(f"git {' '.join(args[:2])} failed: {p.stderr.decode(errors='replace').strip()}")
+    return p.stdout
+
+
+class Background:
+    """A git command running while the caller works (the engine overlaps its
+    few git processes: they are most of its cost). Input comes from a
+    temporary file so that starting never blocks."""
+
+    def __init__(self, root: Path, *args: str, input: bytes | None = None):
+        self.args = args
+        stdin = subprocess.DEVNULL
+        if input is not None:
+            stdin = tempfile.TemporaryFile()  # noqa: SIM115 - closed right after Popen
+            stdin.write(input)
+            stdin.seek(0)
+        self.p = subprocess.Popen(_cmd(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if input is not None:
+            stdin.close()
+        self.out: bytes | None = None
+
+    def result(self) -> bytes:
+        if self.out is None:
+            out, err = self.p.communicate()
+            if self.p.returncode != 0:
+                raise GitError(f"git {' '.join(self.args[:2])} failed: {err.decode(errors='replace').strip()}")
+            self.out = out
+        return self.out
+
+    def reap(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.communicate()
+
+
+def _z_paths(paths: Iterable[str]) -> bytes:
+    return "".join(p + "\0" for p in paths).encode("utf-8", "surrogateescape")
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+# ----------------------------------------------------------------- reading
+
+
+def work_tree(root: Path) -> tuple[Path, str | None]:
+    """(git dir, HEAD's commit id or None before the first commit) of the git
+    work tree whose root is ``root``; BadInput for anything else. Reads
+    files only (gitpython), no process."""
+    import git
+
+    try:
+        repo = git.Repo(root)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise BadInput(f"{root}: not a git repository") from None
+    try:
+        if repo.bare or repo.working_tree_dir is None or Path(repo.working_tree_dir).resolve() != root.resolve():
+            raise BadInput(f"{root}: not the root of a git work tree")
+        return Path(repo.git_dir), _deref(repo, "HEAD")
+    finally:
+        repo.close()
+
+
+def read_ref(root: Path, ref: str) -> str | None:
+    """The object id a ref (or HEAD) points to, None when it does not exist; no process."""
+    import git
+
+    repo = git.Repo(root)
+    try:
+        return _deref(repo, ref)
+    finally:
+        repo.close()
+
+
+def _deref(repo, ref: str) -> str | None:
+    from git.refs.symbolic import SymbolicReference
+
+    try:  # loose or packed ref files, followed through symbolic refs
+        return SymbolicReference.dereference_recursive(repo, ref)
+    except ValueError:
+        return None
+
+
+def dirty_paths(status_out: bytes) -> set[str]:
+    """Tracked paths with staged or unstaged changes, from ``git status`` run
+    with STATUS_ARGS (untracked files do not count)."""
+    parts = status_out.split(b"\0")
+    paths: set[str] = set()
+    i = 0
+    while i < len(parts):
+        e = parts[i]
+        i += 1
+        if len(e) < 4:
+            continue
+        paths.add(_decode(e[3:]))
+        if (e[:1] in (b"R", b"C") or e[1:2] in (b"R", b"C")) and i < len(parts):
+            paths.add(_decode(parts[i]))
+            i += 1
+    return paths
+
+
+def uncommitted_paths(root: Path, pathspec: str) -> set[str]:
+    """Paths under `pathspec` that differ from HEAD, untracked files included (what a clone of
+    HEAD would not carry)."""
+    out = run(root, "--no-optional-locks", "status", "--porcelain=v1", "-z", "--untracked-files=all",
+              "--", pathspec)
+    return dirty_paths(out)
+
+
+def flags_args(paths: Sequence[str]) -> tuple[str, ...]:
+    return ("--no-optional-locks", "--literal-pathspecs", "ls-files", "-v", "-z", "--", *paths)
+
+
+def flagged_paths(ls_files_out: bytes) -> dict[str, str]:
+    """Paths whose index entry hides local changes from ``git status``:
+    {path: "skip-worktree" | "assume-unchanged"}, from ``ls-files -v -z``
+    (tag ``S``: skip-worktree; a lowercase tag: assume-unchanged)."""
+    out: dict[str, str] = {}
+    for entry in ls_files_out.split(b"\0"):
+        if len(entry) < 3:
+            continue
+        tag, path = entry[:1], _decode(entry[2:])
+        if tag in (b"S", b"s"):
+            out[path] = "skip-worktree"
+        elif tag.islower():
+            out[path] = "assume-unchanged"
+    return out
+
+
+def ls_tree_args(commit: str, paths: Sequence[str]) -> tuple[str, ...]:
+    return ("ls-tree", "-z", "--full-tree", commit, "--", *paths)
+
+
+def ls_tree(ls_tree_out: bytes) -> dict[str, tuple[str, str]]:
+    """``git ls-tree -z`` output as {path: (mode, object id)}, regular files only."""
+    out: dict[str, tuple[str, str]] = {}
+    for entry in ls_tree_out.split(b"\0"):
+        if not entry:
+            continue
+        meta, _, path = entry.partition(b"\t")
+        mode, kind, oid = meta.decode().split(" ")
+        if kind == "blob" and mode in REGULAR_MODES:
+            out[_decode(path)] = (mode, oid)
+    return out
+
+
+def blob_id(data: bytes) -> str:
+    """The SHA-1 object id git gives a file with these bytes (no filters)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def read_blobs(root: Path, specs: Sequence[str]) -> dict[str, bytes | None]:
+    """{spec: content} for ``rev:path`` specs (None: no such blob), one ``cat-file --batch``."""
+    out = run(root, "cat-file", "--batch", input="".join(s + "\n" for s in specs).encode("utf-8", "surrogateescape"))
+    got: dict[str, bytes | None] = {}
+    pos = 0
+    for spec in specs:
+        eol = out.index(b"\n", pos)
+        head = out[pos:eol].split()
+        pos = eol + 1
+        if len(head) == 3 and head[1] == b"blob":
+            size = int(head[2])
+            got[spec] = out[pos:pos + size]
+            pos += size + 1
+        else:
+            got[spec] = None
+    return got
+
+
+# ----------------------------------------------------------------- writing
+
+
+def fast_import(root: Path, ref: str, base: str, commits: Sequence[tuple[str, str, int, dict]]) -> list[str]:
+    """Write commits with ``git fast-import`` onto ``ref``, the first on top of
+    ``base``: one per (author "Name <email>", message, epoch, {repo path: (mode,
+    data) | None}). Returns their ids in order."""
+    stream = bytearray()
+    for n, (who, message, epoch, changes) in enumerate(commits, start=1):
+        text = message.encode("utf-8")
+        stream += b"commit %s\nmark :%d\n" % (ref.encode(), n)
+        stream += b"author %s %d +0000\ncommitter %s %d +0000\n" % (who.encode(), epoch, who.encode(), epoch)
+        stream += b"data %d\n%s\n" % (len(text), text)
+        if n == 1:
+            stream += b"from %s\n" % base.encode()
+        for path, val in changes.items():
+            quoted = path.encode("utf-8", "surrogateescape")
+            if val is None:
+                stream += b"D %s\n" % quoted
+            else:
+                mode, data = val
+                stream += b"M %s inline %s\ndata %d\n%s\n" % (mode.encode(), quoted, len(data), data)
+        stream += b"\n"
+    stream += b"done\n"
+    with tempfile.TemporaryDirectory(prefix="sglang-backport-marks-") as tmp:
+        marks = Path(tmp) / "marks"
+        # keep fast-import's pack as written (no unpacking into loose objects), stored
+        # uncompressed: git gc recompresses later, the run pays no heavy zlib
+        run(root, "-c", "fastimport.unpackLimit=1", "-c", "core.compression=0", "fast-import", "--quiet",
+            "--done", f"--export-marks={marks}", input=bytes(stream))
+        ids = dict(line.split() for line in marks.read_text().splitlines())
+    return [ids[f":{n}"] for n in range(1, len(commits) + 1)]
+
+
+def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
+    """Record the work tree's files at ``paths`` (with stat info; removed when
+    gone) in the index file ``index_file``, not the repository's own index."""
+    run(root, "update-index", "--add", "--remove", "-z", "--stdin", input=_z_paths(paths),
+        env={"GIT_INDEX_FILE": str(index_file)})
+
+
+def move_refs(root: Path, message: str, updates: Sequence[tuple[str, str | None, str | None]]) -> None:
+    """One atomic ref transaction: (ref, new id or None to delete, expected old id or None)."""
+    lines = []
+    for ref, new, old in updates:
+        if new is None:
+            lines.append(f"delete {ref}" + (f" {old}" if old else ""))
+        else:
+            lines.append(f"update {ref} {new}" + (f" {old}" if old else ""))
+    run(root, "update-ref", "-m", message, "--stdin", input=("\n".join(lines) + "\n").encode())
+
+
+def delete_ref(root: Path, ref: str) -> None:
+    run(root, "update-ref", "-d", ref)
+
+
+# ------------------------------------------------------------------ clones
+
+
+def clone_work_tree(src: Path, dest: Path) -> Path:
+    """A fresh clone of the git work tree ``src`` at ``dest`` (which must not
+    exist or be empty), checked out at src's HEAD; returns dest resolved.
+    Objects are hard-linked (they never change); the work tree files are new."""
+    src, dest = Path(src), Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise BadInput(f"{dest}: exists and is not an empty directory")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run(dest.parent, "clone", "--quiet", "--local", "--", str(src.resolve()), str(dest))
+    except GitError as e:
+        raise BadInput(f"{src}: cannot clone ({str(e).splitlines()[-1]})") from None
+    return dest.resolve()
+
+
+# ------------------------------------------------------------------ blame
+
+
+def blame_commits(root: Path, path: str, rev: str = "HEAD") -> list[str]:
+    """The commit that last changed each line of `path` at `rev` (index 0 is line 1)."""
+    out = run(root, "blame", "--porcelain", "--root", rev, "--", path).decode("utf-8", "replace")
+    commits: list[str] = []
+    for line in out.splitlines():
+        head = line.split(" ")
+        # a line header: "<40 hex> <orig line> <final line> [<group size>]"
+        if len(head) in (3, 4) and len(head[0]) == 40 and all(c in "0123456789abcdef" for c in head[0]):
+            final = int(head[2])
+            commits.extend([""] * (final - len(commits)))
+            commits[final - 1] = head[0]
+    return commits
+
+
+# ----------------------------------------------------------------- shipping
+
+
+def commits_since(root: Path, base: str, rev: str = "HEAD") -> list[str]:
+    """The commits after ``base`` up to ``rev``, oldest first (a patched tree's backport commits)."""
+    return run(root, "rev-list", "--reverse", f"{base}..{rev}").decode().split()
+
+
+def commit_message(root: Path, commit: str) -> str:
+    return _decode(run(root, "show", "-s", "--format=%B", commit))
+
+
+def format_patch(root: Path, base: str, out_dir: Path, rev: str = "HEAD") -> list[Path]:
+    """``git format-patch`` of the commits after ``base``: one mbox file each, numbered, with
+    the commit messages (trailers included). No signature line (it names the git version), so
+    the same commits give the same bytes on every machine."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = run(root, "-c", "core.quotePath=false", "format-patch", "--no-signature", "--no-numbered",
+              "--output-directory", str(out_dir.resolve()), f"{base}..{rev}")
+    return [Path(line) for line in _decode(out).splitlines() if line]

@@ -1,0 +1,116 @@
+"""What a run will do, decided before anything is fetched or built.
+
+`plan(options)` checks every input (specs, the pack, the reference, the bundle directory) so that
+bad input is refused in well under a second, before the probe environment (2.5 GB) is built or a
+wheel downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from backport import evidence, resources
+from backport.errors import BadInput
+from backport.pack import Pack, load_pack
+from backport.releases import WheelPin, default_path, load_pins
+from backport.sources import parse_spec, spec_kind
+
+NONE_WORDS = ("none", "no", "off")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The inputs of `sglang-backport run`, as a library call takes them."""
+
+    spec: str
+    out: Path | None = None
+    reference: str | None = None       # a spec, "none", or None for the default
+    head: str | None = None            # compare with this tree instead of applying the pack
+    series: Path | None = None
+    python: str | None = None
+    allow_unpinned: bool = False
+    upstream_base_url: str | None = None
+    upstream_tests: bool = True
+    keep_trees: bool = False
+    bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
+    min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
+
+
+@dataclass(frozen=True)
+class Plan:
+    options: RunOptions
+    series_dir: Path
+    pack: Pack
+    mode: str                          # "backport" | "upstream-pair"
+    kind: str                          # the target spec's form: wheel | git | path | installed
+    in_place: bool                     # the target is a user's git checkout (proved on a clone)
+    reference_spec: str | None
+    reference_choice: str
+    matrix: Path                       # the release matrix in force (its pins fetch every spec)
+    pins: dict[str, WheelPin]
+
+    @property
+    def total_steps(self) -> int:
+        # environment, fetch, [clone, apply], [fetch-reference], probe, [upstream-tests], bundle
+        return (2 + 2 * (self.mode == "backport") + (self.reference_spec is not None) + 1
+                + self.options.upstream_tests + 1)
+
+
+def default_reference(pack: Pack, pins: dict | None = None) -> str | None:
+    """The newest pinned release that every upstream fix's `fixed_in` contains
+    (a vendor fix is in no release)."""
+    pins = load_pins() if pins is None else pins
+    fixes = [f for f in pack.fixes.values() if not f.is_vendor]
+    if not fixes:
+        return None
+    versions = [v for v in pins if all(fix.is_fixed_in(v) for fix in fixes)]
+    return f"sglang=={max(versions, key=Version)}" if versions else None
+
+
+def is_user_checkout(spec: str) -> bool:
+    path = Path(spec).expanduser()
+    return path.is_dir() and (path / ".git").exists()
+
+
+def plan(options: RunOptions) -> Plan:
+    series_dir = Path(options.series) if options.series else resources.pack_dir()
+    if not series_dir.is_dir():
+        raise BadInput(f"{series_dir}: no such patch series directory")
+    pack = load_pack(series_dir)
+    matrix = default_path(series_dir)
+    pins = load_pins(matrix)
+    parse_spec(options.spec, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
+    if options.head:
+        parse_spec(options.head, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
+    reference = options.reference
+    if reference and reference.lower() in NONE_WORDS:
+        reference, choice = None, "none"
+    elif reference:
+        parse_spec(reference, allow_unpinned=options.allow_unpinned, pins=pins)
+        choice = "given"
+    else:
+        reference = default_reference(pack, pins)
+        choice = "default: the newest pinned release whose version is in every fix's fixed_in"
+    if options.out is not None:
+        evidence.check_bundle_target(Path(options.out))
+    if options.min_coverage is not None and not 0 <= options.min_coverage <= 100:
+        raise BadInput(f"--min-coverage {options.min_coverage}: a percentage from 0 to 100")
+    return Plan(options, series_dir, pack, "upstream-pair" if options.head else "backport",
+                spec_kind(options.spec), is_user_checkout(options.spec), reference, choice, matrix, pins)
+
+
+def bundle_dir(fetched_tree, kind: str, head: tuple | None = None, root: Path | None = None) -> Path:
+    """<root>/<target>, root default ./evidence: sglang-0.5.19, git-<commit12>, path-<digest12>."""
+
+    def name(tree, form: str) -> str:
+        if form == "wheel":
+            return f"sglang-{tree.version}"
+        if form == "git":
+            return f"git-{(tree.base_commit or tree.tree_digest)[:12]}"
+        return f"{form}-{tree.version}-{tree.tree_digest[:12]}"
+
+    base = name(fetched_tree, kind)
+    return (root or Path.cwd() / "evidence") / (base if head is None else f"{base}..{name(*head)}")

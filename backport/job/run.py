@@ -1,0 +1,305 @@
+"""The main job as a library: fetch, clone, apply, probe each role, upstream tests, bundle.
+
+    outcome = run(RunOptions("sglang==0.5.19"))
+
+Each step is a small function with typed inputs and outputs; `run` calls them in order, as
+nox's workflow does with its tasks. The CLI only parses arguments, calls `run` and prints.
+A series that does not apply raises `SeriesDoesNotApply` (a finding: there is no patched tree
+to prove, so no bundle is written).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from backport import cache, evidence
+from backport.engine import ApplyReport, apply_series
+from backport.errors import BadInput, Finding
+from backport.gitops import uncommitted_paths
+from backport.job.coverage import patch_coverage, touched_files
+from backport.job.plan import Plan, RunOptions, bundle_dir, plan
+from backport.job.progress import Progress
+from backport.probing import ensure_env, run_matrix
+from backport.sources import materialise, spec_kind
+from backport.tree import Tree, clone_tree, tree_digest
+
+log = logging.getLogger("backport.job")
+
+
+class SeriesDoesNotApply(Finding):
+    def __init__(self, message: str, report: ApplyReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    bundle: evidence.Bundle
+    written: Path
+    exit_code: int
+    receipt_sha256: str
+
+    @property
+    def summary(self) -> dict:
+        return self.bundle.summary
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+
+def fetch(spec: str, the_plan: Plan) -> Tree:
+    options = the_plan.options
+    return materialise(spec, allow_unpinned=options.allow_unpinned, python=options.python,
+                       pins=the_plan.pins).tree
+
+
+def check_pristine(the_plan: Plan, source: Tree) -> str:
+    """The digest of the tree to prove; a user's checkout must have no uncommitted changes."""
+    if the_plan.in_place:
+        dirty = uncommitted_paths(source.path, f"{source.package_prefix}sglang")
+        if dirty:
+            raise BadInput(f"{source.path}: uncommitted changes under {source.package_prefix}sglang/ "
+                           f"({min(dirty)}); `run` proves the committed HEAD on a clone: commit or "
+                           f"stash them first")
+    digest = tree_digest(source.package_root)
+    if not the_plan.in_place and digest != source.tree_digest:
+        raise Finding(f"{source.path}: the cached tree no longer matches its recorded digest "
+                      f"{source.tree_digest} (now {digest}); remove the cache entry and fetch again")
+    return digest
+
+
+def clone(source: Tree) -> Tree:
+    """A fresh clone of `source` under the cache's work/ (removed at the end unless kept)."""
+    return clone_tree(source, cache.work_root())
+
+
+def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
+    report = apply_series(tree.path, the_plan.pack, tree.version, package_prefix=tree.package_prefix)
+    if report.status == "failed":
+        failed = [p for p in report.patches if p.status == "failed"]
+        first = failed[0] if failed else None
+        raise SeriesDoesNotApply(
+            f"{the_plan.options.spec}: the series does not apply"
+            + (f": {first.fix} ({first.variant}) {first.reason}" if first else "")
+            + "; no bundle written (there is no patched tree to prove)", report)
+    return report
+
+
+def tree_input(role: str, tree: Tree, *, digest: str | None = None, commit: str | None = None) -> evidence.TreeInput:
+    return evidence.TreeInput(role=role, spec=tree.spec, version=tree.version,
+                              tree_digest=digest or tree_digest(tree.package_root),
+                              commit=commit if commit is not None else tree.base_commit,
+                              artifact_sha256=tree.artifact_sha256, unpinned=bool(tree.unpinned),
+                              package_root=Path(tree.package_root), tree_path=Path(tree.path))
+
+
+def upstream_tests(trees: dict[str, evidence.TreeInput], series_dir: Path, python: str,
+                   base_url: str | None) -> dict:
+    from backport import upstream
+
+    refs = upstream.load_refs(series_dir)
+    if not refs:
+        return {"skipped": "fixes.toml lists no upstream tests", "trees": []}
+    labelled = [(role, trees[role].package_root) for role in evidence.ROLES if role in trees]
+    return upstream.run_upstream_tests(labelled, refs, python=python, base_url=base_url)
+
+
+def series_files(the_plan: Plan) -> list[dict]:
+    """The pack's own files, and the release matrix whose pins fetched the trees (wherever it is)."""
+    series = the_plan.series_dir
+    paths = {name: series / name for name in ("series", "fixes.toml", "pairs.toml")}
+    paths["releases.toml"] = the_plan.matrix
+    return [{"path": name, "sha256": evidence.sha256_file(path)}
+            for name, path in sorted(paths.items(), key=lambda item: ("series", "fixes.toml", "releases.toml",
+                                                                       "pairs.toml").index(item[0]))
+            if path.is_file()]
+
+
+def patch_inputs(the_plan: Plan, report_json: dict) -> list[dict]:
+    pack = the_plan.pack
+    by_name = {pv.name: pv for variants in pack.variants.values() for pv in variants}
+    patches = []
+    for patch in report_json.get("patches", []):
+        variant = patch.get("variant")
+        if not variant:
+            continue
+        pv = by_name.get(variant)
+        path = Path(pv.path) if pv is not None else pack.root / patch["fix"] / variant
+        digest = evidence.sha256_file(path) if path.is_file() else patch.get("variant_sha256")
+        if patch.get("variant_sha256") and digest != patch["variant_sha256"]:
+            raise Finding(f"{path}: sha256 {digest} differs from the {patch['variant_sha256']} the engine applied")
+        try:
+            rel = path.resolve().relative_to(Path(pack.root).resolve()).as_posix()
+        except ValueError:
+            rel = path.name
+        patches.append({"fix": patch["fix"], "variant": variant, "path": rel, "sha256": digest,
+                        "status": patch.get("status")})
+    return patches
+
+
+# ---- the workflow -----------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """One target after fetch and apply: its trees by role, ready to probe and bundle."""
+
+    plan: Plan
+    progress: Progress
+    started_at: str
+    started: float
+    source: Tree
+    out: Path
+    trees: dict[str, evidence.TreeInput]
+    apply_json: dict | None
+    patches: list[dict]
+    work: list[Path]
+
+
+def prepare(the_plan: Plan, progress: Progress) -> Prepared:
+    """Fetch the target (and head), clone, apply, fetch the reference: every tree of this run."""
+    options = the_plan.options
+    started_at, started = _now(), time.monotonic()
+    work: list[Path] = []
+    with progress.step("fetch", f"fetching {options.spec}"):
+        source = fetch(options.spec, the_plan)
+        pristine_digest = check_pristine(the_plan, source)
+        head = fetch(options.head, the_plan) if options.head else None
+        out = Path(options.out) if options.out else bundle_dir(
+            source, the_plan.kind, (head, spec_kind(options.head)) if head else None, options.bundle_root)
+        evidence.check_bundle_target(out)
+    trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
+    apply_json, patches = None, []
+    try:
+        if head is None:
+            with progress.step("clone", "cloning a fresh work tree"):
+                patched = clone(source)
+                work.append(patched.path)
+            with progress.step("apply", f"applying the series of {the_plan.series_dir} to sglang {source.version}"):
+                report = apply_pack(the_plan, patched)
+                apply_json = report.to_json()
+            patches = patch_inputs(the_plan, apply_json)
+            trees["patched"] = tree_input("patched", patched, commit=report.head_commit)
+        else:
+            trees["patched"] = tree_input("patched", head)
+        if the_plan.reference_spec is not None:
+            with progress.step("fetch-reference", f"fetching the reference {the_plan.reference_spec}"):
+                trees["reference"] = tree_input("reference", fetch(the_plan.reference_spec, the_plan))
+    except BaseException:
+        discard(work, keep=False)
+        raise
+    return Prepared(the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work)
+
+
+def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
+    """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
+    roots = [t.package_root for run in runs for t in run.trees.values()]
+    labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
+    files = sorted({f for run in runs for f in touched_files(run.apply_json)})
+    first = runs[0].progress
+    with first.step("probe", f"probing {len(set(roots))} tree(s) in one probe matrix"):
+        documents = iter(run_matrix(python, roots, jobs=jobs, labels=labels, coverage=files))
+    for run in runs[1:]:
+        run.progress.index += 1
+        run.progress.steps.append(dict(first.steps[-1]))
+    return [{role: next(documents) for role in run.trees} for run in runs]
+
+
+def measure_coverage(run: Prepared, probe_docs: dict[str, dict]) -> dict | None:
+    """The patches' executed lines on the patched tree; the raw per-file line lists are not kept
+    (every tree's document would carry thousands of line numbers the section summarises)."""
+    section = None
+    if run.apply_json is not None and "patched" in probe_docs:
+        patched = run.trees["patched"]
+        prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
+        section = patch_coverage(patched.tree_path, f"{prefix}/" if prefix else "", run.apply_json,
+                                 run.plan.pack, probe_docs["patched"], run.plan.options.min_coverage)
+    for doc in probe_docs.values():
+        doc.pop("coverage", None)
+        doc.pop("coverage_unavailable", None)
+    return section
+
+
+def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcome:
+    """Upstream's tests (when asked) and the bundle of one run."""
+    the_plan, options, progress = run.plan, run.plan.options, run.progress
+    coverage = measure_coverage(run, probe_docs)
+    upstream = {"skipped": "disabled with --no-upstream-tests", "trees": []}
+    if options.upstream_tests:
+        with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
+            upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url)
+    with progress.step("bundle", "writing the evidence bundle"):
+        source, trees = run.source, run.trees
+        bundle = evidence.assemble(
+            mode=the_plan.mode,
+            target={"spec": options.spec, "kind": the_plan.kind, "version": source.version,
+                    "artifact_sha256": source.artifact_sha256,
+                    "commit": source.base_commit if the_plan.kind in ("git", "path") else None,
+                    "unpinned": bool(source.unpinned), "head": options.head},
+            trees=trees, probe_docs=probe_docs, apply_report=run.apply_json, patches=run.patches,
+            series_files=series_files(the_plan), upstream_tests=upstream,
+            environment=evidence.environment_record(evidence.interpreter_environment(python), probe_docs),
+            toolkit=evidence.toolkit_info(),
+            timestamps={
+                "started": run.started_at, "finished": _now(),
+                "duration_seconds": round(time.monotonic() - run.started, 3), "steps": progress.steps,
+                "paths": {"bundle": str(Path(run.out).absolute()), "probe_python": python,
+                          "series": str(the_plan.series_dir.resolve()), "cache": str(cache.cache_root()),
+                          **{role: str(t.tree_path) for role, t in trees.items()}},
+            },
+            reference_choice=the_plan.reference_choice,
+            extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
+            coverage=coverage)
+        written = evidence.write_bundle(run.out, bundle)
+    code = 0 if bundle.summary["result"] == "pass" else 1
+    return RunOutcome(bundle, written, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest())
+
+
+def discard(work: list[Path], *, keep: bool) -> None:
+    if keep:
+        for path in work:
+            log.warning("kept the patched work tree: %s", path)
+        return
+    for path in work:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_many(many: list[RunOptions], *, jobs: int | None = None) -> list[RunOutcome]:
+    """The main job for several targets: each fetched and patched, all probed in one matrix.
+
+    Every input is checked before anything is fetched or built; a series that does not apply
+    to one target stops the whole call (SeriesDoesNotApply names it) and leaves no bundle.
+    """
+    plans = [plan(options) for options in many]
+    outs = [p.options.out for p in plans if p.options.out is not None]
+    if len(set(outs)) != len(outs):
+        raise BadInput("two runs would write the same bundle directory (--out)")
+    progress = [Progress(total=p.total_steps) for p in plans]
+    with progress[0].step("environment", "probe environment"):
+        python = str(ensure_env(many[0].python))
+    for other in progress[1:]:
+        other.index += 1
+    runs: list[Prepared] = []
+    try:
+        for the_plan, steps in zip(plans, progress, strict=True):
+            runs.append(prepare(the_plan, steps))
+        documents = probe_all(python, runs, jobs=jobs)
+        return [finish(run, python, docs) for run, docs in zip(runs, documents, strict=True)]
+    finally:
+        for run in runs:
+            discard(run.work, keep=run.plan.options.keep_trees)
+
+
+def run(options: RunOptions) -> RunOutcome:
+    """The main job. Raises BadInput (exit 2), SeriesDoesNotApply / Finding (exit 1)."""
+    return run_many([options])[0]

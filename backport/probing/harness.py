@@ -1,0 +1,84 @@
+"""Run the probe harness on one tree, in a subprocess whose only SGLang is that tree."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from functools import cache as memoize
+from pathlib import Path
+
+from backport.errors import BadInput, Finding
+from backport.probing.env import PROBES_DIR, SHIMS
+
+log = logging.getLogger("backport.probing")
+
+
+# Packages some releases import at module level that a CPU environment cannot have; each has a
+# named stand-in in probes/shims/<name>/ (every function in it raises when called).
+STAND_INS = ("torchvision", "sgl_kernel")
+_FIND = "import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+
+
+@memoize
+def missing_packages(python: str) -> tuple[str, ...]:
+    """The stand-in packages this interpreter lacks (a real one is never shadowed)."""
+    proc = subprocess.run([python, "-c", _FIND, *STAND_INS], capture_output=True, text=True, check=False)
+    return tuple(proc.stdout.split()) if proc.returncode == 0 else STAND_INS
+
+
+def probe_environ(python: str, package_root: Path | None, probes_parent: Path) -> dict[str, str]:
+    """The environment of a probe interpreter: `probes_parent` (where the `probes` link is), the
+    stand-ins this interpreter needs, then the tree (None: the matrix adds each tree itself)."""
+    paths = [str(probes_parent)] + [str(SHIMS / name) for name in missing_packages(python)]
+    if package_root is not None:
+        paths.append(str(package_root))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+    return env
+
+
+def link_probes(directory: Path) -> Path:
+    """Put only the `probes` package on the path (through a link), never the directory it sits in,
+    which may be a site-packages with another SGLang."""
+    (directory / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
+    return directory
+
+
+def check_package_root(package_root: Path) -> Path:
+    package_root = Path(package_root).resolve()
+    if not (package_root / "sglang" / "__init__.py").is_file():
+        raise BadInput(f"{package_root}: not an SGLang package root (no sglang/__init__.py)")
+    return package_root
+
+
+def read_document(text: str, stderr: str, returncode: int, package_root: Path) -> dict:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        tail = "\n".join(stderr.strip().splitlines()[-8:])
+        raise Finding(f"probe harness on {package_root} exited {returncode} without a JSON result:\n{tail}") from None
+    if returncode == 2:
+        raise BadInput(f"{package_root}: {document.get('error', 'the probe harness refused the tree')}")
+    return document
+
+
+def run_harness(python: str, package_root: Path, probes: list[str] | None = None,
+                label: str | None = None) -> dict:
+    """Run every probe on one tree; returns the harness's JSON document."""
+    package_root = check_package_root(package_root)
+    log.info("probing %s ...", label or package_root)
+    with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
+        link_probes(Path(tmp))
+        python = os.path.abspath(python) if os.sep in python else python  # the run happens in tmp
+        cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
+        for name in probes or []:
+            cmd += ["--probe", name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                              env=probe_environ(python, package_root, Path(tmp)), cwd=tmp)
+        # The link's temporary name is this module's business: tracebacks in case details
+        # name it, so it is replaced here by a stable one before anyone records the document.
+        stdout = proc.stdout.replace(str(Path(tmp) / "probes"), "probes")
+    return read_document(stdout, proc.stderr, proc.returncode, package_root)

@@ -1,0 +1,71 @@
+"""pytest's JUnit XML, read into one entry per test, each failure judged by `classify`."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path, PurePosixPath
+
+from backport.upstream.classify import classify, scrub, stand_ins
+from backport.upstream.fetch import Fetched
+from backport.upstream.names import TreeNames, static_missing_imports
+
+# `stale-test`: the test's own stand-ins or a signature the release predates; never a pass.
+OUTCOMES = ("passed", "failed", "error", "skipped", "incompatible", "stale-test")
+
+
+def entry(fetched: Fetched, nodeid: str, outcome: str, reason: str | None) -> dict:
+    """One test's result, the shape `upstream-tests.json` carries."""
+    assert outcome in OUTCOMES
+    return {"file": fetched.ref.path, "rev": fetched.ref.rev, "sha256": fetched.sha256,
+            "nodeid": nodeid, "outcome": outcome, "reason": reason}
+
+
+def _skip_reason(skipped: ET.Element) -> str:
+    message = skipped.get("message", "") or ""
+    if message == "collection skipped":
+        match = re.search(r"Skipped: (.*?)['\"]\)?$", (skipped.text or "").strip())
+        message = f"whole file: {match.group(1) if match else 'skipped at import'}"
+    if skipped.get("type") == "pytest.xfail":
+        message = f"xfail: {message}"
+    return message or "skipped"
+
+
+def parse_junit(xml_path: Path, fetched: Fetched, *, names: TreeNames, fix_names: frozenset[str],
+                tmp: str) -> list[dict]:
+    root = ET.parse(xml_path).getroot()
+    stem = PurePosixPath(fetched.ref.path).stem
+    source = fetched.data.decode("utf-8", errors="replace") if fetched.data else ""
+    standins = stand_ins(source)
+    results: list[dict] = []
+    for case in root.iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        collection = classname == "" and name in (stem, f"{stem}.py", fetched.ref.path)
+        if collection:
+            nodeid = fetched.ref.path
+        else:
+            parts = classname.split(".")
+            if parts and parts[0] == stem:
+                parts = parts[1:]
+            nodeid = "::".join([fetched.ref.path, *parts, name])
+        failures = case.findall("failure")
+        errors = case.findall("error")
+        skipped = case.find("skipped")
+        if failures or errors:
+            outcome = "failed" if failures else "error"
+            first = (failures or errors)[0]
+            message, body = first.get("message", ""), first.text or ""
+            static = static_missing_imports(source, names) if collection else None
+            outcome, reason = classify(outcome, message, body, names=names, fix_names=fix_names,
+                                       static=static, tmp=tmp, standins=standins)
+            count = len(failures) + len(errors)
+            if count > 1 and outcome in ("failed", "error"):
+                reason = f"{count} failures (subtests or teardown); first: {reason}"
+            if collection and outcome == "error":
+                reason = f"collection error: {reason}"
+        elif skipped is not None:
+            outcome, reason = "skipped", scrub(_skip_reason(skipped), tmp, names.root)
+        else:
+            outcome, reason = "passed", None
+        results.append(entry(fetched, nodeid, outcome, reason))
+    return results

@@ -1,0 +1,105 @@
+"""Running upstream test files with pytest, one process per file and tree.
+
+Each file runs in the probe interpreter, copied into a temporary directory, with the tree
+as the only SGLang on the path (as upstream's CI runs one process per file). Outcomes come
+from pytest's JUnit XML (`junit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from backport.errors import BadInput
+from backport.probing.harness import probe_environ
+from backport.upstream.classify import scrub
+from backport.upstream.fetch import Fetched, fetch_refs, package_roots
+from backport.upstream.junit import entry, parse_junit
+from backport.upstream.names import TreeNames
+from backport.upstream.refs import TestRef
+
+PYTEST_TIMEOUT = 1800.0          # seconds for one file on one tree
+
+log = logging.getLogger("backport.upstream")
+
+
+def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNames | None = None,
+             timeout: float = PYTEST_TIMEOUT) -> list[dict]:
+    """Run one fetched test file with pytest against one tree; per-test entries."""
+    assert fetched.data is not None
+    package_root = Path(package_root).resolve()
+    names = names or TreeNames(package_root)
+    with tempfile.TemporaryDirectory(prefix="sglang-backport-upstream-") as tmp:
+        work = Path(tmp)
+        test_file = work / PurePosixPath(fetched.ref.path).name
+        test_file.write_bytes(fetched.data)
+        # An ini file here stops pytest from picking up configuration above the temp dir.
+        (work / "pytest.ini").write_text("[pytest]\n")
+        path_dir = work / "path"
+        path_dir.mkdir()
+        junit = work / "junit.xml"
+        cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN", f"--junitxml={junit}",
+               "--rootdir", str(work), test_file.name]
+        env = probe_environ(python, package_root, path_dir)
+        try:
+            proc = subprocess.run(cmd, check=False, cwd=work, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [entry(fetched, fetched.ref.path, "error",
+                          f"pytest did not finish within {timeout:.0f} s on this tree")]
+        except OSError as exc:
+            raise BadInput(f"{python}: cannot run pytest ({exc.strerror})") from None
+        if not junit.is_file():
+            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
+            if "No module named pytest" in proc.stderr:
+                raise BadInput(f"{python}: pytest is not installed in the probe interpreter")
+            return [entry(fetched, fetched.ref.path, "error",
+                          scrub(f"pytest exited {proc.returncode} without a JUnit report: {tail[0]}", tmp))]
+        results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp)
+        if not results:
+            return [entry(fetched, fetched.ref.path, "error",
+                          f"no tests collected (pytest exit {proc.returncode})")]
+        return results
+
+
+def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, python: str,
+                       base_url: str | None = None, timeout: float = PYTEST_TIMEOUT,
+                       cache_dir: Path | None = None, fetched: list[Fetched] | None = None) -> dict:
+    """Run every ref on every tree. Returns {"trees": [...], "skipped": None | reason, "files": [...]}.
+
+    `trees` are (label, package root) pairs. Bad files (404, HTML, unparsable, changed at a
+    fixed revision) become one `error` entry per tree; files that could not be obtained
+    because the base URL is unreachable become `skipped` entries; when no file at all could
+    be obtained, nothing runs and `skipped` carries the reason. `fetched` reuses the result
+    of `fetch_refs` for the same refs.
+    """
+    roots = package_roots(trees)
+    if fetched is None:
+        fetched = fetch_refs(roots, refs, base_url=base_url, cache_dir=cache_dir)
+    files = [f.to_json() for f in fetched]
+    if not fetched:
+        return {"trees": [], "skipped": "no upstream test files listed for the selected fixes",
+                "files": files}
+    for item in fetched:
+        if item.error:
+            log.warning("upstream-tests: %s", item.error)
+    if all(item.unavailable for item in fetched):
+        reason = fetched[0].unavailable
+        log.warning("upstream-tests: skipped: %s; no upstream test file was cached", reason)
+        return {"trees": [], "skipped": reason, "files": files}
+    results = []
+    for label, root in roots:
+        names = TreeNames(root)
+        tests: list[dict] = []
+        for item in fetched:
+            if item.error:
+                tests.append(entry(item, item.ref.path, "error", item.error))
+            elif item.unavailable:
+                tests.append(entry(item, item.ref.path, "skipped", f"not obtained: {item.unavailable}"))
+            else:
+                log.info("upstream-tests: %s@%s on %s ...", item.ref.path, item.ref.rev[:12], label)
+                tests.extend(run_file(python, root, item, names=names, timeout=timeout))
+        results.append({"tree": label, "tests": tests})
+    return {"trees": results, "skipped": None, "files": files}

@@ -1,0 +1,94 @@
+"""The probe matrix against one harness run per tree, and against the floor of one import per tree.
+
+`run` of one release probes three trees (pristine, patched, reference); a matrix of releases
+probes every release's pristine and patched tree and the reference once. This measures, in the
+same run and on the same cached trees:
+
+  (a) singles: `run_harness` once per tree, one after the other (what N separate `run`s pay);
+  (b) matrix:  `run_matrix` over all trees (shared imports once, a forked child per tree);
+  (c) floor:   a fresh interpreter per tree that only imports the harness's SGLang modules;
+  (d) one run: the three trees of one release through `run_matrix` (what `run SPEC` pays).
+
+and prints (b)/(a), (b)/(c) and (b)/(d). Goal (issue "reach"): the whole matrix, warm, under 3x
+the time of one `run` on 2 cores.
+
+    python benchmarks/bench_matrix.py [VERSION ...] [--jobs N]    (default: every measured release)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    from backport.engine import apply_series
+    from backport.pack import load_pack
+    from backport.probing import ensure_env, run_harness, run_matrix
+    from backport.probing.harness import link_probes, probe_environ
+    from backport.releases import load_releases
+    from backport.resources import pack_dir
+    from backport.sources import materialise
+    from backport.tree import clone_tree
+
+    releases = load_releases()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("versions", nargs="*", default=[v for v, r in releases.items() if r.measured])
+    parser.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args()
+
+    python = str(ensure_env())
+    pack = load_pack(pack_dir())
+    reference = materialise("sglang==0.5.22").tree.package_root
+    roots: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="bench-matrix-") as tmp:
+        for version in args.versions:
+            pristine = materialise(f"sglang=={version}").tree
+            patched = clone_tree(pristine, Path(tmp))
+            apply_series(patched.path, pack, version)
+            roots += [pristine.package_root, patched.package_root]
+        roots.append(reference)
+        one_run = roots[:2] + [reference]
+
+        started = time.perf_counter()
+        run_matrix(python, roots, jobs=args.jobs)
+        matrix_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        run_matrix(python, one_run, jobs=args.jobs)
+        one_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        for root in roots:
+            run_harness(python, root)
+        singles_s = time.perf_counter() - started
+
+        floor_s = 0.0
+        with tempfile.TemporaryDirectory(prefix="bench-floor-") as link:
+            link_probes(Path(link))
+            bare = [python, "-c", ("import importlib\nfrom probes.harness import CORE_MODULES\n"
+                                  "for m in CORE_MODULES: importlib.import_module(m)")]
+            for root in roots:
+                started = time.perf_counter()
+                subprocess.run(bare, env=probe_environ(python, root, Path(link)), cwd=link, check=True,
+                               capture_output=True)
+                floor_s += time.perf_counter() - started
+
+    trees = len(roots)
+    print(f"{trees} trees ({len(args.versions)} releases x pristine/patched + the reference)")
+    print(f"  singles (one harness run per tree): {singles_s:7.1f} s")
+    print(f"  floor (one bare import per tree):   {floor_s:7.1f} s")
+    print(f"  matrix (all trees):                 {matrix_s:7.1f} s   {matrix_s / singles_s:.2f}x singles, "
+          f"{matrix_s / floor_s:.2f}x floor")
+    print(f"  one run (3 trees, matrix):          {one_s:7.1f} s")
+    ratio = matrix_s / one_s
+    print(f"  whole matrix / one run: {ratio:.2f}x; goal < 3x: {'met' if ratio < 3 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

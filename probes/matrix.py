@@ -1,0 +1,88 @@
+"""Probe many trees from one interpreter: heavy imports once, then one forked child per tree.
+
+Usage (run by the toolkit inside the probe environment; no tree on the path)::
+
+    python -m probes.matrix --jobs 2 --out DIR --tree ROOT1 --tree ROOT2 ...
+
+Importing one release's disaggregation modules costs 8-10 s, two thirds of it in third-party
+packages every release shares (torch, transformers, openai, sympy, ...). This process imports
+those once, then forks one child per tree. A child puts its tree on `sys.path`, imports that
+tree's `sglang` and runs the ordinary harness (`probes.harness.main`), so it sees exactly what a
+single harness run sees: no `sglang` module exists before the fork, and the path order (probes,
+stand-ins, the tree) is the same. Children run `--jobs` at a time. Each writes
+`DIR/<index>.json` (the harness document) and `DIR/<index>.log` (its stderr); the exit status of
+this process is 0 when every child ran, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from probes.preload import preload
+
+
+def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str) -> None:
+    """In the forked child: this tree's path, stdout to the document, stderr to the log."""
+    sys.path.append(tree)  # after the probes and stand-ins, as in a single harness run
+    os.environ["PYTHONPATH"] = os.pathsep.join([*os.environ.get("PYTHONPATH", "").split(os.pathsep), tree])
+    fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd_log = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd_out, 1)
+    os.dup2(fd_log, 2)
+    sys.stdout = os.fdopen(1, "w", closefd=False)
+    sys.stderr = os.fdopen(2, "w", closefd=False)
+    from probes import harness
+
+    args = (["--tree", tree] + [a for name in probes for a in ("--probe", name)]
+            + [a for rel in coverage for a in ("--coverage", rel)])
+    code = 1
+    try:
+        code = harness.main(args)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m probes.matrix")
+    parser.add_argument("--tree", action="append", required=True, help="a directory that contains sglang/")
+    parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
+    parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
+                        help="passed to every child's harness (relative to each tree)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", required=True, help="directory for <index>.json and <index>.log")
+    args = parser.parse_args(argv)
+    if args.jobs < 1 or not os.path.isdir(args.out):
+        print(json.dumps({"error": "--jobs must be >= 1 and --out an existing directory"}))
+        return 2
+    started = time.monotonic()
+    timings = preload()
+    preload_seconds = round(time.monotonic() - started, 3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    running: dict[int, int] = {}
+    status: dict[int, int] = {}
+    pending = list(enumerate(args.tree))
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            index, tree = pending.pop(0)
+            pid = os.fork()
+            if pid == 0:
+                _child(os.path.abspath(tree), args.probe, args.coverage, os.path.join(args.out, f"{index}.json"),
+                       os.path.join(args.out, f"{index}.log"))
+            running[pid] = index
+        pid, wait_status = os.wait()
+        if pid in running:
+            status[running.pop(pid)] = os.waitstatus_to_exitcode(wait_status)
+    print(json.dumps({"preload_seconds": preload_seconds, "preloaded": timings,
+                      "exit_codes": [status[i] for i in range(len(args.tree))]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

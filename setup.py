@@ -1,0 +1,30 @@
+"""Package layout only (metadata is in pyproject.toml).
+
+The repository keeps its folders where tests and README expect them (`patches/`, `probes/`,
+`evidence/receipt.schema.json`); the installed distribution gives them names of their own, so
+that nothing collides with another project's top-level `probes`:
+
+    probes/                      -> sglang_backport_probes/ (with requirements-cpu.txt, shims/)
+    evidence/receipt.schema.json -> sglang_backport_data/receipt.schema.json
+    patches/                     -> sglang_backport_data/patches/
+
+`backport/resources.py` finds them through importlib.resources. setup.py rather than
+pyproject.toml because the backport packages are discovered while the others are mapped.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    packages=find_packages(include=["backport", "backport.*"])
+    + ["sglang_backport_probes", "sglang_backport_data", "sglang_backport_data.patches"],
+    package_dir={
+        "sglang_backport_probes": "probes",
+        "sglang_backport_data": "evidence",
+        "sglang_backport_data.patches": "patches",
+    },
+    package_data={
+        "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
+        "sglang_backport_data": ["receipt.schema.json"],
+        "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],
+    },
+)

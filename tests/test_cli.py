@@ -1,0 +1,104 @@
+"""The CLI contract: exit 2 with one line (one JSON document with --json) for every bad input,
+checked before anything is downloaded or built; no traceback reaches a user."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backport.cli import main
+
+SGLANG_TREE_FILES = {"sglang/__init__.py": "", "sglang/version.py": "__version__ = '9.9.9'\n"}
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+BAD = {
+    # name: argv (every reporting command at least once; `{tmp}` is a fresh directory)
+    "fetch-not-a-spec": ["fetch", "numpy>=1"],
+    "fetch-unpinned": ["fetch", "sglang==9.9.9"],
+    "status-missing-path": ["status", "{tmp}/nope"],
+    "apply-no-series": ["apply", "{tmp}/tree", "--series", "{tmp}/no-pack"],
+    "apply-out-is-a-file": ["apply", "sglang==0.5.19", "--out", "{tmp}/file"],
+    "env-bad-python": ["env", "--python", "{tmp}/no-python"],
+    "probe-missing-tree": ["probe", "{tmp}/nonexistent"],
+    "probe-unknown-probe": ["probe", "{tmp}/tree", "--probe", "no_such_probe"],
+    "run-unpinned": ["run", "sglang==9.9.9"],
+    "run-bad-reference": ["run", "sglang==0.5.19", "--reference", "sglang==9.9.9"],
+    "run-no-series": ["run", "sglang==0.5.19", "--series", "{tmp}/no-pack"],
+    "run-out-is-a-file": ["run", "sglang==0.5.19", "--out", "{tmp}/file"],
+    "verify-missing": ["verify", "{tmp}/no-bundle"],
+    "upstream-tests-missing": ["upstream-tests", "{tmp}/nope"],
+    "gc-negative": ["gc", "--older-than", "-3"],
+    "usage-unknown-command": ["frobnicate"],
+    "usage-missing-argument": ["fetch"],
+    "usage-unknown-flag": ["status", "x", "--colour"],
+}
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SGLANG_BACKPORT_PROBE_PYTHON", raising=False)
+    for name, text in SGLANG_TREE_FILES.items():
+        path = tmp_path / "tree" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "file").write_text("not a directory\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_bad_input_is_exit_2_and_one_line(case, as_json, workspace, capsys):
+    argv = [a.replace("{tmp}", str(workspace)) for a in BAD[case]] + (["--json"] if as_json else [])
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert one_error_line(err).startswith("sglang-backport: error: ")
+    if as_json:
+        assert json.loads(out)["error"]["code"] == 2 and json.loads(out)["error"]["message"]
+    else:
+        assert out == ""
+    # refused before anything heavy: no probe environment, no download
+    assert not (workspace / "cache" / "envs").exists()
+    assert not (workspace / "cache" / "wheels").exists()
+
+
+def test_a_closed_pipe_ends_quietly(workspace):
+    env = {**os.environ, "SGLANG_BACKPORT_CACHE": str(workspace / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "backport.cli", "status", str(workspace / "tree"), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader went away before anything was written (`| head -0`)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_internal_errors_are_one_line(workspace, monkeypatch, capsys):
+    import backport.cli.trees as trees
+
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(trees, "cmd_gc", broken)
+    code = main(["gc", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "internal error: RuntimeError: a bug" in one_error_line(err)
+    assert json.loads(out)["error"]["code"] == 1
+
+
+def test_bad_input_corpus_size():
+    """README counts this corpus; keep the number there in step."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"{len(BAD)} bad-input cases" in readme

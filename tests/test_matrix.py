@@ -1,0 +1,141 @@
+"""The release matrix (`patches/releases.toml`) against the real releases, and against README.
+
+Every measured row is checked for real: the pinned wheel is fetched and verified, the pristine
+tree is probed, the whole pack is applied to a fresh clone by the engine, and the patched tree
+is probed; the apply outcome per fix and every case's verdict on both trees must be what the row
+says. Adding a release is its row (and its variants): these tests pick it up with no change here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import probes
+from backport import evidence
+from backport.pack import load_pack
+from backport.releases import load_releases
+from tests.conftest import REPO
+
+RELEASES = load_releases()
+MEASURED = [v for v, r in RELEASES.items() if r.measured]
+CASES = [(c.probe, c.name, c.must_preserve) for p in probes.PROBE_NAMES for c in probes.cases_of(p)]
+CASE_KEYS = [f"{probe}/{name}" for probe, name, _ in CASES]
+
+
+def pair_rows(version: str) -> list[tuple[str, bool, str]]:
+    """(case, must_preserve, pair verdict) per case, as `run` would derive them from this row."""
+    release = RELEASES[version]
+    return [(key, must, evidence.pair_verdict(release.expected("pristine", key), release.expected("patched", key)))
+            for key, (_, _, must) in zip(CASE_KEYS, CASES, strict=True)]
+
+
+def expected_exit(version: str) -> int:
+    return 1 if any(evidence.is_finding(pair, must) for _, must, pair in pair_rows(version)) else 0
+
+
+def release_table() -> str:
+    """README's per-release table, rendered from the matrix."""
+    lines = ["| release | `run` exit | pristine -> patched, per case | note |", "|---|---|---|---|"]
+    for version in MEASURED:
+        rows = pair_rows(version)
+        counts: dict[str, int] = {}
+        for _, _, pair in rows:
+            counts[pair] = counts.get(pair, 0) + 1
+        text = ", ".join(f"{counts[v]} {v}" for v in evidence.PAIR_VERDICTS if counts.get(v))
+        findings = [key for key, must, pair in rows if evidence.is_finding(pair, must)]
+        if findings:
+            text += ": " + ", ".join(f"`{key}`" for key in findings)
+        lines.append(f"| {version} | {expected_exit(version)} | {text} | {RELEASES[version].note} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the matrix itself (fast) --------------------------------------------------------------------
+
+
+def test_rows_name_the_series_and_registered_cases():
+    pack = load_pack(REPO / "patches")
+    for version in MEASURED:
+        release = RELEASES[version]
+        assert set(release.apply) == set(pack.series), f"{version}: apply must name every fix of the series"
+        for role in ("pristine", "patched"):
+            unknown = set(getattr(release, role)) - set(CASE_KEYS)
+            assert not unknown, f"{version}: {role} names cases no probe registers: {sorted(unknown)}"
+
+
+def test_readme_release_table_is_the_matrix():
+    readme = (REPO / "README.md").read_text()
+    assert f"Cases ({len(CASE_KEYS)}, same names and order on every release)" in readme
+    table = release_table()
+    assert table in readme, "README's per-release table differs from the matrix; it should read:\n" + table
+
+
+def test_every_pin_is_a_distinct_wheel():
+    shas = [r.pin.sha256 for r in RELEASES.values()]
+    assert len(shas) == len(set(shas))
+    for version, release in RELEASES.items():
+        assert re.fullmatch(rf"sglang-{re.escape(version)}-.+\.whl", release.pin.filename), version
+
+
+# ---- every measured release, for real ------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def matrix_doc(probe_python, release_tree, patched_tree):
+    """(version, role) -> harness document; every measured tree is probed in one probe matrix
+    (the toolkit's own `run_matrix`, as `run` does), on first use."""
+    from backport.probing import run_matrix
+
+    docs: dict[tuple[str, str], dict] = {}
+
+    def get(version: str, role: str) -> dict:
+        if not docs:
+            keys = [(v, r) for v in MEASURED for r in ("pristine", "patched")]
+            roots = [(release_tree(v) if r == "pristine" else patched_tree(v)[0]).package_root for v, r in keys]
+            docs.update(zip(keys, run_matrix(probe_python, roots), strict=True))
+        return docs[(version, role)]
+
+    return get
+
+
+def _check_doc(doc: dict, version: str, role: str) -> None:
+    assert doc["version"] == version
+    assert [f"{c['probe']}/{c['case']}" for c in doc["cases"]] == CASE_KEYS, "same cases, same order"
+    got = {f"{c['probe']}/{c['case']}": c["verdict"] for c in doc["cases"]}
+    want = {key: RELEASES[version].expected(role, key) for key in CASE_KEYS}
+    diff = {key: (want[key], got[key]) for key in CASE_KEYS if want[key] != got[key]}
+    assert not diff, f"{version} {role}: (matrix, observed) differ: {diff}"
+    for case in doc["cases"]:
+        assert case["expect"] and case["observed"] and isinstance(case["details"], dict)
+        if case["must_preserve"]:
+            assert case["verdict"] in ("safe", "not-applicable"), (case["case"], case["observed"])
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+@pytest.mark.parametrize("version", MEASURED)
+def test_pristine_release(version, matrix_doc):
+    _check_doc(matrix_doc(version, "pristine"), version, "pristine")
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+@pytest.mark.parametrize("version", MEASURED)
+def test_patched_release(version, matrix_doc, patched_tree):
+    _, report = patched_tree(version)
+    got = {p.fix: p.status for p in report.patches}
+    assert got == dict(RELEASES[version].apply), report.to_json()
+    for patch in report.patches:
+        if patch.status == "not-applicable":
+            assert patch.reason, patch  # said out loud, never silently skipped
+    _check_doc(matrix_doc(version, "patched"), version, "patched")
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+@pytest.mark.parametrize("version", [v for v in ("0.5.19", "0.5.20") if v in MEASURED])
+def test_patched_tree_warns_when_deferral_is_asked_of_an_incapable_backend(version, matrix_doc):
+    """Lifetime finding 3: the pack logs a warning naming the variable where upstream releases silently."""
+    doc = matrix_doc(version, "patched")
+    [case] = [c for c in doc["cases"] if c["case"] == "explicit_deferral_on_incapable_backend_is_reported"]
+    assert case["verdict"] == "safe" and case["details"]["warnings_naming_the_variable"], case

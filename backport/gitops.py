@@ -317,3 +317,19 @@ def format_patch(root: Path, base: str, out_dir: Path, rev: str = "HEAD") -> lis
     out = run(root, "-c", "core.quotePath=false", "format-patch", "--no-signature", "--no-numbered",
               "--output-directory", str(out_dir.resolve()), f"{base}..{rev}")
     return [Path(line) for line in _decode(out).splitlines() if line]
+
+
+# ------------------------------------------------------------------ refresh
+
+
+def diff(root: Path, base: str, rev: str = "HEAD", package_prefix: str = "") -> str:
+    """The unified diff (3 lines of context, ``a/``/``b/`` prefixes, paths relative to the
+    package root) of ``sglang/`` between two commits, as a patch variant carries it. Options a
+    user's git config could change (prefixes, renames, colour, algorithm) are pinned; ``.rej``
+    files are left out."""
+    args = ["-c", "core.quotePath=false", "diff", "--no-color", "--no-ext-diff", "--no-textconv",
+            "--no-renames", "--diff-algorithm=myers", "-U3", "--src-prefix=a/", "--dst-prefix=b/"]
+    if package_prefix:
+        args.append(f"--relative={package_prefix}")
+    args += [base, rev, "--", f"{package_prefix}sglang", ":(exclude,glob)**/*.rej"]
+    return _decode(run(root, *args))

@@ -86,7 +86,7 @@ def test_a_closed_pipe_ends_quietly(workspace):
 
 
 def test_internal_errors_are_one_line(workspace, monkeypatch, capsys):
-    import backport.cli.trees as trees
+    from backport.cli import trees
 
     def broken(args):
         raise RuntimeError("a bug")

@@ -65,7 +65,7 @@ def test_the_wheel_keeps_upstreams_metadata_under_a_local_label(exported):
 
 
 def test_the_label_names_the_patch_set(exported, tmp_path, shared):
-    tree, lineage, wheel = exported
+    _, lineage, wheel = exported
     fewer = dataclasses.replace(lineage, commits=lineage.commits[:-1])
     assert fewer.label != lineage.label and fewer.patch_set_sha256 != lineage.patch_set_sha256
     again = build_wheel(lineage, tmp_path)

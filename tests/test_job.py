@@ -55,7 +55,7 @@ def test_nox_lists_a_session_per_release_of_the_matrix_and_per_upstream_pair():
                           cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr
     releases = [v for v, r in load_releases().items() if r.applies_anything]
-    assert "0.5.19" in releases and "0.5.22" not in releases
+    assert "0.5.19" in releases and "0.5.10" in releases
     for name in ("tests", "lint", "bench", "matrix", "pair(name='pr38935')", "pair(name='pr36988')",
                  *(f"pair(name='{v}')" for v in releases)):
         assert name in proc.stdout, (name, proc.stdout)

@@ -59,8 +59,8 @@ def installed(tmp_path_factory) -> Path:
 @pytest.mark.network
 def test_the_installed_toolkit_finds_its_data_and_runs(installed, tmp_path):
     where = _run([str(installed / "python"), "-c",
-                  "from backport import resources as r; print(r.checkout_root()); print(r.pack_dir());"
-                  "print(r.probes_dir()); print(r.receipt_schema())"], cwd=tmp_path)
+                  ("from backport import resources as r; print(r.checkout_root()); print(r.pack_dir());"
+                   "print(r.probes_dir()); print(r.receipt_schema())")], cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     root, pack, probes, schema = where.stdout.split()
     assert root == "None"

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "backport.cli.run",
     "backport.cli.upstream",
     "backport.cli.export",
+    "backport.cli.refresh",
     "backport.audit.command",
 )
 DEBUG_ENV = "SGLANG_BACKPORT_DEBUG"

@@ -1,4 +1,5 @@
-"""`sglang-backport export TREE --wheel DIR --patches DIR`: ship a patched tree of a wheel target."""
+"""Shipping commands: `export TREE --wheel DIR --patches DIR` (a patched tree of a wheel target as a
+deployable wheel and a patch series) and `sign BUNDLE --key KEY` (a DSSE envelope over the receipt)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def cmd_export(args) -> int:
     document = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
                 "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
                 "commits": list(lineage.commits), "wheel": None, "patches": None}
-    lines = [f"{lineage.spec}: {len(lineage.commits)} backport commits, patch set {lineage.patch_set_sha256[:12]}, "
-             f"tree {lineage.tree_digest[:12]}"]
+    lines = [(f"{lineage.spec}: {len(lineage.commits)} backport commits, "
+              f"patch set {lineage.patch_set_sha256[:12]}, tree {lineage.tree_digest[:12]}")]
     if args.patches:
         written = write_series(lineage, Path(args.patches))
         document["patches"] = [str(p) for p in written]
@@ -38,6 +39,18 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_sign(args) -> int:
+    from backport.evidence import sign
+
+    bundle = Path(args.bundle)
+    if not (bundle / "receipt.json").is_file():
+        raise BadInput(f"{bundle}: not an evidence bundle (no receipt.json)")
+    signed = sign.sign_bundle(bundle, Path(args.key))
+    emit(args, {"bundle": str(bundle), "envelope": str(signed.envelope), "keyid": signed.keyid},
+         f"signed {bundle}: {signed.envelope.name} (key {signed.keyid[:16]})")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("export", help="a patched tree as a deployable wheel and/or a git format-patch series")
     p.add_argument("tree", metavar="TREE", help="a patched tree of a wheel target (apply --out, run --keep-trees)")
@@ -46,3 +59,10 @@ def register(sub) -> None:
                                                      "(a new or empty directory)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sign", help="sign a bundle's receipt: a DSSE envelope, receipt.dsse.json")
+    p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--key", metavar="KEY", required=True,
+                   help="PEM private key, unencrypted (openssl genpkey -algorithm ed25519 -out KEY)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_sign)

@@ -13,6 +13,7 @@ With --head SPEC the pack is not applied: SPEC is the base and the head is anoth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -79,13 +80,23 @@ def cmd_run(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from backport.evidence import sign
+
+    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
     result = evidence.verify(Path(args.bundle))
+    state = sign.signature_state(Path(args.bundle))
+    if result.ok and key is not None:
+        problems = sign.envelope_problems(Path(args.bundle), key)
+        result = dataclasses.replace(result, problems=tuple(problems), summary=None if problems else result.summary)
+        state = "signature verified" if not problems else state
+    elif state == "signed":
+        state = "signed, signature not checked (give --key PUB)"
     if args.json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+        print(json.dumps({**result.to_json(), "signature": state}, indent=2, sort_keys=True))
     elif result.ok:
         s = result.summary or {}
         print(f"OK {args.bundle}: {len(result.files)} files match SHA256SUMS and the receipt; receipt consistent "
-              f"(run result: {s.get('result')}, {s.get('cases')} cases)")
+              f"(run result: {s.get('result')}, {s.get('cases')} cases); {state}")
     else:
         first = result.first
         more = f" (+{len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
@@ -123,5 +134,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("verify", help="recompute every digest of an evidence bundle and re-check its receipt")
     p.add_argument("bundle", metavar="BUNDLE")
+    p.add_argument("--key", metavar="PUB", help="also check the bundle's signature (receipt.dsse.json) with "
+                                                "this PEM public key")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

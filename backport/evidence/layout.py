@@ -13,6 +13,8 @@ from typing import Any
 
 RECEIPT = "receipt.json"
 SUMS = "SHA256SUMS"
+# The signature over receipt.json (evidence/sign.py): written after SHA256SUMS, so not listed in it.
+ENVELOPE = "receipt.dsse.json"
 REPORT = "REPORT.md"
 APPLY_REPORT = "apply-report.json"
 UPSTREAM_TESTS = "upstream-tests.json"

@@ -1,0 +1,129 @@
+"""`sglang-backport refresh FIX --release X`: quilt's refresh on a copy of the shipped pack."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+
+from backport.cli import main
+from backport.engine import apply_series
+from backport.pack import load_pack, load_variant
+
+REPO = Path(__file__).resolve().parent.parent
+CONTEXT = "        can_run_cuda_graph = result.can_run_cuda_graph"  # trailing context of one hunk
+
+
+@pytest.fixture
+def pack_copy(tmp_path) -> Path:
+    dest = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", dest)
+    return dest
+
+
+def _refresh(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(["refresh", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _body(path: Path) -> str:
+    return path.read_text().split("\n---\n", 1)[1]
+
+
+@pytest.mark.network
+def test_refresh_places_with_offsets_and_writes_an_exact_variant(pack_copy, capsys, monkeypatch, shared_cache,
+                                                                 release_tree, tmp_path):
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
+                         "--work-dir", str(tmp_path / "wt"))
+    assert code == 0, doc
+    new = pack_copy / "pr36988" / "pr36988-0.5.16.patch"
+    assert (doc["status"], doc["from_variant"], doc["path"]) == ("written", "pr36988-0.5.17.patch", str(new))
+    assert {h["status"] for h in doc["hunks"]} == {"offset"} and len(doc["hunks"]) == 7
+    assert not (REPO / "patches" / "pr36988" / "pr36988-0.5.16.patch").exists()
+
+    pack = load_pack(pack_copy)  # the header agrees with fixes.toml, or this raises
+    variant = pack.variant_for("pr36988", "0.5.16")
+    assert variant.path == new and str(variant.applies_to) in ("<0.5.17,>=0.5.16", ">=0.5.16,<0.5.17")
+    assert "Refreshed for 0.5.16 from pr36988-0.5.17.patch" in " ".join(variant.header["Backport-Notes"].split())
+    assert variant.header["Description"] == pack.variant_for("pr36988", "0.5.17").header["Description"]
+    assert pack.variant_for("pr36988", "0.5.17").name == "pr36988-0.5.17.patch"  # 0.5.16 moved out of it
+
+    report = apply_series(release_tree("0.5.16").path, pack, "0.5.16", only=["pr36988"], check=True)
+    (result,) = report.patches
+    assert (result.status, result.variant) == ("applied", "pr36988-0.5.16.patch")
+    assert [h.status for h in result.hunks] == ["exact"] * 7
+
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy))
+    assert code == 2 and "exists" in doc["error"]["message"]  # never overwritten
+
+
+@pytest.mark.network
+def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, capsys, monkeypatch,
+                                                                      shared_cache, tmp_path):
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    reference = tmp_path / "reference"  # a clean refresh, to compare the hand resolution with
+    shutil.copytree(pack_copy, reference)
+    assert main(["refresh", "pr36988", "--release", "0.5.16", "--series", str(reference)]) == 0
+    capsys.readouterr()
+
+    source = pack_copy / "pr36988" / "pr36988-0.5.17.patch"
+    text = source.read_text()
+    assert text.count("\n " + CONTEXT + "\n") == 1
+    source.write_text(text.replace("\n " + CONTEXT + "\n", "\n " + CONTEXT + "_and_more\n"))
+    wt = tmp_path / "wt"
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
+                         "--work-dir", str(wt))
+    assert code == 1 and doc["status"] == "conflict" and doc["path"] == str(wt.resolve())
+    assert [h["status"] for h in doc["hunks"]].count("conflict") == 1
+    assert not (pack_copy / "pr36988" / "pr36988-0.5.16.patch").exists()
+    prefill = wt / "sglang" / "srt" / "disaggregation" / "prefill.py"
+    reject = prefill.with_name("prefill.py.rej")
+    assert "_and_more" in reject.read_text()
+
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt))
+    assert code == 2 and "prefill.py.rej" in doc["error"]["message"]  # not resolved yet
+
+    # the resolution by hand: the rejected hunk's added lines go before the real context line
+    (conflicted,) = [h for f in load_variant(source).files for h in f.hunks if (" ", CONTEXT + "_and_more") in h.lines]
+    added = [t for tag, t in conflicted.lines if tag == "+"]
+    lines = prefill.read_text().split("\n")
+    at = next(i for i in range(2, len(lines)) if lines[i] == CONTEXT and lines[i - 1] == ""
+              and lines[i - 2].strip() == "req.time_stats.set_last_chunked_prefill_finish_time()")
+    prefill.write_text("\n".join(lines[:at] + added + lines[at:]))
+    reject.unlink()
+    with git.Repo(wt) as repo:
+        repo.git.commit("-q", "-a", "-m", "resolve the rejected hunk",
+                        env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                             "GIT_COMMITTER_EMAIL": "t@t"})
+
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt))
+    assert code == 0 and doc["status"] == "written", doc
+    new = pack_copy / "pr36988" / "pr36988-0.5.16.patch"
+    assert load_pack(pack_copy).variant_for("pr36988", "0.5.16").path == new
+    assert _body(new) == _body(reference / "pr36988" / "pr36988-0.5.16.patch")
+    assert "resolved by hand" in new.read_text()
+
+
+@pytest.mark.parametrize(("fix", "release", "message"), [
+    ("pr99999", "0.5.16", "no such fix"),
+    ("pr36988", "0.5.9", "not pinned"),
+    ("pr36988", "0.5.20", "already contains the fix"),
+    ("pr36988", "0.5.17", "exists"),
+    ("pr36988", "latest", "not a PEP 440 version"),
+])
+def test_bad_input_is_exit_2_with_one_line(pack_copy, capsys, fix, release, message):
+    code, doc = _refresh(capsys, fix, "--release", release, "--series", str(pack_copy))
+    assert code == 2 and message in doc["error"]["message"] and "\n" not in doc["error"]["message"]
+    assert sorted(p.name for p in (pack_copy / "pr36988").iterdir()) == \
+        sorted(p.name for p in (REPO / "patches" / "pr36988").iterdir())
+
+
+def test_continue_refuses_a_tree_refresh_did_not_leave(pack_copy, capsys, tmp_path):
+    git.Repo.init(tmp_path / "other").close()
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
+                         "--continue", str(tmp_path / "other"))
+    assert code == 2 and "not a work tree left by" in doc["error"]["message"]

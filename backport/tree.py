@@ -14,6 +14,7 @@ from pathlib import Path
 
 import git
 
+from backport.digests import sha256_bytes, sha256_file
 from backport.errors import BadInput
 
 PACKAGE_PREFIXES = ("", "python/")
@@ -67,6 +68,18 @@ def find_package_prefix(root: Path) -> str | None:
     return None
 
 
+def package_root_of(path: str | Path) -> Path:
+    """The directory holding `sglang/` of a tree: the path itself (a wheel or snapshot tree) or
+    its `python/` (an upstream checkout). Bad input when there is none."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_dir():
+        raise BadInput(f"{path}: not a directory")
+    prefix = find_package_prefix(path)
+    if prefix is None:
+        raise BadInput(f"{path}: not an SGLang tree (no sglang/__init__.py or python/sglang/__init__.py)")
+    return path / prefix if prefix else path
+
+
 def _manifest_files(package_root: Path):
     top = package_root / "sglang"
     for path in sorted(top.rglob("*")):
@@ -82,10 +95,7 @@ def tree_manifest(package_root: Path) -> str:
     """`sha256sum` lines for every file of the `sglang/` package, sorted by path."""
     lines = []
     for path, literal in _manifest_files(package_root):
-        if literal is not None:
-            digest = hashlib.sha256(literal).hexdigest()
-        else:
-            digest = hashlib.file_digest(path.open("rb"), "sha256").hexdigest()
+        digest = sha256_bytes(literal) if literal is not None else sha256_file(path)
         lines.append(f"{digest}  {path.relative_to(package_root).as_posix()}\n")
     lines.sort(key=lambda line: line[66:])
     return "".join(lines)
@@ -130,12 +140,8 @@ def git_describe_version(repo: git.Repo) -> str | None:
 def open_tree(path: Path, *, spec: str | None = None) -> Tree:
     """Describe an existing directory as a Tree without modifying it."""
     path = path.expanduser().resolve()
-    if not path.is_dir():
-        raise BadInput(f"{path}: not a directory")
+    package_root = package_root_of(path)
     prefix = find_package_prefix(path)
-    if prefix is None:
-        raise BadInput(f"{path}: not an SGLang tree (no sglang/__init__.py or python/sglang/__init__.py)")
-    package_root = path / prefix if prefix else path
     base_commit = None
     version = read_version(package_root)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from backport import upstream
 from backport.errors import BadInput, Finding
 from backport.probing import ensure_env
-from backport.tree import find_package_prefix
+from backport.tree import package_root_of
 
 log = logging.getLogger("backport.upstream")
 
@@ -48,16 +48,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(func=handle)
     return parser
-
-
-def _tree_root(spec: str) -> Path:
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise BadInput(f"{spec}: not a directory")
-    prefix = find_package_prefix(path)
-    if prefix is None:
-        raise BadInput(f"{spec}: not an SGLang tree (no sglang/__init__.py or python/sglang/__init__.py)")
-    return (path / prefix if prefix else path).resolve()
 
 
 def _refs(args) -> list[upstream.TestRef]:
@@ -103,7 +93,7 @@ def render(document: dict) -> str:
 
 
 def handle(args) -> int:
-    roots = [(spec, _tree_root(spec)) for spec in args.trees]
+    roots = [(spec, package_root_of(spec)) for spec in args.trees]
     refs = _refs(args)
     base_url = upstream.resolve_base_url(args.base_url)
     python = str(ensure_env(args.python))

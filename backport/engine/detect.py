@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import BadInput
 from ..pack.model import Fix, Pack
+from ..tree import package_root_of
 from .overlay import Overlay, reverse_applies
 
 ReadText = Callable[[str], "str | None"]
@@ -33,17 +34,6 @@ class Detection:
 
     def to_json(self) -> dict:
         return {"fix": self.fix, "present": self.present, "how": self.how}
-
-
-def package_root(path: str | Path) -> Path:
-    """The directory that contains ``sglang/``: PATH itself (a wheel tree) or
-    PATH/python (an upstream checkout)."""
-    p = Path(path)
-    if (p / "sglang").is_dir():
-        return p
-    if (p / "python" / "sglang").is_dir():
-        return p / "python"
-    raise BadInput(f"{p}: not an SGLang tree (no sglang/ or python/sglang/)")
 
 
 def fs_reader(pkgroot: Path) -> ReadText:
@@ -88,7 +78,7 @@ def fingerprint_match(fix: Fix, read: ReadText) -> tuple[bool | None, str]:
 def detect(repo_or_pkgroot: str | Path, pack: Pack, *, version: str | None = None,
            fixes: Iterable[str] | None = None) -> tuple[Detection, ...]:
     """Per fix of the series (or of ``fixes``): present or missing, and how."""
-    root = package_root(repo_or_pkgroot)
+    root = package_root_of(repo_or_pkgroot)
     read = fs_reader(root)
     out = []
     for fid in (fixes if fixes is not None else pack.series):

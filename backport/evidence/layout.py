@@ -5,11 +5,11 @@ Users and scripts read these names and this form; they do not change.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Any
+
+from backport.digests import sha256_bytes, sha256_file  # noqa: F401 - part of the bundle layout API
 
 RECEIPT = "receipt.json"
 SUMS = "SHA256SUMS"
@@ -37,15 +37,6 @@ def canonical_json(document: Any) -> bytes:
     """The one serialisation every bundle file uses: sorted keys, fixed separators, ASCII, LF."""
     return (json.dumps(document, indent=2, sort_keys=True, separators=(",", ": "), ensure_ascii=True)
             + "\n").encode()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    with Path(path).open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def sums_text(digests: dict[str, str]) -> str:

@@ -10,7 +10,6 @@ the same wheel bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from packaging.version import Version
 from wheel.wheelfile import WheelFile
 
 from backport import cache
+from backport.digests import sha256_file
 from backport.errors import BadInput
 from backport.export.lineage import Lineage
 
@@ -47,11 +47,6 @@ class ExportedWheel:
     def to_json(self) -> dict:
         return {"name": self.name, "sha256": self.sha256, "version": self.version,
                 "tree_digest": self.tree_digest, "original": self.original}
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def original_wheel(lineage: Lineage) -> Path:

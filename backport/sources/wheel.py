@@ -8,7 +8,6 @@ checked against its RECORD by `installer` before `sglang/` is extracted.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from installer.records import parse_record_file
 from installer.sources import WheelFile
 
 from backport import cache
+from backport.digests import sha256_file
 from backport.errors import BadInput
 from backport.releases import WheelPin
 from backport.sources.base import Fetched, entry_tree, snapshot
@@ -29,11 +29,6 @@ from backport.sources.base import Fetched, entry_tree, snapshot
 log = logging.getLogger("backport.sources")
 WHEEL_PLATFORM = ("--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
                   "--implementation", "cp", "--abi", "cp311", "--only-binary=:all:")
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)

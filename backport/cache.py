@@ -65,11 +65,14 @@ def stale_staging(directory: Path) -> list[Path]:
     return stale
 
 
-def clean_stale_staging(directory: Path) -> int:
-    removed = 0
-    for path in stale_staging(directory):
-        discard_dir(path)
-        removed += 1
+def clean_stale_staging(directory: Path) -> list[Path]:
+    """Remove the staging leftovers of dead processes (directories and half-written files)."""
+    removed = stale_staging(directory)
+    for path in removed:
+        if path.is_dir():
+            discard_dir(path)
+        else:
+            path.unlink(missing_ok=True)
     return removed
 
 
@@ -130,9 +133,7 @@ def gc(*, older_than_days: float, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     removed: list[str] = []
     for directory in (root / "trees", root / "wheels", root / "envs", work_root()):
-        for path in stale_staging(directory):
-            discard_dir(path) if path.is_dir() else path.unlink(missing_ok=True)
-            removed.append(str(path))
+        removed += [str(path) for path in clean_stale_staging(directory)]
     work = work_root()
     if work.is_dir():
         for path in sorted(work.iterdir()):

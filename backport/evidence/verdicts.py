@@ -33,6 +33,8 @@ that no release has yet, or carry later changes), not a pass/fail criterion.
 
 from __future__ import annotations
 
+from backport.evidence import coverage as cov
+
 ROLES = ("pristine", "patched", "reference")
 BASE, HEAD, REFERENCE = ROLES
 TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
@@ -115,8 +117,6 @@ def upstream_counts(upstream: dict | None) -> dict:
 def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, coverage: dict | None = None) -> dict:
     """The summary of a run; `coverage` (the receipt's section) adds its totals and, under a floor
     (`run --min-coverage`), makes the result a failure."""
-    from backport.evidence import coverage as cov
-
     pair_counts = {v: 0 for v in PAIR_VERDICTS}
     for row in rows:
         pair_counts[row["pair"]] = pair_counts.get(row["pair"], 0) + 1

@@ -16,7 +16,7 @@ from backport import evidence, resources
 from backport.errors import BadInput
 from backport.pack import Pack, load_pack
 from backport.releases import WheelPin, default_path, load_pins
-from backport.sources import parse_spec, spec_kind
+from backport.sources import parse_spec, source_kind
 
 NONE_WORDS = ("none", "no", "off")
 
@@ -51,6 +51,7 @@ class Plan:
     reference_choice: str
     matrix: Path                       # the release matrix in force (its pins fetch every spec)
     pins: dict[str, WheelPin]
+    head_kind: str | None = None       # the --head spec's form
 
     @property
     def total_steps(self) -> int:
@@ -82,9 +83,9 @@ def plan(options: RunOptions) -> Plan:
     pack = load_pack(series_dir)
     matrix = default_path(series_dir)
     pins = load_pins(matrix)
-    parse_spec(options.spec, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
-    if options.head:
-        parse_spec(options.head, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
+    target = parse_spec(options.spec, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
+    head = (parse_spec(options.head, allow_unpinned=options.allow_unpinned, python=options.python, pins=pins)
+            if options.head else None)
     reference = options.reference
     if reference and reference.lower() in NONE_WORDS:
         reference, choice = None, "none"
@@ -99,7 +100,8 @@ def plan(options: RunOptions) -> Plan:
     if options.min_coverage is not None and not 0 <= options.min_coverage <= 100:
         raise BadInput(f"--min-coverage {options.min_coverage}: a percentage from 0 to 100")
     return Plan(options, series_dir, pack, "upstream-pair" if options.head else "backport",
-                spec_kind(options.spec), is_user_checkout(options.spec), reference, choice, matrix, pins)
+                source_kind(target), is_user_checkout(options.spec), reference, choice, matrix, pins,
+                source_kind(head) if head is not None else None)
 
 
 def bundle_dir(fetched_tree, kind: str, head: tuple | None = None, root: Path | None = None) -> Path:

@@ -26,7 +26,7 @@ from backport.job.coverage import patch_coverage, touched_files
 from backport.job.plan import Plan, RunOptions, bundle_dir, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
-from backport.sources import materialise, spec_kind
+from backport.sources import materialise
 from backport.tree import Tree, clone_tree, tree_digest
 
 log = logging.getLogger("backport.job")
@@ -176,7 +176,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
         pristine_digest = check_pristine(the_plan, source)
         head = fetch(options.head, the_plan) if options.head else None
         out = Path(options.out) if options.out else bundle_dir(
-            source, the_plan.kind, (head, spec_kind(options.head)) if head else None, options.bundle_root)
+            source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
         evidence.check_bundle_target(out)
     trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
     apply_json, patches = None, []

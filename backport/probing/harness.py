@@ -47,6 +47,11 @@ def link_probes(directory: Path) -> Path:
     return directory
 
 
+def absolute_interpreter(python: str) -> str:
+    """A relative interpreter path made absolute: probe runs happen in a temporary directory."""
+    return os.path.abspath(python) if os.sep in python else python
+
+
 def check_package_root(package_root: Path) -> Path:
     package_root = Path(package_root).resolve()
     if not (package_root / "sglang" / "__init__.py").is_file():
@@ -72,7 +77,7 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
     log.info("probing %s ...", label or package_root)
     with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
         link_probes(Path(tmp))
-        python = os.path.abspath(python) if os.sep in python else python  # the run happens in tmp
+        python = absolute_interpreter(python)
         cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]

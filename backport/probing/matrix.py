@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 
 from backport.errors import Finding
-from backport.probing.harness import check_package_root, link_probes, probe_environ, read_document
+from backport.probing.harness import (
+    absolute_interpreter,
+    check_package_root,
+    link_probes,
+    probe_environ,
+    read_document,
+)
 
 log = logging.getLogger("backport.probing")
 
@@ -40,7 +46,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         link_probes(Path(tmp))
         out = Path(tmp) / "out"
         out.mkdir()
-        python = os.path.abspath(python) if os.sep in python else python
+        python = absolute_interpreter(python)
         cmd = [python, "-m", "probes.matrix", "--jobs", str(jobs), "--out", str(out)]
         for root in unique:
             cmd += ["--tree", str(root)]

@@ -32,7 +32,7 @@ __all__ = [
     "load_pins",
     "materialise",
     "parse_spec",
-    "spec_kind",
+    "source_kind",
 ]
 
 
@@ -68,10 +68,10 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
     return PathSource(spec, Path(spec))
 
 
-def spec_kind(spec: str) -> str:
-    """wheel | git | path | installed: which form a spec has (parsed, not fetched)."""
-    source = parse_spec(spec, allow_unpinned=True)
+def source_kind(source: Source) -> str:
+    """wheel | git | path | installed: which form a parsed spec has."""
     return {WheelSource: "wheel", GitSource: "git", PathSource: "path", InstalledSource: "installed"}[type(source)]
+
 
 
 def materialise(spec: str, *, allow_unpinned: bool = False, python: str | None = None,

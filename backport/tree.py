@@ -91,14 +91,21 @@ def _manifest_files(package_root: Path):
             yield path, None
 
 
+def manifest_text(entries) -> str:
+    """`sha256sum` lines for (path relative to the package root, sha256) pairs, sorted by path."""
+    return "".join(f"{digest}  {name}\n" for name, digest in sorted(entries))
+
+
+def manifest_digest(entries) -> str:
+    """The tree digest of (path, sha256) pairs: a tree on disk, or a wheel's `sglang/` members."""
+    return hashlib.sha256(manifest_text(entries).encode()).hexdigest()
+
+
 def tree_manifest(package_root: Path) -> str:
     """`sha256sum` lines for every file of the `sglang/` package, sorted by path."""
-    lines = []
-    for path, literal in _manifest_files(package_root):
-        digest = sha256_bytes(literal) if literal is not None else sha256_file(path)
-        lines.append(f"{digest}  {path.relative_to(package_root).as_posix()}\n")
-    lines.sort(key=lambda line: line[66:])
-    return "".join(lines)
+    return manifest_text(
+        (path.relative_to(package_root).as_posix(), sha256_bytes(literal) if literal is not None else sha256_file(path))
+        for path, literal in _manifest_files(package_root))
 
 
 def tree_digest(package_root: Path) -> str:

@@ -28,7 +28,10 @@ the DSV4/DSpark rebootstrap test is stubbed to "not that model".
 Not applicable: ``prefill_door_retraction_backup_not_retired`` up to 0.5.17,
 whose requests cannot hold a host retraction backup (added in 0.5.18);
 ``decode_door_rebootstrap_not_retired`` up to 0.5.15.post1, whose decode door
-has no ``is_rebootstrap`` flag (PD rebootstrap arrives in 0.5.16).
+has no ``is_rebootstrap`` flag (PD rebootstrap arrives in 0.5.16);
+``rejected_session_request_releases_session_and_cache`` up to 0.5.10.post1,
+whose streaming sessions keep no in-flight state (the real ``Session`` from
+0.5.11 stands in the case, marked in flight as ``create_req`` marks it).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from probes.standins import (
     Ledger,
     MetadataBuffersStandIn,
     TransportManagerStandIn,
+    construct_with,
     describe_finish,
+    has_method,
     has_retraction_backup_slot,
     make_req,
     make_scheduler_shell,
@@ -306,6 +311,67 @@ def finished_abort_retired_at_doors(ctx) -> Outcome:
         + ".",
         doors,
     )
+
+
+def _streaming_session():
+    """A real streaming ``Session`` of the tree, marked in flight as ``create_req`` marks it when the
+    session's request is created (None where sessions keep no in-flight state)."""
+    try:
+        from sglang.srt.session.session_controller import Session
+    except ImportError:
+        return None
+    if not callable(getattr(Session, "abort_req", None)):
+        return None
+    session = construct_with(Session, capacity_of_str_len=1 << 16, session_id="probe-stream", streaming=True)
+    if not hasattr(session, "_inflight"):
+        return None
+    session._inflight = True
+    return session
+
+
+@case(
+    must_preserve=False,
+    expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no handoff, its "
+    "400 streamed once, its session no longer in flight (the session's next request is accepted), and the "
+    "cache-side state it took before the door (a HiCache storage prefetch) released once through the tree cache.",
+)
+def rejected_session_request_releases_session_and_cache(ctx) -> Outcome:
+    """#38935's retirement undoes what was taken before the door: ``create_req`` marked the streaming
+    session in flight and ``_prefetch_kvcache`` may have started a HiCache storage prefetch. The tree's own
+    ``_release_aborted_request`` runs here (with HiCache storage on), down to the recording tree cache."""
+    session = _streaming_session()
+    if session is None:
+        raise NotApplicable("streaming sessions keep no in-flight state in this release (no Session.abort_req)")
+    rig = DoorRig(ctx)
+    if has_method("managers.scheduler.Scheduler", "_release_aborted_request"):
+        del rig.shell._release_aborted_request  # the tree's own, not the rig's recorder
+    rig.shell.enable_hicache_storage = True
+    req = make_req("rejected-session", 9000, room=105)
+    req.session = session
+    reject_at_intake(req, REJECTION)
+    rig.prefill_door(req)
+    obs = rig.observe(req)
+    led = rig.ledger
+    obs["cache_releases"] = (
+        led.count("tree_release_aborted", rid=req.rid)
+        + led.count("tree_finish", outcome="ABORT")
+        + obs["release_aborted_request_calls"]
+    )
+    obs["session_still_in_flight"] = bool(session._inflight)
+    problems = []
+    if not _retired_cleanly(obs):
+        problems.append(_handoff_summary(obs))
+    if obs["session_still_in_flight"]:
+        problems.append("the streaming session is still in flight, so it refuses every later request")
+    if obs["cache_releases"] != 1:
+        problems.append(f"cache-side state released {obs['cache_releases']} time(s)")
+    obs["violations"] = problems
+    if not problems:
+        return Outcome(
+            SAFE, "Retired at the prefill door: session detached, cache-side state released once, 400 streamed once.",
+            obs,
+        )
+    return Outcome(UNSAFE, "; ".join(problems) + ".", obs)
 
 
 # ---------------------------------------------------------------------------

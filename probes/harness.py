@@ -138,8 +138,15 @@ def coverage_report(cov, tree: str, files: list[str]) -> dict[str, Any]:
         path = os.path.join(tree, rel)
         if not os.path.isfile(path):
             continue  # the release has no such file
-        _, statements, _excluded, missing, _ = cov.analysis2(path)
-        report[rel] = {"statements": sorted(statements), "executed": sorted(set(statements) - set(missing))}
+        measured, statements, _excluded, missing, _ = cov.analysis2(path)
+        # Per case (its dynamic context), the lines it ran; "" (import time, between cases) is left out.
+        by_case: dict[str, set[int]] = {}
+        for line, contexts in (cov.get_data().contexts_by_lineno(measured) or {}).items():
+            for context in contexts:
+                if context:
+                    by_case.setdefault(context, set()).add(line)
+        report[rel] = {"statements": sorted(statements), "executed": sorted(set(statements) - set(missing)),
+                       "cases": {name: sorted(lines) for name, lines in sorted(by_case.items())}}
     return report
 
 
@@ -218,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     cases: list[dict[str, Any]] = []
     for probe in args.probe or list(PROBE_NAMES):
         for case in cases_of(probe):
+            if cov is not None:
+                cov.switch_context(f"{probe}/{case.name}")
             cases.append(run_case(probe, case))
+    if cov is not None:
+        cov.switch_context("")
 
     document = {
         "tree": tree,

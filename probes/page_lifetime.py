@@ -13,10 +13,10 @@ behind ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` (off by default,
 decode-initiated aborts only), #37454 gated it on a backend capability,
 #41023 turned it on by default and #41404 holds on every failure.
 
-All cases but one run with the release's DEFAULT environment (the variable
+All cases but two run with the release's DEFAULT environment (the variable
 unset), which is what operators run; ``explicit_deferral_on_incapable_backend_is_reported``
-sets it to 1, as an operator who asks for deferral does, and captures the
-decode module's warnings.
+and ``explicit_deferral_warnings_not_repeated`` set it to 1, as an operator who
+asks for deferral does, and capture the decode module's warnings.
 
 How it is driven: the tree's ``DecodeTransferQueue`` (its real constructor,
 called with the parameters its release asks for), its real
@@ -48,6 +48,11 @@ Absent structures, decided per case:
   a ``CommonKVManager`` without an opt-in of its own, standing for Mori on
   0.5.19 - 0.5.21 (Mori's module needs the ``mori`` package); Mori itself
   opts in from 0.5.22.
+- ``waiting_timeout_holds_pages_until_drain`` runs the real
+  ``CommonKVReceiver._check_waiting_timeout``; ``scheduler_abort_keeps_raced_ack``
+  the real ``Scheduler.abort_request`` on a decode scheduler shell, with a
+  prefill socket that answers the ABORT with its ACK at once; it is
+  ``not-applicable`` where decode has no ACK tracker (before 0.5.19).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from typing import Any
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
     CountingPageAllocator,
+    InertCollaborator,
     Ledger,
     MetadataBuffersStandIn,
     RecordingMetadataAllocator,
@@ -252,6 +258,12 @@ class TransferRig:
             "release_calls": self.ledger.count("release_kv_cache", rid=req.rid),
             "metadata_frees": self.ledger.count("metadata_free"),
             "deferred_entries": len(getattr(self.queue, "_deferred_releases", ())),
+            # what metrics read (0.5.22, and the pack's #41404 backports); None where absent
+            "held_count_reported": (
+                self.queue.num_pending_deferred_releases()
+                if callable(getattr(self.queue, "num_pending_deferred_releases", None))
+                else None
+            ),
         }
 
 
@@ -301,6 +313,12 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     freed_early = [s["step"] for s in steps if not s["all_acks_in"] and s["pages_held"] == 0]
     final = steps[-1]
     released_once = final["pages_held"] == 0 and final["release_calls"] == 1 and final["metadata_frees"] == 1
+    # The held count operators see must say what is held: one request while its pages are, none after.
+    miscounted = [s["step"] for s in steps
+                  if s["held_count_reported"] is not None and s["held_count_reported"] != int(s["pages_held"] > 0)]
+    if miscounted:
+        return Outcome(UNSAFE, f"num_pending_deferred_releases() disagrees with the pages held (at: {miscounted[0]}).",
+                       details)
     if not freed_early and released_once and not details["double_releases"]:
         return Outcome(
             SAFE,
@@ -484,3 +502,198 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
         told = "and a warning named the variable" if warnings else "silently (no warning named the variable)"
         return Outcome(SAFE, f"The pages were released at once, exactly once, {told}.", details)
     return Outcome(UNSAFE, "The pages were neither held nor released exactly once.", details)
+
+
+@case(
+    must_preserve=True,
+    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, two aborted transfers on a backend without "
+    "the drain-ACK capability, one on a backend with it, and one failed before any prefill rank learned its pages "
+    "are each held or released exactly once; no warning names a backend that does defer, and no backend is "
+    "warned about twice (one decode scheduler).",
+)
+def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
+    """Must-preserve beside ``explicit_deferral_on_incapable_backend_is_reported``: the pack's warning (patched
+    0.5.19/0.5.20) is said once per backend and never for a backend that holds the pages; upstream says
+    nothing, which also keeps this."""
+    envs = sg_attr("environ", "envs")
+    if envs is None or not hasattr(envs, DEFERRED_ENV):
+        raise NotApplicable(f"no {DEFERRED_ENV} in this release (no #35049): there is no deferral to ask for")
+    rig = TransferRig(ctx, deferred_env="1")
+    incapable = _no_capability_manager(rig.ledger)
+    capable = _drain_acking_manager(rig.ledger)
+    transfers = []
+    for mgr, room in ((incapable, 508), (incapable, 509), (capable, 510), (capable, 511)):
+        rcv = _drain_acking_receiver(rig.ledger, mgr, room=room, prefill_ranks=1)
+        transfers.append((type(mgr).__name__, rig.enqueue(rcv, f"explicit-{room}", room)))
+        if room == 511:
+            # Bootstrap never completed: no prefill rank learned these pages, so there is nobody to
+            # wait for and the capable backend releases at once, which is not the backend's fault.
+            rcv.bootstrap_infos = None
+        else:
+            rcv.abort()  # decode aborts the request mid-transfer
+    recorder = _WarningRecorder()
+    decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
+    decode_logger.addHandler(recorder)
+    fates = {}
+    try:
+        for _backend, req in transfers:  # one failed transfer per scheduler step
+            rig.queue.pop_transferred()
+            snap = rig.snapshot(req)
+            held = snap["pages_held"] > 0
+            fates[req.rid] = "held" if held else ("released once" if snap["release_calls"] == 1 else "neither")
+    finally:
+        decode_logger.removeHandler(recorder)
+    warnings = [m for m in recorder.messages if DEFERRED_ENV in m]
+    per_backend = {name: sum(1 for m in warnings if name in m) for name in {b for b, _ in transfers}}
+    details = {
+        "fates": fates,
+        "warnings_per_backend": per_backend,
+        "warnings_naming_the_variable": warnings,
+        "double_releases": rig.ledger.count("pages_double_release"),
+    }
+    problems = [f"{rid}: pages neither held nor released exactly once" for rid, f in fates.items() if f == "neither"]
+    if details["double_releases"]:
+        problems.append("pages released twice")
+    if per_backend.get(type(capable).__name__):
+        problems.append("a warning named a backend that defers")
+    if any(n > 1 for n in per_backend.values()):
+        problems.append(f"a backend was warned about more than once: {per_backend}")
+    if not problems:
+        return Outcome(SAFE, f"Each transfer held or released once ({fates}); warnings per backend {per_backend}.",
+                       details)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+
+
+@case(
+    must_preserve=False,
+    expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one ABORT at "
+    "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and releases "
+    "them exactly once.",
+)
+def waiting_timeout_holds_pages_until_drain(ctx) -> Outcome:
+    """#41404 on the waiting-timeout path (``CommonKVReceiver._check_waiting_timeout``): prefill may still be
+    writing the room when decode gives up waiting, so the timeout notifies every prefill rank (through
+    ``ensure_abort_notified`` in the backports) and the failure is held like any other."""
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    if not callable(getattr(CommonKVReceiver, "_check_waiting_timeout", None)):
+        raise NotApplicable("decode's receiver has no waiting timeout of its own in this release")
+    rig = TransferRig(ctx)
+    mgr = _drain_acking_manager(rig.ledger)
+    mgr.__dict__.update(waiting_timeout=0, connection_lock=threading.Lock(), connection_pool={})
+    rcv = _drain_acking_receiver(rig.ledger, mgr, room=506, prefill_ranks=2)
+    rcv._connection_pool_entries = {}
+    mgr.request_status[506] = KVPoll.WaitingForInput
+    req = rig.enqueue(rcv, "waiting-timeout", 506)
+    polled = CommonKVReceiver._check_waiting_timeout(rcv)  # init_time is long past the timeout
+    aborts_at_timeout = sorted(e["prefill_rank"] for e in rig.ledger.of("abort_sent"))
+    rig.queue.pop_transferred()
+    held_after_pop = rig.snapshot(req)
+    generation = getattr(rcv, "_abort_generation", None)
+    if hasattr(mgr, "note_abort_ack"):
+        note_ack(mgr, 506, 0, generation)
+        note_ack(mgr, 506, 1, generation)
+    rig.resolve()
+    final = rig.snapshot(req)
+    details = {
+        "timeout_poll": getattr(polled, "name", str(polled)),
+        "aborts_at_timeout": aborts_at_timeout,
+        "aborts_in_all": sorted(e["prefill_rank"] for e in rig.ledger.of("abort_sent")),
+        "after_pop_transferred": held_after_pop,
+        "after_both_acks": final,
+        "double_releases": rig.ledger.count("pages_double_release"),
+    }
+    problems = []
+    if polled != KVPoll.Failed or aborts_at_timeout != [0, 1]:
+        problems.append(f"the timeout did not send one ABORT to each prefill rank (sent to {aborts_at_timeout})")
+    if details["aborts_in_all"] != [0, 1]:
+        problems.append(f"ABORTs sent in all: {details['aborts_in_all']}")
+    if held_after_pop["pages_held"] == 0:
+        problems.append("pages released before any drain ACK")
+    if final["pages_held"] or final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
+        problems.append("pages not released exactly once after both drain ACKs")
+    if not problems:
+        return Outcome(SAFE, "One ABORT per prefill rank at the timeout; pages held until both ACKs, released once.",
+                       details)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+
+
+class _QuiescentPrefillSocket(_PrefillPeerSocket):
+    """Stands for the socket to a prefill rank whose writes for the room already drained: it answers the
+    ABORT with its drain ACK at once (the ACK races back before the sender returns)."""
+
+    def __init__(self, ledger: Ledger, rank: int, receiver) -> None:
+        super().__init__(ledger, rank)
+        self.receiver = receiver
+
+    def send_multipart(self, frames, *args, **kwargs):
+        super().send_multipart(frames)
+        rcv = self.receiver
+        note_ack(rcv.kv_mgr, rcv.bootstrap_room, self.rank, getattr(rcv, "_abort_generation", None))
+        self.ledger.record("ack_raced_back", prefill_rank=self.rank)
+
+
+@case(
+    must_preserve=False,
+    expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
+    "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "
+    "rank ACKed, then released exactly once.",
+)
+def scheduler_abort_keeps_raced_ack(ctx) -> Outcome:
+    """#41404: the receiver arms drain-ACK accounting before its ABORT leaves; the scheduler's re-arm after
+    ``abort()`` (which wiped an ACK that had already raced back) is gone. Drives the real
+    ``Scheduler.abort_request`` on a decode scheduler shell over the real transfer queue."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+
+    if not hasattr(sg("disaggregation.common.conn").CommonKVManager, "register_deferred_abort_room"):
+        raise NotApplicable("decode has no drain-ACK accounting in this release (no #35049)")
+    rig = TransferRig(ctx)
+    mgr = _drain_acking_manager(rig.ledger)
+    rcv = _drain_acking_receiver(rig.ledger, mgr, room=507, prefill_ranks=2)
+    rank0 = _QuiescentPrefillSocket(rig.ledger, 0, rcv)
+    rcv._connect_to_bootstrap_server = lambda info: (
+        (rank0 if info["rank"] == 0 else _PrefillPeerSocket(rig.ledger, info["rank"])), threading.Lock()
+    )
+    req = rig.enqueue(rcv, "user-aborted", 507)
+    shell = rig.shell
+    shell.__dict__.update(
+        disaggregation_mode=DisaggregationMode.DECODE,
+        disagg_decode_transfer_queue=rig.queue,
+        disagg_decode_prealloc_queue=SimpleNamespace(queue=[], retracted_queue=[]),
+        mm_receiver=None,
+        dllm_config=None,
+        grammar_manager=InertCollaborator("grammar_manager"),
+        running_batch=None,
+        last_batch=None,
+        enable_continuous_input_polling=False,  # 0.5.22: no batch waits in a result queue
+        result_queue=[],
+    )
+    type(shell).abort_request(shell, construct_with(AbortReq, rid="user-aborted", abort_all=False))
+    rig.queue.pop_transferred()
+    after_pop = rig.snapshot(req)
+    note_ack(mgr, 507, 1, getattr(rcv, "_abort_generation", None))
+    rig.resolve()
+    final = rig.snapshot(req)
+    details = {
+        "aborts_sent": sorted(e["prefill_rank"] for e in rig.ledger.of("abort_sent")),
+        "acks_raced_back": [e["prefill_rank"] for e in rig.ledger.of("ack_raced_back")],
+        "after_pop_transferred": after_pop,
+        "after_rank1_ack": final,
+        "double_releases": rig.ledger.count("pages_double_release"),
+    }
+    problems = []
+    if details["aborts_sent"] != [0, 1]:
+        problems.append(f"ABORTs sent to prefill ranks {details['aborts_sent']}, not one to each")
+    if after_pop["pages_held"] == 0:
+        problems.append("pages released before rank 1 ACKed")
+    elif final["pages_held"]:
+        problems.append("rank 0's raced ACK was lost: pages still held after every rank ACKed (until the timeout)")
+    elif final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
+        problems.append("pages not released exactly once")
+    if not problems:
+        return Outcome(SAFE, "The raced ACK counted: pages held until both ranks ACKed, then released once.", details)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", details)

@@ -31,9 +31,27 @@ on (the default from 0.5.21 and in the patched trees; an opt-in on 0.5.19 and
 as a backend without the capability has it. On 0.5.17/0.5.18 the prefill has
 no drain-ACK accounting (no #35049): those cases are ``not-applicable``.
 
-Not driven here: NIXL's worker (needs a NIXL agent stand-in for its handle
-states) and Ascend's own ``send_kvcache``; both reach the drain ACK through
-the same ``CommonKVManager`` registry, and Ascend through this very worker.
+NIXL (``nixl_failed_handle_withholds_ack``): the tree's real
+``NixlKVManager.transfer_worker`` and ABORT handler on a manager built without
+its constructor (probes/nixl_rig.py; the ``nixl`` package is never imported),
+with a NIXL agent stand-in whose handles are DONE, ERR or still running.
+``failed_aux_or_state_send_withholds_ack`` fails the last chunk's aux or state
+write instead of the KV write. Not driven here: Ascend's own
+``send_kvcache``; it reaches the drain ACK through this very worker.
+
+Terminal Failed (0.5.20's ``update_status``): ``aborted_room_stays_failed_on_late_bootstrap``
+delivers a late decode rank's transfer info through the real bootstrap thread
+after another rank's ABORT, then offers the room's chunk through the real
+``add_transfer_request``; ``nixl_aborted_room_stays_failed_after_inflight_chunk``
+lets a non-last NIXL chunk land after the ABORT. The per-layer wait
+(``per_layer_send_reports_failure_after_every_write``) runs the real
+``send_kvcache`` on a real thread pool over ``PerLayerEngineStandIn``; it needs
+no drain accounting, so it also runs on 0.5.16-0.5.18.
+
+The registry as the constructor sets it up (issue 14): the ``constructed_*`` cases and
+``cleared_sender_drops_target_without_drain_accounting`` build the tree's ``CommonKVManager``
+through its real ``__init__`` (probes/manager_rig.py: a real ZMQ socket on localhost; the
+bootstrap-port sync, the bootstrap registration and the PP group stood in for).
 """
 
 from __future__ import annotations
@@ -241,18 +259,7 @@ class PrefillRig:
             return
         # Older releases handle ABORT inside the bootstrap thread's loop: run
         # that loop body here, in this thread, over this one message.
-        captured = []
-        threading_standin = SimpleNamespace(
-            Thread=lambda target=None, **kw: captured.append(target) or SimpleNamespace(start=lambda: None),
-            Lock=threading.Lock,
-        )
-        with _swapped(self.module, "threading", threading_standin):
-            self.mgr.start_prefill_thread()
-        self.pending_frames = [frames]
-        try:
-            captured[0]()
-        except WorkerStopped:
-            pass
+        _deliver_to_bootstrap_thread(self, frames)
 
     def _next_frames(self, *args, **kwargs):
         if self.pending_frames:
@@ -474,3 +481,433 @@ def without_capability_keeps_immediate_ack(ctx) -> Outcome:
     if not details["deferred_release"] and acks.get(first) == 1:
         return Outcome(SAFE, "The ABORT was answered at once with one legacy ABORT_ACK.", details)
     return Outcome(UNSAFE, f"The legacy ABORT answer changed: ACKs per peer {acks}.", details)
+
+
+@case(
+    must_preserve=False,
+    expect="After a Mooncake aux (metadata slot) or state write fails with the write still running, no drain ACK "
+    "leaves for the room while it runs (ABORTs from both decode peers, clear(), a late ABORT).",
+)
+def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
+    """0.5.22's failed-send rule (#41402 backport) on the last chunk's other writes: the aux write targets
+    decode's metadata slot and the state write its Mamba/SWA state pages, both freed with the held release,
+    so a failed one withholds the ACK like a failed KV write."""
+    runs: dict[str, Any] = {}
+    early = 0
+    for what, plan in (("aux", ["complete", "timeout"]), ("state", ["complete", "timeout"])):
+        rig = PrefillRig(ctx, plan=plan)
+        chunk = rig.chunk()
+        if what == "state":
+            chunk.state_indices = [[3]]  # a hybrid model's state slot, sent with the last chunk
+        ended = rig.run_worker([chunk])
+        rig.abort_from(0)
+        rig.abort_from(1)
+        rig.clear_sender()
+        rig.abort_from(0)  # a late duplicate after clear()
+        rig.engine.settle()
+        details = rig.summary()
+        details["worker"] = ended
+        posted = [e["what"] for e in rig.ledger.of("write_posted", mode="timeout")]
+        if posted != [what]:
+            raise RuntimeError(f"the planned {what} write did not time out (timed out: {posted})")
+        runs[what] = details
+        early += details["acks_while_writes_in_flight"]
+    if early == 0:
+        return Outcome(SAFE, "No drain ACK left while a timed-out aux or state write was in flight.", runs)
+    failed = [w for w, d in runs.items() if d["acks_while_writes_in_flight"]]
+    return Outcome(UNSAFE, f"Drain ACK(s) sent while the failed {' and '.join(failed)} write was in flight.", runs)
+
+
+@case(
+    must_preserve=False,
+    expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes holds decode's "
+    "pages (the backend defers release) and no drain ACK leaves while the sibling runs: not for a later chunk of "
+    "the failed room, not after clear(), not for a late ABORT.",
+)
+def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
+    """#41023 (NIXL's capability) and #41402 (the failed-send rule, NIXL's worker and ABORT handler): an ERR
+    handle aborts the batch while its sibling may still be writing, so the room's drain ACK is withheld for
+    good and decode releases on its timeout."""
+    from probes.nixl_rig import NixlPrefillRig
+
+    rig = NixlPrefillRig(ctx, plan=["err", "running"])
+    rig.run_worker([rig.chunk(0, last=False)])
+    rig.abort_from(0)  # decode saw the failure and aborts the room
+    rig.run_worker([rig.chunk(1, last=True)])  # the room's next chunk was already queued
+    rig.clear_sender()
+    rig.abort_from(1)  # the other decode rank's ABORT, after the room was cleared
+    in_flight_before_settle = rig.agent.in_flight
+    rig.agent.settle()
+    details = rig.summary()
+    details["sibling_writes_running_at_end"] = in_flight_before_settle
+    if in_flight_before_settle != 1 or not rig.ledger.count("worker_failure"):
+        raise RuntimeError("the planned ERR/running batch did not happen as planned")
+    problems = []
+    if not details["deferred_release"]:
+        problems.append("NIXL has no drain-ACK capability here, so decode releases the failed transfer's pages at once")
+    if details["acks_while_writes_in_flight"]:
+        problems.append(f"{details['acks_while_writes_in_flight']} drain ACK(s) sent while the sibling write ran")
+    if not problems:
+        return Outcome(SAFE, "NIXL defers, and no drain ACK left while the sibling of the failed handle was "
+                       "writing (decode releases on its timeout).", details)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+
+
+def _status_name(KVPoll, value) -> str:
+    """A room's KVPoll status by name (``KVPoll`` is a class of ints); ``None``: the room is cleared."""
+    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    return names.get(value, str(value))
+
+
+def _writes_after_first_ack(ledger) -> int:
+    """Writes posted after the first drain ACK left: decode may free (and reuse) the pages on it."""
+    seen_ack, count = False, 0
+    for event in ledger.events:
+        seen_ack = seen_ack or event["kind"] == "drain_ack"
+        count += seen_ack and event["kind"] == "write_posted"
+    return count
+
+
+@case(
+    must_preserve=False,
+    expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room stays Failed "
+    "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
+)
+def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
+    """Terminal Failed on NIXL: the worker's Transferring update for a finished non-last chunk must not lift an
+    ABORTed room back (Failed sorts lowest), or the next chunk writes into pages decode freed (and may have given
+    to another request) on the ACK. 0.5.17-0.5.19 keep Failed sticky in ``NixlKVManager.update_status`` (0.5.20
+    moved the rule into ``CommonKVManager``), so this holds wherever NIXL has a drain ACK; with the common rule
+    of 0.5.19 alone the same run posts the next chunk's writes after the ACK."""
+    from probes.nixl_rig import ROOM as NIXL_ROOM
+    from probes.nixl_rig import NixlPrefillRig
+
+    rig = NixlPrefillRig(ctx, plan=["hold"])
+    rig.agent.during = lambda: (rig.abort_from(0), rig.abort_from(1))
+    rig.run_worker([rig.chunk(0, last=False)])
+    aborts = rig.ledger.of("abort_received")
+    if len(aborts) != 2 or any(a["writes_in_flight"] != 1 for a in aborts):
+        raise RuntimeError("the ABORTs did not arrive while the first chunk was in flight as planned")
+    status_after_first = rig.mgr.request_status.get(NIXL_ROOM)
+    rig.run_worker([rig.chunk(1, last=True)])  # the room's next chunk, queued before the ABORT
+    status = rig.mgr.request_status.get(NIXL_ROOM)
+    details = rig.summary()
+    written_after = _writes_after_first_ack(rig.ledger)
+    details.update(
+        status_after_inflight_chunk=_status_name(rig.KVPoll, status_after_first),
+        status_at_end=_status_name(rig.KVPoll, status),
+        writes_after_drain_ack=written_after,
+    )
+    still_failed = status_after_first == rig.KVPoll.Failed and status in (rig.KVPoll.Failed, None)
+    if written_after == 0 and still_failed:
+        return Outcome(SAFE, "The aborted room stayed Failed after its in-flight chunk landed; its next chunk "
+                       "wrote nothing after the drain ACK.", details)
+    return Outcome(UNSAFE, f"The aborted room went {details['status_after_inflight_chunk']} after its in-flight "
+                   f"chunk landed, and {written_after} write(s) of its next chunk were posted after the drain ACK "
+                   "(into pages decode may have freed).", details)
+
+
+def _deliver_to_bootstrap_thread(rig: PrefillRig, frames: list[bytes]) -> None:
+    """One message reaches the prefill's bootstrap thread: its real loop body, run in this thread."""
+    captured = []
+    threading_standin = SimpleNamespace(
+        Thread=lambda target=None, **kw: captured.append(target) or SimpleNamespace(start=lambda: None),
+        Lock=threading.Lock,
+    )
+    with _swapped(rig.module, "threading", threading_standin):
+        rig.mgr.start_prefill_thread()
+    rig.pending_frames = [frames]
+    try:
+        captured[0]()
+    except WorkerStopped:
+        pass
+
+
+@case(
+    must_preserve=False,
+    expect="When one decode rank ABORTs a room before the other rank's transfer info arrived, the room stays Failed "
+    "when that info arrives: the scheduler's next chunk is refused and nothing is written after the drain ACK.",
+)
+def aborted_room_stays_failed_on_late_bootstrap(ctx) -> Outcome:
+    """0.5.20's terminal Failed (update_status): the bootstrap thread's WaitingForInput for a room whose last
+    decode rank registered late must not lift an ABORTed room back (Failed sorts lowest), or its chunks are sent
+    into pages the ABORTing rank freed (and may have reused) on its drain ACK."""
+    rig = PrefillRig(ctx)
+    mgr, KVPoll = rig.mgr, rig.KVPoll
+    # The room as it stands before decode rank 1 registered: rank 0's info only, still Bootstrapping.
+    late_session, late = list(mgr.transfer_infos[ROOM].items())[1]
+    del mgr.transfer_infos[ROOM][late_session]
+    mgr.request_status[ROOM] = KVPoll.Bootstrapping
+    rig.abort_from(0)  # decode rank 0 gives up on the room (its own timeout, a client abort)
+    frames = [
+        str(ROOM).encode(), late.endpoint.encode(), str(late.dst_port).encode(), late_session.encode(),
+        late.dst_kv_indices.tobytes(), str(late.dst_aux_index).encode(), b"",
+        str(late.required_dst_info_num).encode(), b"", b"",
+    ]
+    _deliver_to_bootstrap_thread(rig, frames)  # decode rank 1's transfer info arrives late
+    if late_session not in mgr.transfer_infos.get(ROOM, {}):
+        raise RuntimeError("the bootstrap thread did not take decode rank 1's transfer info")
+    status_after_info = mgr.request_status.get(ROOM)
+    # The scheduler's next chunk of the room, offered through the real door (refused for a Failed room).
+    queued: list = []
+    mgr.disaggregation_mode = sg("disaggregation.utils").DisaggregationMode.PREFILL
+    mgr.transfer_queues = [SimpleNamespace(put=queued.append)]
+    mgr.add_transfer_request(ROOM, _kv_indices(4), slice(0, 4), True, aux_index=0)
+    ended = rig.run_worker(queued) if queued else "nothing queued"
+    details = rig.summary()
+    written_after = _writes_after_first_ack(rig.ledger)
+    status = mgr.request_status.get(ROOM)
+    details.update(
+        worker=ended,
+        chunks_queued=len(queued),
+        status_after_late_info=_status_name(rig.KVPoll, status_after_info),
+        status_at_end=_status_name(rig.KVPoll, status),
+        writes_after_drain_ack=written_after,
+    )
+    if written_after == 0 and status_after_info == KVPoll.Failed:
+        return Outcome(SAFE, "The aborted room stayed Failed when the late transfer info arrived; its chunk was "
+                       "refused and nothing was written after the drain ACK.", details)
+    return Outcome(UNSAFE, f"The late transfer info lifted the aborted room to {details['status_after_late_info']}; "
+                   f"{len(queued)} chunk(s) queued, {written_after} write(s) posted after the drain ACK (into pages "
+                   "decode may have freed).", details)
+
+
+LAYER_PTRS = (1 << 20, 2 << 20)  # two layers of prefill KV (source pointers)
+DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
+
+
+@case(
+    must_preserve=False,
+    expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's write is "
+    "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write finished.",
+)
+def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
+    """#35049's groundwork (``_await_transfer_futures``): the transfer worker's failure branch decrements the
+    room's in-flight count and may send the drain ACK as soon as ``send_kvcache`` returns, so returning at the
+    first failed per-layer future lets decode free pages a sibling layer's write still lands on. Drives the
+    tree's real ``send_kvcache`` (its per-layer futures on a real thread pool) over a stand-in engine."""
+    import concurrent.futures
+
+    from probes.standins import PerLayerEngineStandIn
+
+    pin_runtime(ctx)
+    ctx.setenv(DEFERRED_ENV, "true")
+    module = sg("disaggregation.mooncake.conn")
+    cls = module.MooncakeKVManager
+    # 0.5.19+ check the unified-memory layout first; this rank does not use unified memory.
+    ctx.patch_if_present(module, "get_memory", lambda: SimpleNamespace(enable_unified_memory=False))
+    ledger = Ledger()
+    engine = PerLayerEngineStandIn(ledger, list(LAYER_PTRS), 64, {0: "fail", 1: "writing"})
+    mgr = object.__new__(cls)
+    mgr.__dict__.update(
+        kv_args=SimpleNamespace(
+            kv_data_ptrs=list(LAYER_PTRS), kv_item_lens=[64, 64], kv_layer_ids=None, mla_compression_ratios=None,
+            prefill_start_layer=0, prefill_end_layer=len(LAYER_PTRS), num_draft_entries=0, page_size=1,
+        ),
+        is_mla_backend=True,
+        is_hybrid_mla_backend=False,
+        attn_tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        enable_custom_mem_pool=True,  # the per-layer futures path
+        custom_mem_pool_type=None,
+        engine=engine,
+    )
+    mgr.enable_deferred_decode_kv_release = _flag(cls)
+    outcome: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            outcome["ret"] = mgr.send_kvcache(
+                "10.0.1.1:19000", _kv_indices(4), list(DECODE_LAYER_PTRS), _kv_indices(4), pool
+            )
+        except Exception as exc:  # noqa: BLE001 - reported, and judged a rig error below
+            outcome["raised"] = f"{type(exc).__name__}: {exc}"[:200]
+        ledger.record("send_returned", writes_running=engine.writes_running)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(LAYER_PTRS)) as pool:
+        caller = threading.Thread(target=send, daemon=True)
+        caller.start()
+        started = engine.sibling_writing.wait(10)
+        caller.join(2.0)  # an early return happens within milliseconds of the failure
+        returned_while_writing = not caller.is_alive()
+        engine.land()
+        caller.join(10)
+    if "raised" in outcome or not started or caller.is_alive():
+        raise RuntimeError(f"the per-layer send did not run as planned: {outcome or 'no return'}")
+    details = {
+        "deferred_release": bool(mgr.enable_deferred_decode_kv_release),
+        "returned": outcome.get("ret"),
+        "returned_while_a_write_ran": returned_while_writing,
+        "events": [{k: v for k, v in e.items() if k != "session"} for e in ledger.events],
+    }
+    if returned_while_writing:
+        return Outcome(UNSAFE, "send_kvcache reported the failed layer while another layer's write was still "
+                       "landing in decode's pages.", details)
+    if not outcome.get("ret"):
+        return Outcome(UNSAFE, "send_kvcache lost the failed layer's status (returned 0).", details)
+    return Outcome(SAFE, f"send_kvcache reported the failure ({outcome['ret']}) only after every per-layer write "
+                   "finished.", details)
+
+
+# ---------------------------------------------------------------------------
+# The drain-ACK registry as the manager's constructor sets it up (issue 14):
+# probes/manager_rig.py builds the tree's CommonKVManager through __init__.
+
+CONSTRUCTED_ROOM = 711
+
+
+def _constructed(ctx, *, counts_outstanding: bool):
+    from probes.manager_rig import ConstructedPrefillManager
+
+    return ConstructedPrefillManager(ctx, counts_outstanding=counts_outstanding)
+
+
+def _constructed_details(rig) -> dict[str, Any]:
+    return {
+        "constructor_started_threads": rig.threads_started,
+        "registered_to_bootstrap": rig.ledger.count("registered_to_bootstrap"),
+        "acks_to": rig.acks_to(),
+        "events": [{k: v for k, v in e.items() if k in ("kind", "endpoint", "writes_in_flight", "room")}
+                   for e in rig.ledger.events],
+    }
+
+
+@case(
+    must_preserve=False,
+    expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a chunk "
+    "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets its ACK "
+    "when it does (also when one rank's transfer info had not reached this prefill rank yet).",
+)
+def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
+    """#41402's fan-out on the registry ``CommonKVManager.__init__`` creates (the per-endpoint target dict): the
+    other cases fill that registry in by hand. The outstanding count stands for one queued chunk, as the transfer
+    worker counts it; its drain is the worker's decrement and ``_maybe_ack_drained_abort``. 0.5.21 also fans the
+    ACK out to the room's registered decode ranks, so the second run lets rank 1 ABORT before its transfer info
+    arrived (it is known to this rank only by its ABORT)."""
+    runs: dict[str, Any] = {}
+    for label, known in (("both_ranks_registered", DECODE_PEERS), ("rank_1_not_yet_registered", DECODE_PEERS[:1])):
+        rig = _constructed(ctx, counts_outstanding=True)
+        try:
+            mgr = rig.mgr
+            rig.open_room(CONSTRUCTED_ROOM, known)
+            mgr._staging_outstanding[CONSTRUCTED_ROOM] += 1  # one chunk queued for the room
+            for ip, port in DECODE_PEERS:
+                rig.abort_from(CONSTRUCTED_ROOM, ip, port)
+            held = rig.targets_of(CONSTRUCTED_ROOM)
+            early = list(rig.acks_to())
+            mgr._staging_outstanding[CONSTRUCTED_ROOM] -= 1  # the chunk drained
+            mgr._maybe_ack_drained_abort(CONSTRUCTED_ROOM)
+            details = _constructed_details(rig)
+            details.update(targets_held_while_outstanding=held, acks_before_drain=early)
+            runs[label] = details
+        finally:
+            rig.close()
+    peers = [f"{ip}:{port}" for ip, port in DECODE_PEERS]
+    problems = []
+    for label, details in runs.items():
+        missing = [p for p in peers if p not in details["acks_to"]]
+        if details["acks_before_drain"] or missing:
+            problems.append(f"{label}: held {details['targets_held_while_outstanding']}, ACKed before the drain "
+                            f"{details['acks_before_drain']}, never ACKed {missing}")
+    if not problems:
+        return Outcome(SAFE, "No ACK left before the chunk drained and each rank got its ACK when it did, with and "
+                       "without rank 1's transfer info.", runs)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", runs)
+
+
+@case(
+    must_preserve=False,
+    expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held ACK "
+    "targets, a later ABORT for it is neither held nor ACKed, and the room's next request clears the poison "
+    "(its ABORT is ACKed).",
+)
+def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outcome:
+    """0.5.22's failed-send rule (#41402 backport) on the poisoned-room set ``CommonKVManager.__init__`` creates:
+    ``poison_deferred_ack_room`` is what the transfer worker calls after a send that may still be writing."""
+    from probes.manager_rig import registry_class
+
+    if not hasattr(registry_class(), "poison_deferred_ack_room"):
+        raise NotApplicable(
+            "no failed-send rule in this release (no poisoned rooms): failed_send_withholds_ack_while_writes_in_flight "
+            "judges what a failed send does to the drain ACK here"
+        )
+    rig = _constructed(ctx, counts_outstanding=True)
+    try:
+        mgr = rig.mgr
+        first, second = (f"{ip}:{port}" for ip, port in DECODE_PEERS)
+        rig.open_room(CONSTRUCTED_ROOM, DECODE_PEERS)
+        mgr._staging_outstanding[CONSTRUCTED_ROOM] += 1  # one chunk queued for the room
+        rig.abort_from(CONSTRUCTED_ROOM, *DECODE_PEERS[0])
+        held_before = rig.targets_of(CONSTRUCTED_ROOM)
+        mgr.poison_deferred_ack_room(CONSTRUCTED_ROOM)  # the chunk's send failed, its write may still run
+        held_after_poison = rig.targets_of(CONSTRUCTED_ROOM)
+        rig.abort_from(CONSTRUCTED_ROOM, *DECODE_PEERS[1])  # the other rank's ABORT, after the failure
+        held_after_late = rig.targets_of(CONSTRUCTED_ROOM)
+        mgr._staging_outstanding[CONSTRUCTED_ROOM] -= 1  # the worker gave up on the chunk
+        mgr._maybe_ack_drained_abort(CONSTRUCTED_ROOM)
+        rig.clear_sender(CONSTRUCTED_ROOM)
+        acks_while_poisoned = list(rig.acks_to())
+        # The room's next request (bootstrap rooms are reused) opens it again.
+        rig.open_room(CONSTRUCTED_ROOM, DECODE_PEERS)
+        rig.abort_from(CONSTRUCTED_ROOM, *DECODE_PEERS[0])
+        acks_after_reopen = rig.acks_to()[len(acks_while_poisoned):]
+        details = _constructed_details(rig)
+        details.update(
+            targets_before_poison=held_before, targets_after_poison=held_after_poison,
+            targets_after_late_abort=held_after_late, acks_while_poisoned=acks_while_poisoned,
+            acks_after_reopen=acks_after_reopen,
+        )
+    finally:
+        rig.close()
+    problems = []
+    if held_before != [first]:
+        problems.append(f"the first ABORT was not held ({held_before})")
+    if held_after_poison or held_after_late:
+        problems.append(f"the poisoned room still held targets ({held_after_poison or held_after_late})")
+    if acks_while_poisoned:
+        problems.append(f"ACKs sent for the poisoned room: {acks_while_poisoned}")
+    if first not in acks_after_reopen:
+        problems.append(f"the reopened room's ABORT was not ACKed to {first} (ACKs: {acks_after_reopen})")
+    if not problems:
+        return Outcome(SAFE, f"The poison dropped {first}'s target, {second}'s late ABORT was neither held nor "
+                       "ACKed, and the room's next request was ACKed again.", details)
+    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+
+
+@case(
+    must_preserve=False,
+    expect="On a prefill manager built by its constructor (no transfer backend's write count added), clearing an "
+    "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where the "
+    "manager counts outstanding writes and the count shows the room drained.",
+)
+def cleared_sender_drops_target_without_drain_accounting(ctx) -> Outcome:
+    """#40645's ``CommonKVSender.clear``: a manager without ``_staging_outstanding`` cannot tell when a room
+    drained, so clear() drops the target rather than ACK (no shipped backend registers targets without the
+    count, but the common API allows it). From 0.5.22 ``CommonKVManager.__init__`` sets the count up itself, so
+    clear() ACKs the quiescent room instead; both leave nothing behind."""
+    from sglang.srt.disaggregation.base import KVPoll
+
+    rig = _constructed(ctx, counts_outstanding=False)
+    try:
+        counted = rig.constructor_counts_outstanding
+        mgr = rig.mgr
+        rig.open_room(CONSTRUCTED_ROOM, DECODE_PEERS)
+        mgr.update_status(CONSTRUCTED_ROOM, KVPoll.Failed)
+        # The ABORT handler holds the target; a manager without the count has nothing to ACK on.
+        mgr.register_deferred_ack_target(CONSTRUCTED_ROOM, *rig.ack_target_args(*DECODE_PEERS[0]))
+        held = rig.targets_of(CONSTRUCTED_ROOM)
+        rig.clear_sender(CONSTRUCTED_ROOM)
+        left = rig.targets_of(CONSTRUCTED_ROOM)
+        details = _constructed_details(rig)
+        details.update(manager_counts_outstanding=counted, targets_before_clear=held, targets_after_clear=left)
+    finally:
+        rig.close()
+    if not held:
+        raise RuntimeError("the ACK target was not registered as planned")
+    unproven_acks = [] if counted else details["acks_to"]
+    if not left and not unproven_acks:
+        how = f"ACKed {details['acks_to']} on a drained count" if counted else "sent no ACK (no count to prove a drain)"
+        return Outcome(SAFE, f"clear() dropped the held target ({held[0]}) and {how}.", details)
+    return Outcome(UNSAFE, f"After clear() the room still holds {left}; ACKs without a drain count: {unproven_acks}.",
+                   details)

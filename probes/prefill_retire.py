@@ -21,7 +21,9 @@ radix cache (RecordingTreeCache plus recorders for the module's
 ``maybe_cache_unfinished_req``/``checkpoint_kv_cache``), ``send_kv_chunk``
 (which would gather GPU page indices), the output streamer, and a grammar
 object that rejects the sampled token. ``grammar_rejected_result_sends_no_kv``
-is not applicable where the final-result path never asks a grammar.
+is not applicable where the final-result path never asks a grammar;
+``pending_bootstrap_middle_chunk_requeued`` before 0.5.13 (no optimistic
+prefill).
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcom
 
 @case(
     must_preserve=False,
-    expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, release_kv_cache without insert once, abort streamed once.",
+    expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, its HiCache storage state released once, release_kv_cache without insert once, abort streamed once.",
 )
 def final_aborted_result_retired(ctx) -> Outcome:
     """#36988 final result: an aborted request (here the incident's intake
@@ -156,6 +158,9 @@ def final_aborted_result_retired(ctx) -> Outcome:
     not cached or sent; sender aborted, metadata freed, KV released once with
     no insert, abort streamed once."""
     rig = RetireRig(ctx)
+    # HiCache storage on: the request's storage-side state (a prefetch started for it) is the cache's
+    # until told the request is gone (`release_aborted_request`; `finish(..., ABORT)` from 0.5.20).
+    rig.shell.enable_hicache_storage = True
     req = rig.prefilled_req("aborted-final", 64, room=301)
     if has_method("managers.scheduler.Scheduler", "clear_pending_chunk_send"):
         # Releases that track sent-but-unconcluded chunks (0.5.18+) must drop it.
@@ -163,12 +168,17 @@ def final_aborted_result_retired(ctx) -> Outcome:
     reject_at_intake(req, "Input length exceeds the maximum allowed length.")
     rig.deliver_result([req])
     obs = rig.observe(req)
+    obs["hicache_storage_releases"] = rig.ledger.count("tree_release_aborted", rid=req.rid) + rig.ledger.count(
+        "tree_finish", outcome="ABORT"
+    )
     problems = _retired_once(obs)
     if not obs["sender_aborted"]:
         problems.append("sender not aborted")
+    if obs["hicache_storage_releases"] != 1:
+        problems.append(f"HiCache storage state released {obs['hicache_storage_releases']} time(s), not once")
     return _verdict(
         problems,
-        "Retired once: no cache, no send, metadata freed, KV released without insert, abort streamed once.",
+        "Retired once: no cache, no send, metadata freed, HiCache storage state released, KV released without insert, abort streamed once.",
         obs,
     )
 
@@ -264,6 +274,31 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
     return Outcome(UNSAFE, "Chunked abort mishandled: " + "; ".join(problems) + ".", details)
 
 
+@case(
+    must_preserve=False,
+    expect="An aborted request's middle-chunk result, with no later chunk of it launched, retires the request once: no KV chunk sent, not requeued, metadata buffer freed, KV released without insert once, abort streamed once.",
+)
+def aborted_middle_chunk_without_later_chunk_retired(ctx) -> Outcome:
+    """#36988 chunked prefill: the request was aborted while a middle chunk ran and no later chunk of it
+    was launched (it is no longer the scheduler's ``chunked_req``), so this middle result is its last
+    in-flight result: it retires the request, or nothing ever releases its pages and metadata buffer."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    rig = RetireRig(ctx)
+    req = rig.prefilled_req("aborted-last-middle", 64, room=307)
+    # The in-flight chunk counter: is_chunked up to 0.5.12.post1.
+    setattr(req, "inflight_middle_chunks" if hasattr(req, "inflight_middle_chunks") else "is_chunked", 1)
+    rig.shell.chunked_req = None  # no later chunk was launched
+    req.to_finish = FINISH_ABORT("Client disconnected.")
+    rig.deliver_result([req])
+    obs = rig.observe(req)
+    obs["requeued"] = any(r is req for r in rig.shell.waiting_queue)
+    problems = _retired_once(obs)
+    if obs["requeued"]:
+        problems.append("requeued as an optimistic retry")
+    return _verdict(problems, "The last in-flight middle result retired the request once.", obs)
+
+
 class _RejectingGrammar:
     """Stands for a constrained-decoding grammar object that rejects the
     sampled token (``accept_token`` raises ``ValueError``, as the grammar
@@ -333,3 +368,41 @@ def valid_finished_request_sends_kv(ctx) -> Outcome:
     if ok:
         return Outcome(SAFE, "The valid request was cached, queued and sent its 64-token last chunk.", obs)
     return Outcome(UNSAFE, "The valid request did not take the normal transfer path.", obs)
+
+
+@case(
+    must_preserve=True,
+    expect="A valid request whose optimistic bootstrap is still pending, whose middle-chunk result comes back with no later chunk launched, is released and requeued for a retry: no KV chunk sent, nothing retired or streamed.",
+)
+def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
+    """Must-preserve (optimistic prefill, 0.5.13+): #36988 moves the abort check ahead of the optimistic
+    retry on the middle-chunk path; a request that is not aborted still takes the retry
+    (``optimistic_release_and_requeue``)."""
+    if not has_method("managers.scheduler.Scheduler", "optimistic_release_and_requeue"):
+        raise NotApplicable("no optimistic prefill in this release (before 0.5.13): no bootstrap can be pending")
+    from types import SimpleNamespace
+
+    rig = RetireRig(ctx)
+    rig.shell.disagg_prefill_bootstrap_queue = SimpleNamespace(queue=[])  # where an exhausted retry goes
+    rig.shell.server_args.optimistic_prefill_retries = 0  # 0.5.13 - 0.5.15.post1 read the limit here
+    req = rig.prefilled_req("pending-bootstrap", 64, room=308)
+    req.pending_bootstrap = True  # bootstrap with decode not finished yet
+    setattr(req, "inflight_middle_chunks" if hasattr(req, "inflight_middle_chunks") else "is_chunked", 1)
+    rig.shell.chunked_req = None  # the retry starts over, so no later chunk was launched
+    rig.deliver_result([req])
+    obs = rig.observe(req)
+    obs["requeued"] = any(r is req for r in rig.shell.waiting_queue) or any(
+        r is req for r in rig.shell.disagg_prefill_bootstrap_queue.queue
+    )
+    obs["pending_bootstrap"] = bool(req.pending_bootstrap)
+    ok = (
+        obs["requeued"]
+        and obs["pending_bootstrap"]
+        and not obs["send_kv_chunk_calls"]
+        and not obs["streamed"]
+        and not obs["sender_aborted"]
+        and obs["finished_reason"] is None
+    )
+    if ok:
+        return Outcome(SAFE, "The pending-bootstrap request was released and requeued for its retry; nothing retired.", obs)
+    return Outcome(UNSAFE, "The pending-bootstrap middle result did not take the optimistic retry.", obs)

@@ -108,6 +108,15 @@ class ParallelStandIn(SimpleNamespace):
         )
 
 
+class PipelineGroupStandIn(SimpleNamespace):
+    """Stands for ``get_pp_group()``: the pipeline-parallel group of a single
+    stage (no torch.distributed process group behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__(rank_in_group=0, world_size=1, is_first_rank=True, is_last_rank=True,
+                         cpu_group=None, device_group=None)
+
+
 def release_disagg_defaults() -> SimpleNamespace:
     """Stands for ``get_disagg()``: this release's own defaults of the
     disaggregation settings (the ``Disagg`` config struct from 0.5.20, the
@@ -791,3 +800,51 @@ class DecodePeerWire:
             )
         else:
             self.ledger.record("status_to_decode", endpoint=str(endpoint))
+
+
+class PerLayerEngineStandIn:
+    """Stands for the Mooncake transfer engine under the per-layer send path
+    (``batch_transfer_sync``, one call per layer when a custom memory pool
+    splits a chunk's writes into per-layer futures). Each source layer's write
+    follows the probe's ``plan`` (layer index -> mode):
+
+    - ``writing``: the write starts and keeps landing in decode's pages until
+      the probe calls ``land()``; then it returns 0;
+    - ``fail``: once a ``writing`` sibling has started, the call fails at once
+      (returns -1), as a write to a dead peer does.
+
+    A layer's index is its source pointer's position in ``src_ptrs``.
+    """
+
+    def __init__(self, ledger: Ledger, src_ptrs: list[int], item_len: int, plan: dict[int, str]) -> None:
+        import threading
+
+        self.ledger = ledger
+        self.src_ptrs, self.item_len, self.plan = list(src_ptrs), item_len, dict(plan)
+        self.sibling_writing = threading.Event()
+        self.landed = threading.Event()
+        self.writes_running = 0
+        self._lock = threading.Lock()
+
+    def _layer(self, src_addr: int) -> int:
+        return max(i for i, ptr in enumerate(self.src_ptrs) if src_addr >= ptr)
+
+    def batch_transfer_sync(self, session_id, src_addrs, dst_addrs, lengths) -> int:
+        layer = self._layer(int(src_addrs[0]))
+        mode = self.plan.get(layer, "writing")
+        if mode == "fail":
+            self.sibling_writing.wait(10)
+            self.ledger.record("layer_write_failed", layer=layer)
+            return -1
+        with self._lock:
+            self.writes_running += 1
+        self.ledger.record("layer_write_started", layer=layer)
+        self.sibling_writing.set()
+        self.landed.wait(10)
+        with self._lock:
+            self.writes_running -= 1
+        self.ledger.record("layer_write_landed", layer=layer)
+        return 0
+
+    def land(self) -> None:
+        self.landed.set()

@@ -474,3 +474,29 @@ def test_audit_python_exe_finds_its_sglang_and_says_where_probes_ran(
     else:
         assert "cannot import torch" in harness and "alone on the path" in harness
     assert gate(document, 1)["verdict"] == UNKNOWN and code == 0
+
+
+def test_audit_names_a_wheel_exported_by_the_toolkit(tmp_path, monkeypatch):
+    """`--python EXE` whose sglang is an exported wheel: the audit says so, and whether the package
+    installed is still the tree the wheel's record names (measured, not taken from the record)."""
+    import json
+    import sys
+
+    from backport.audit.code import exported_wheel
+    from backport.tree import tree_digest
+    from tests.synthetic import write_tree
+
+    site = write_tree(tmp_path / "site", "9.9.7")
+    info = site / "sglang-9.9.7+backport.5.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.7+backport.5\n")
+    (info / "sglang_backport.json").write_text(json.dumps({"spec": "sglang==9.9.7", "tree_digest": tree_digest(site),
+                                                           "patch_set_sha256": "cd" * 32}))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    found = exported_wheel(sys.executable, site)["exported_wheel"]
+    assert found == {"version": "9.9.7+backport.5", "spec": "sglang==9.9.7", "patch_set_sha256": "cd" * 32,
+                     "tree_digest_matches": True}
+    (site / "sglang" / "__init__.py").write_text("# edited in place\n")
+    assert exported_wheel(sys.executable, site)["exported_wheel"]["tree_digest_matches"] is False
+    (info / "sglang_backport.json").unlink()
+    assert exported_wheel(sys.executable, site) == {}

@@ -21,6 +21,7 @@ import pytest
 from backport import cli, evidence
 from backport.errors import BadInput, Finding
 from backport.evidence import TreeInput
+from backport.evidence.artifacts import TREE_DIGEST_METHOD
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
@@ -62,6 +63,35 @@ def probe_doc(root: Path, role_index: int, cases, *, import_seconds=8.5, link: P
                        link=f"{link}/admission.py")
                   for p, n, mp, *verdicts in cases],
     }
+
+
+PREFILL, UTILS = "sglang/srt/disaggregation/prefill.py", "sglang/srt/disaggregation/utils.py"
+# Per fix, the added lines upstream's tests ran on the patched tree (upstream-tests.json records them).
+UPSTREAM_RAN = {"pr36988": [f"{PREFILL}:710", f"{PREFILL}:712"], "pr38935": []}
+
+
+def fixture_coverage() -> dict:
+    """The coverage section a run with upstream's tests under coverage writes (job/coverage.py)."""
+    from backport.evidence.coverage import totals
+
+    patches = [
+        {"fix": "pr36988", "variant": "pr36988-0.5.19.patch", "added": 5, "executed_by_probes": 3,
+         "executed_by_upstream_tests": 2, "executed_only_by_upstream_tests": [f"{PREFILL}:712"],
+         "excluded": [], "not_executed": [f"{PREFILL}:715"]},
+        {"fix": "pr38935", "variant": "pr38935-0.5.19.patch", "added": 2, "executed_by_probes": 2,
+         "executed_by_upstream_tests": 0, "executed_only_by_upstream_tests": [],
+         "excluded": [{"line": f"{UTILS}:14", "reason": "a transport library no CPU runs"}], "not_executed": []},
+    ]
+    functions = [
+        {"fix": "pr36988", "file": PREFILL, "function": "PrefillMixin.process_batch_result_disagg_prefill",
+         "first_line": 690, "last_line": 760, "lines": 40, "executed_by_unsafe_cases": 12,
+         "unsafe_cases": ["admission/rejected_request_not_enqueued_prefill"]},
+        {"fix": "pr38935", "file": UTILS, "function": "admit", "first_line": 10, "last_line": 13, "lines": 3,
+         "executed_by_unsafe_cases": 0, "unsafe_cases": []},
+    ]
+    return {"measured": True, "patches": patches, "totals": totals(patches), "min_percent": None,
+            "upstream_tests": {"measured": True, "reason": None}, "pristine_functions": functions,
+            "pristine_reason": None}
 
 
 def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+00:00",
@@ -106,6 +136,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
              "reason": f"AssertionError in {pristine}/sglang/x.py" if role == "pristine" else None}]}
             for role in trees],
     }
+    upstream["trees"][1]["added_lines_executed"] = UPSTREAM_RAN
     patches = [{"fix": p["fix"], "variant": p["variant"], "path": f"{p['fix']}/{p['variant']}",
                 "sha256": p["variant_sha256"], "status": p["status"]} for p in apply_report["patches"]]
     timestamps = {"started": started, "finished": started, "duration_seconds": 61.5,
@@ -123,7 +154,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         environment=environment, toolkit={"name": "sglang-backport", "version": "0.1.0", "git_commit": None,
                                           "git_dirty": None},
         timestamps=timestamps, reference_choice="default",
-        extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")])
+        extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")], coverage=fixture_coverage())
 
 
 @pytest.fixture
@@ -245,11 +276,16 @@ def test_receipt_is_an_in_toto_statement_and_validates(bundle_dir):
     _validate(statement)
     assert statement["_type"] == "https://in-toto.io/Statement/v1"
     assert statement["predicateType"] == "https://sglang-backport.dev/receipt/v1"
-    names = [s["name"] for s in statement["subject"]]
-    assert names == sorted(set(_files(bundle_dir)) - {"receipt.json", "SHA256SUMS"})
-    for subject in statement["subject"]:
-        assert evidence.sha256_file(bundle_dir / subject["name"]) == subject["digest"]["sha256"]
     p = statement["predicate"]
+    # The subject is the artifact: the patched tree by its digest (no export in this run) ...
+    assert statement["subject"] == [{"name": "patched-tree/sglang",
+                                     "digest": {"sha256": p["inputs"]["trees"]["patched"]["tree_digest"]},
+                                     "annotations": {"version": "0.5.19", "digest_of": TREE_DIGEST_METHOD}}]
+    assert p["export"] is None
+    # ... and every bundle file is listed, with its digest, in predicate.files.
+    assert sorted(p["files"]) == sorted(set(_files(bundle_dir)) - {"receipt.json", "SHA256SUMS"})
+    for name, digest in p["files"].items():
+        assert evidence.sha256_file(bundle_dir / name) == digest
     assert p["inputs"]["patches"][0] == {"fix": "pr36988", "variant": "pr36988-0.5.19.patch",
                                          "path": "pr36988/pr36988-0.5.19.patch", "sha256": D[6],
                                          "status": "applied"}
@@ -591,7 +627,9 @@ TAMPER_CASES = [
                                         "`pr38935/pr38935-0.5.19.patch` | already-present |"), [REPORT]),
     ("patch-commit-apply-report", APPLY, _set("patches[0].commit", C[9]), [APPLY, RECEIPT]),
     # tree digests
-    ("tree-digest-receipt", RECEIPT, _set(P + "inputs.trees.patched.tree_digest", D[9]), [REPORT, RECEIPT]),
+    # the patched tree's digest is also the receipt's subject: an edit of one copy is the receipt's own
+    ("tree-digest-receipt", RECEIPT, _set(P + "inputs.trees.patched.tree_digest", D[9]), [RECEIPT]),
+    ("tree-digest-subject", RECEIPT, _set("subject[0].digest.sha256", D[9]), [RECEIPT]),
     ("tree-digest-report-md", REPORT, (f"`{D[4]}`", f"`{D[9]}`"), [REPORT, RECEIPT]),
     ("reference-digest-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.reference.tree_digest", D[9]),
      [RECEIPT]),
@@ -635,6 +673,34 @@ TAMPER_CASES = [
     ("upstream-outcome-report-md", REPORT, ("| failed | passed | passed |", "| passed | passed | passed |"),
      [REPORT]),
     ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM, RECEIPT]),
+    # upstream test pins (null: unpinned)
+    ("upstream-pin-file", UPSTREAM, _set("files[0].pin", D[8]), [UPSTREAM]),
+    ("upstream-pin-receipt", RECEIPT, _restated(upstream=_set("files.0.pin", D[8])), [RECEIPT]),
+    ("upstream-pin-report-md", REPORT, ("`, unpinned).", "`, pinned)."), [REPORT]),
+    # coverage: lines upstream's tests ran (the receipt's counts against upstream-tests.json's lines)
+    ("coverage-upstream-count-receipt", RECEIPT, _set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
+     [RECEIPT]),
+    ("coverage-upstream-count-and-totals-receipt", RECEIPT,
+     _both(_set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
+           _set(P + "coverage.totals.executed_by_upstream_tests", 3)), [RECEIPT]),
+    ("coverage-upstream-not-measured-receipt", RECEIPT,
+     _set(P + "coverage.patches[1].executed_by_upstream_tests", None), [RECEIPT]),
+    ("coverage-not-executed-moved-receipt", RECEIPT,
+     _both(_set(P + "coverage.patches[0].not_executed", []),
+           _set(P + "coverage.patches[0].executed_only_by_upstream_tests", [f"{PREFILL}:712", f"{PREFILL}:715"]),
+           _set(P + "coverage.totals.executed_only_by_upstream_tests", 2),
+           _set(P + "coverage.totals.not_executed", 0)), [RECEIPT]),
+    ("coverage-upstream-lines-receipt", RECEIPT,
+     _set(P + "upstream_tests.trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]), [RECEIPT]),
+    ("coverage-upstream-lines-file", UPSTREAM, _set("trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
+     [UPSTREAM, RECEIPT]),
+    ("coverage-upstream-count-report-md", REPORT, ("| 2 (only by them:", "| 3 (only by them:"), [REPORT]),
+    # coverage: the pristine functions' lines the unsafe cases ran
+    ("pristine-function-case-receipt", RECEIPT,
+     _set(P + "coverage.pristine_functions[0].unsafe_cases", ["admission/valid_request_admitted"]), [RECEIPT]),
+    ("pristine-function-count-receipt", RECEIPT, _set(P + "coverage.pristine_functions[1].executed_by_unsafe_cases", 4),
+     [RECEIPT]),
+    ("pristine-function-report-md", REPORT, ("| 40 | 12 |", "| 40 | 13 |"), [REPORT]),
     # the environment the probes ran in
     ("torch-probe-file", PRISTINE, _set("torch", "2.14.0+cpu"), [PRISTINE]),
     ("torch-receipt", RECEIPT, _set(P + "environment.torch", "2.14.0+cpu"), [RECEIPT]),
@@ -653,7 +719,7 @@ TAMPER_CASES = [
 
 
 def _tamper(bundle: Path, name: str, edit, *, careful: bool = True) -> None:
-    """Edit one file, then make every digest agree again: the receipt's subject (and, when
+    """Edit one file, then make every digest agree again: the receipt's predicate.files (and, when
     `careful`, the digest the predicate records beside its copy) and SHA256SUMS."""
     statement = _receipt(bundle)
     if name == RECEIPT:
@@ -670,10 +736,8 @@ def _tamper(bundle: Path, name: str, edit, *, careful: bool = True) -> None:
             edit(document)
             path.write_bytes(evidence.canonical_json(document))
         digest = evidence.sha256_file(path)
-        for subject in statement["subject"]:
-            if subject["name"] == name:
-                subject["digest"]["sha256"] = digest
         p = statement["predicate"]
+        p["files"][name] = digest
         recorded = p["upstream_tests"] if name == UPSTREAM else p["probes"].get(name[7:-5]) \
             if name.startswith("probes/") else None
         if careful and recorded is not None:
@@ -710,9 +774,7 @@ def test_a_file_rewritten_in_another_json_form_is_named(bundle_dir):
     path = bundle_dir / APPLY
     path.write_text(json.dumps(json.loads(path.read_text())))
     statement = _receipt(bundle_dir)
-    for subject in statement["subject"]:
-        if subject["name"] == APPLY:
-            subject["digest"]["sha256"] = evidence.sha256_file(path)
+    statement["predicate"]["files"][APPLY] = evidence.sha256_file(path)
     _reseal(bundle_dir, statement)
     result = evidence.verify(bundle_dir)
     assert [(p.file, p.kind) for p in result.problems] == [(APPLY, "inconsistent")]

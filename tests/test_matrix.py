@@ -133,7 +133,7 @@ def test_patched_release(version, matrix_doc, patched_tree):
 
 @pytest.mark.probe_env
 @pytest.mark.network
-@pytest.mark.parametrize("version", [v for v in ("0.5.19", "0.5.20") if v in MEASURED])
+@pytest.mark.parametrize("version", [v for v in ("0.5.17", "0.5.18", "0.5.19", "0.5.20") if v in MEASURED])
 def test_patched_tree_warns_when_deferral_is_asked_of_an_incapable_backend(version, matrix_doc):
     """Lifetime finding 3: the pack logs a warning naming the variable where upstream releases silently."""
     doc = matrix_doc(version, "patched")

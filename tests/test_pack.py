@@ -295,7 +295,8 @@ def test_whole_pack_on_release(version, patched_tree):
         if pack.fixes[patch.fix].is_vendor:  # the pack's own fix: no upstream PR to name
             assert f"Vendor-Fix: {patch.fix}" in commit.message and "Backport-Of:" not in commit.message
         else:
-            assert f"Backport-Of: sgl-project/sglang#{patch.fix[2:]}" in commit.message
+            # the PR, not the fix id: #35049's groundwork parts share its PR
+            assert f"Backport-Of: sgl-project/sglang#{pack.fixes[patch.fix].pr}" in commit.message
             assert "Upstream-Commit:" in commit.message
         assert f"Backport-Variant: {patch.variant}" in commit.message
     assert not repo.is_dirty(untracked_files=True)

@@ -13,6 +13,8 @@ pytestmark = pytest.mark.probe_env
 
 FAILED_SEND = "failed_send_withholds_ack_while_writes_in_flight"
 MUST_PRESERVE = ("successful_transfer_untouched", "without_capability_keeps_immediate_ack")
+LATE_BOOTSTRAP = "aborted_room_stays_failed_on_late_bootstrap"
+PER_LAYER = "per_layer_send_reports_failure_after_every_write"  # needs no drain accounting: runs on 0.5.18
 
 _RUNS: dict[tuple[str, str], dict[str, dict]] = {}
 
@@ -75,6 +77,75 @@ def test_must_preserve_cases_hold_everywhere(drain):
 
 
 def test_release_without_drain_accounting_is_not_applicable(drain):
-    cases = drain("0.5.18", "pristine")
+    cases = {name: c for name, c in drain("0.5.18", "pristine").items() if name != PER_LAYER}
     assert set(verdicts(cases).values()) == {"not-applicable"}, verdicts(cases)
     assert all("no #35049" in c["details"]["reason"] for c in cases.values())
+
+
+def test_late_bootstrap_un_fails_an_aborted_room_until_patched(drain):
+    """Failed was not terminal on 0.5.19 (update_status took the max): a decode rank registering after another
+    rank's ABORT lifted the room to WaitingForInput and its chunk was written after the drain ACK. The pack
+    carries 0.5.20's rule (pr41402); the reference keeps the room Failed."""
+    pristine = drain("0.5.19", "pristine")[LATE_BOOTSTRAP]
+    assert pristine["verdict"] == "unsafe", pristine
+    assert pristine["details"]["status_after_late_info"] == "WaitingForInput"
+    assert pristine["details"]["writes_after_drain_ack"] > 0
+    for version, kind in (("0.5.19", "patched"), ("0.5.22", "pristine")):
+        case = drain(version, kind)[LATE_BOOTSTRAP]
+        assert case["verdict"] == "safe", (version, kind, case)
+        assert case["details"]["status_after_late_info"] == "Failed"
+        assert case["details"]["chunks_queued"] == 0 and case["details"]["writes_after_drain_ack"] == 0
+        assert sum(case["details"]["acks_per_peer"].values()) == 1  # the ABORTing rank did get its ACK
+
+
+def test_per_layer_send_waits_for_every_write_from_0_5_19(drain):
+    """The real send_kvcache's per-layer futures: 0.5.18 reports the failed layer while a sibling still writes;
+    0.5.19 (and the reference) only once every write landed."""
+    early = drain("0.5.18", "pristine")[PER_LAYER]
+    assert early["verdict"] == "unsafe" and early["details"]["returned_while_a_write_ran"], early
+    for version, kind in (("0.5.19", "pristine"), ("0.5.22", "pristine")):
+        case = drain(version, kind)[PER_LAYER]
+        assert case["verdict"] == "safe", (version, kind, case)
+        assert case["details"]["returned"] == -1
+        landed = [e["kind"] for e in case["details"]["events"]]
+        assert landed.index("layer_write_landed") < landed.index("send_returned"), landed
+
+
+CONSTRUCTED = (
+    "constructed_manager_holds_an_ack_per_aborting_peer",
+    "constructed_manager_poisoned_room_withholds_ack_until_reopened",
+    "cleared_sender_drops_target_without_drain_accounting",
+)
+
+
+def test_constructed_manager_registry_pristine_patched_reference(drain):
+    """Issue 14: the drain-ACK registry as CommonKVManager.__init__ sets it up (a real ZMQ socket on localhost;
+    the bootstrap sync, registration and PP group stood in for). Pristine 0.5.19 holds one target per room (the
+    first ABORTing rank never gets its ACK) and has no poisoned rooms; the patched tree and the reference hold
+    one per endpoint and keep a poisoned room silent until its next request."""
+    held, poisoned, cleared = CONSTRUCTED
+    pristine = drain("0.5.19", "pristine")
+    assert pristine[held]["verdict"] == "unsafe", pristine[held]
+    for run in pristine[held]["details"].values():
+        assert run["targets_held_while_outstanding"] == ["10.0.1.2:17101"]  # the last ABORT replaced the first
+    assert pristine[poisoned]["verdict"] == "not-applicable"
+    assert pristine[cleared]["verdict"] == "safe"
+    for version, kind in (("0.5.19", "patched"), ("0.5.22", "pristine")):
+        cases = drain(version, kind)
+        assert [cases[n]["verdict"] for n in CONSTRUCTED] == ["safe"] * 3, (version, kind)
+        built = [*cases[held]["details"].values(), cases[poisoned]["details"], cases[cleared]["details"]]
+        for details in built:
+            # the constructor ran for real: it registered (stand-in) and started no thread
+            assert details["registered_to_bootstrap"] == 1 and details["constructor_started_threads"] == 0
+        for run in cases[held]["details"].values():
+            assert run["acks_before_drain"] == []
+            assert sorted(run["acks_to"]) == ["10.0.1.1:17100", "10.0.1.2:17101"]
+        assert cases[poisoned]["details"]["targets_after_poison"] == []
+        assert cases[poisoned]["details"]["acks_while_poisoned"] == []
+        assert cases[cleared]["details"]["targets_after_clear"] == []
+    # 0.5.19's patched manager counts nothing itself: clear() drops the target without an ACK (#40645's branch);
+    # 0.5.22's constructor sets the count up, so clear() ACKs the quiescent room.
+    patched_clear = drain("0.5.19", "patched")[cleared]["details"]
+    assert not patched_clear["manager_counts_outstanding"] and patched_clear["acks_to"] == []
+    reference_clear = drain("0.5.22", "pristine")[cleared]["details"]
+    assert reference_clear["manager_counts_outstanding"] and reference_clear["acks_to"] == ["10.0.1.1:17100"]

@@ -70,6 +70,23 @@ def test_probes_never_import_the_toolkit():
         assert not re.search(r"^\s*(from|import)\s+backport\b", path.read_text(), re.MULTILINE), path
 
 
+def test_nixl_agent_stand_in_follows_its_plan():
+    """The NIXL agent stand-in (prefill_drain's NIXL case): ERR and DONE handles are settled, a running
+    sibling counts as in flight until the probe settles it, and every posted write is recorded."""
+    from probes.nixl_rig import NixlAgentStandIn
+    from probes.standins import Ledger
+
+    ledger = Ledger()
+    agent = NixlAgentStandIn(ledger, ["err", "running"])
+    failed, sibling, third = agent.post("kv"), agent.post("kv"), agent.post("aux")
+    assert [agent.check_xfer_state(h) for h in (failed, sibling, third)] == ["ERR", "PROC", "DONE"]
+    assert agent.in_flight == 1
+    agent.settle()
+    assert agent.check_xfer_state(sibling) == "DONE" and agent.in_flight == 0
+    assert [e["mode"] for e in ledger.of("write_posted")] == ["err", "running", "done"]
+    assert ledger.of("writes_settled") == [{"kind": "writes_settled", "count": 1}]
+
+
 # ---- real trees ----------------------------------------------------------------------------------
 
 @pytest.mark.probe_env

@@ -8,6 +8,7 @@ the working directory, so nothing of the checkout is on the path.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,57 @@ def test_the_installed_toolkit_finds_its_data_and_runs(installed, tmp_path):
     (bundle / "REPORT.md").write_text("edited\n")
     refused = _run([cli, "verify", str(bundle)], cwd=tmp_path, **cache)
     assert refused.returncode == 1 and "REPORT.md" in refused.stdout + refused.stderr
+
+
+@pytest.mark.network
+@pytest.mark.probe_env
+def test_run_export_from_the_installed_toolkit_deploys_and_verifies(installed, probe_python, tmp_path):
+    """The issue's whole path: from the installed toolkit, `run sglang==0.5.19 --export` writes a bundle
+    holding the patched wheel and the series; the wheel installs with `pip install --no-deps` into a
+    fresh environment, whose package the probes then judge (every incident case safe) and `status
+    installed` recognises; `sign` then `verify --key` pass, and an edited byte of the wheel fails."""
+    cli = str(installed / "sglang-backport")
+    cache = {"SGLANG_BACKPORT_CACHE": str(WORKSPACE_CACHE)}
+    bundle = tmp_path / "bundle"
+    ran = _run([cli, "run", "sglang==0.5.19", "--export", "--python", probe_python, "--no-upstream-tests",
+                "--out", str(bundle)], cwd=tmp_path, **cache)
+    assert ran.returncode == 0, ran.stderr[-2000:] + ran.stdout[-2000:]
+    assert "exported: " in ran.stdout
+    (wheel,) = (bundle / "export").glob("sglang-0.5.19+backport.*.whl")
+    assert len(list((bundle / "export" / "patches").glob("*.patch"))) > 0
+
+    # A fresh environment for the deployment: the probe environment's third-party packages (torch and
+    # SGLang's dependencies, without sglang) through a .pth file, and the exported wheel, --no-deps.
+    deploy = tmp_path / "deploy"
+    assert _run([sys.executable, "-m", "venv", str(deploy)], cwd=tmp_path).returncode == 0
+    (site,) = (deploy / "lib").glob("python3.*/site-packages")
+    (probe_site,) = (Path(probe_python).parent.parent / "lib").glob("python3.*/site-packages")
+    (site / "probe_env_packages.pth").write_text(f"{probe_site}\n")
+    python = str(deploy / "bin" / "python")
+    pip = _run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=tmp_path)
+    assert pip.returncode == 0, pip.stderr
+
+    probed = _run([cli, "probe", str(site), "--python", python, "--json"], cwd=tmp_path, **cache)
+    assert probed.returncode in (0, 1), probed.stderr[-2000:]
+    (doc,) = json.loads(probed.stdout)["trees"]
+    incident = [c for c in doc["cases"] if c["probe"] in ("admission", "prefill_retire", "handoff")]
+    assert incident and all(c["verdict"] == "safe" for c in incident), [
+        (c["probe"], c["case"], c["verdict"]) for c in incident if c["verdict"] != "safe"]
+
+    status = _run([cli, "status", "installed", "--python", python, "--bundle", str(bundle), "--json"],
+                  cwd=tmp_path, **cache)
+    assert status.returncode == 0, status.stderr
+    found = json.loads(status.stdout)["installed"]
+    assert found["version"].startswith("0.5.19+backport.") and found["digest_matches_record"] is True
+    assert found["bundles"] == [{"bundle": str(bundle), "verifies": True, "problem": None}]
+
+    key, pub = tmp_path / "k.pem", tmp_path / "k.pub"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(key)], check=True)
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-pubout", "-out", str(pub)], check=True)
+    assert _run([cli, "sign", str(bundle), "--key", str(key)], cwd=tmp_path).returncode == 0
+    assert _run([cli, "verify", str(bundle), "--key", str(pub)], cwd=tmp_path).returncode == 0
+    data = bytearray(wheel.read_bytes())
+    data[len(data) // 3] ^= 1
+    wheel.write_bytes(bytes(data))
+    refused = _run([cli, "verify", str(bundle), "--key", str(pub)], cwd=tmp_path)
+    assert refused.returncode == 1 and wheel.name in refused.stdout

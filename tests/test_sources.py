@@ -250,6 +250,33 @@ def test_installed_package_of_another_interpreter(tmp_path, cache_dir, monkeypat
     assert code == 2 and "cannot run" in err
 
 
+def test_status_installed_recognises_an_exported_wheel(tmp_path, cache_dir, monkeypatch, capsys):
+    """What an exported wheel leaves in site-packages: `sglang-X+backport.N.dist-info` with
+    `sglang_backport.json`. The installed package's digest is measured, never taken from the record."""
+    from backport.tree import tree_digest
+
+    site = write_tree(tmp_path / "site", "9.9.6")
+    digest = tree_digest(site)
+    info = site / "sglang-9.9.6+backport.7.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.6+backport.7\n")
+    record = {"spec": "sglang==9.9.6", "tree_digest": digest, "patch_set_sha256": "ab" * 32,
+              "commits": ["c" * 40], "version": "9.9.6+backport.7"}
+    (info / "sglang_backport.json").write_text(json.dumps(record))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    code, out, err = run_cli(capsys, "status", "installed", "--python", sys.executable, "--json")
+    assert code == 0, err
+    installed = json.loads(out)["installed"]
+    assert installed["version"] == "9.9.6+backport.7" and installed["backport"] == record
+    assert installed["tree_digest"] == digest and installed["digest_matches_record"] is True
+    # the package changed after install: the record no longer describes it
+    (site / "sglang" / "extra.py").write_text("x = 1\n")
+    code, out, _ = run_cli(capsys, "status", "installed", "--python", sys.executable)
+    assert code == 0 and "is NOT the tree its record names" in out
+    code, _, err = run_cli(capsys, "status", str(site), "--bundle", str(tmp_path))
+    assert code == 2 and "--bundle" in err
+
+
 def test_status_reports_version_and_digest(tmp_path, cache_dir, capsys):
     plain = write_tree(tmp_path / "plain", "9.9.5")
     code, out, _ = run_cli(capsys, "status", str(plain), "--json")

@@ -8,6 +8,7 @@ the tree under test) and served at the revision and path that `patches/fixes.tom
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -15,7 +16,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from backport import cli
-from backport.upstream import load_refs
+from backport.upstream import Fetcher, load_refs
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.probe_env, pytest.mark.network]
@@ -55,8 +56,10 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def upstream_server(tmp_path):
-    """A real HTTP server on 127.0.0.1 laid out like `{base_url}/{rev}/{path}`."""
+def upstream_server(tmp_path, shared_cache):
+    """A real HTTP server on 127.0.0.1 laid out like `{base_url}/{rev}/{path}`. Its files are cached
+    per server (they are unpinned): that cache entry is removed afterwards, so the shared cache
+    never keeps a stand-in test file."""
     ref = next(r for r in load_refs(REPO / "patches", ["pr38935"]))
     served = tmp_path / "served" / ref.rev / ref.path
     served.parent.mkdir(parents=True)
@@ -65,9 +68,11 @@ def upstream_server(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", ref
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield url, ref
     server.shutdown()
     server.server_close()
+    shutil.rmtree(shared_cache / "upstream-tests" / "servers" / Fetcher(url).server_key(), ignore_errors=True)
 
 
 def test_upstream_tests_fail_on_pristine_and_pass_on_patched(upstream_server, release_tree, patched_tree,
@@ -102,6 +107,14 @@ def test_run_bundle_carries_the_upstream_section(upstream_server, probe_python, 
     assert ours == {"pristine": {"failed"}, "patched": {"passed"}}, section
     report = (out / "REPORT.md").read_text()
     assert "test_intake_rejected_request_is_unadmitted" in report
+    # The tests ran under coverage on the patched tree: they ran #38935's is_unadmitted_reject.
+    coverage = json.loads((out / "receipt.json").read_text())["predicate"]["coverage"]
+    assert coverage["upstream_tests"] == {"measured": True, "reason": None}
+    by_fix = {p["fix"]: p for p in coverage["patches"]}
+    assert by_fix["pr38935"]["executed_by_upstream_tests"] > 0
+    patched = next(t for t in section["trees"] if t["tree"] == "patched")
+    assert len(patched["added_lines_executed"]["pr38935"]) == by_fix["pr38935"]["executed_by_upstream_tests"]
+    assert "Upstream's tests ran " in report
     assert cli.main(["verify", str(out)]) == 0
 
 
@@ -120,4 +133,7 @@ def test_run_without_a_server_says_why_the_section_was_skipped(probe_python, sha
     capsys.readouterr()
     section = json.loads((out / "upstream-tests.json").read_text())
     assert section["skipped"] and "127.0.0.1:9" in section["skipped"]
+    coverage = json.loads((out / "receipt.json").read_text())["predicate"]["coverage"]
+    assert coverage["upstream_tests"]["measured"] is False and "127.0.0.1:9" in coverage["upstream_tests"]["reason"]
+    assert all(p["executed_by_upstream_tests"] is None for p in coverage["patches"])
     assert code == 0 and cli.main(["verify", str(out)]) == 0

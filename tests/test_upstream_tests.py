@@ -407,8 +407,10 @@ def test_404_is_a_per_file_error_and_bad_input_in_the_cli(server, trees, series,
     assert missing["outcome"] == "error"
     assert "404" in missing["reason"] and REV in missing["reason"]
     assert missing["sha256"] is None
-    assert cache_files(cache_dir) == sorted([f"{REV}/{UNIT}/test_admission_behaviour.py",
-                                             f"{REV}/{UNIT}/test_admission_behaviour.py.sha256"])
+    # Unpinned: kept per server, revision and path.
+    server_dir = f"servers/{Fetcher(server.url).server_key()}"
+    assert cache_files(cache_dir) == sorted([f"{server_dir}/{REV}/{UNIT}/test_admission_behaviour.py",
+                                             f"{server_dir}/{REV}/{UNIT}/test_admission_behaviour.py.sha256"])
     with pytest.raises(BadInput, match="404 Not Found"):
         run_cli(["upstream-tests", str(trees["patched"]), "--series", str(series), "--fix", "pr38935",
                  "--base-url", server.url, "--python", PYTHON])
@@ -437,11 +439,22 @@ def test_env_var_base_url_and_cache_when_server_is_down(server, trees, closed_po
     monkeypatch.setenv(upstream.BASE_URL_ENV, server.url)
     first = Fetcher().fetch(ref)
     assert first.source == f"{server.url}/{REV}/{ref.path}" and first.error is None
-    # Later the mirror is gone: the cached copy (recorded sha256) still runs.
+    # Later that mirror is down: its cached copy (recorded sha256) still runs, recorded unpinned.
+    down = Fetcher(server.url)
+    down.unreachable = f"{server.url} is unreachable (Connection refused)"
+    again = down.fetch(ref)
+    assert again.source == "cache" and again.data == BEHAVIOUR.encode() and again.to_json()["pin"] is None
+    # An unpinned copy is trusted for the server that served it only, never for another one.
     document = run_upstream_tests([("patched", trees["patched"])], [ref], python=PYTHON,
                                   base_url=closed_port_url)
+    assert document["trees"] == [] and "unreachable" in document["skipped"]
+    # A pinned copy is the file whichever server served it: offline, any copy matching the pin runs.
+    pinned = TestRef(ref.path, REV, sha256=hashlib.sha256(BEHAVIOUR.encode()).hexdigest())
+    assert Fetcher(server.url).fetch(pinned).source == f"{server.url}/{REV}/{ref.path}"
+    document = run_upstream_tests([("patched", trees["patched"])], [pinned], python=PYTHON,
+                                  base_url=closed_port_url)
     assert document["skipped"] is None
-    assert document["files"][0]["source"] == "cache"
+    assert document["files"][0]["source"] == "cache" and document["files"][0]["pin"] == pinned.sha256
     outcomes = {t["outcome"] for t in document["trees"][0]["tests"]}
     assert outcomes == {"passed", "skipped"}
 
@@ -474,7 +487,7 @@ def test_cached_file_that_changed_upstream_is_refused(server, cache_dir):
     assert again.data is None
     assert "content changed upstream" in again.error and "refusing" in again.error
     # The cache still holds the first content and its record.
-    cached = cache_dir / REV / path
+    cached, _ = Fetcher(server.url).cache_paths(ref)
     assert cached.read_text() == BEHAVIOUR
     assert (cached.parent / (cached.name + ".sha256")).read_text().split()[0] == \
         hashlib.sha256(BEHAVIOUR.encode()).hexdigest()
@@ -489,10 +502,11 @@ def test_failed_download_leaves_nothing_half_written(server, cache_dir):
     server.put("x/test_ok.py", "import unittest\n")
     good = TestRef("x/test_ok.py", REV)
     Fetcher(server.url).fetch(good)
-    (cache_dir / REV / "x/test_ok.py").write_text("tampered\n")
+    cached, _ = Fetcher(server.url).cache_paths(good)
+    cached.write_text("tampered\n")
     refetched = Fetcher(server.url).fetch(good)
     assert refetched.error is None and refetched.data == b"import unittest\n"
-    assert (cache_dir / REV / "x/test_ok.py").read_text() == "import unittest\n"
+    assert cached.read_text() == "import unittest\n"
     assert not [p for p in cache_dir.rglob("*") if ".partial" in p.name]
 
 

@@ -27,17 +27,14 @@ from backport.tree import read_version
 
 ADMISSION_FIXES = ("pr36988", "pr38935")
 ADMISSION_PROBES = ("admission", "prefill_retire")
-PAGE_LIFETIME_FIXES = ("pr35049", "pr37454", "pr40645", "pr41023", "pr41402", "pr41404")
+PAGE_LIFETIME_FIXES = ("pr35049-inflight", "pr35049-ack", "pr35049-nixl", "pr35049", "pr37454", "pr40645",
+                       "pr41023", "pr41402", "pr41404")
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 CAPABILITY = "supports_deferred_decode_kv_release"
 COVERAGE_FIX = "sbp-transfer-coverage"          # this pack's own transferred-coverage check
 COVERAGE_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
 _COVERAGE_DEFAULT = re.compile(r'get_bool_env_var\(\s*"' + COVERAGE_ENV + r'"\s*,\s*"(\w+)"\s*\)')
-# Found without importing it: sglang's __init__ imports numpy and more, which an interpreter
-# whose environment cannot run the probes may lack.
-_FIND_SGLANG = ("import importlib.util, os; spec = importlib.util.find_spec('sglang'); "
-                "print(os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else '')")
 _ENV_DEFAULT = re.compile(r"^\s*(\w+)\s*=\s*Env(Bool|Float)\(\s*([^)]*?)\s*\)", re.MULTILINE)
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -82,26 +79,29 @@ class CodeFacts:
             "capable_backends": list(self.capable_backends) if self.capable_backends is not None else None,
             "has_disaggregation_enable_kv_checksum": self.has_checksum_flag,
             "coverage_check": self.coverage_check.to_json() if self.coverage_check else None,
+            **self.extra,
         }
 
 
 def package_root_of(python: str) -> Path:
-    """The directory holding the `sglang` package that `python` imports."""
-    try:
-        proc = subprocess.run([python, "-c", _FIND_SGLANG], capture_output=True, text=True,
-                              timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadInput(f"--python {python}: cannot run it ({exc})") from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BadInput(f"--python {python}: cannot run it ({last})")
-    found = (proc.stdout.strip().splitlines() or [""])[-1]
-    if not found:
-        raise BadInput(f"--python {python}: has no sglang package")
-    root = Path(found).parent
-    if not (root / "sglang" / "__init__.py").is_file():
-        raise BadInput(f"--python {python}: sglang resolves to {root}, which has no sglang/__init__.py")
-    return root
+    """The directory holding the `sglang` package that `python` imports (found, not imported)."""
+    from backport.sources.local import installed_package
+
+    return installed_package(python, f"--python {python}")[0]
+
+
+def exported_wheel(python: str, root: Path) -> dict:
+    """{"exported_wheel": ...} when the environment's sglang is a wheel this toolkit exported (its
+    record, and whether the package installed is the tree the record names), else {}."""
+    from backport.export.installed import read_distribution
+    from backport.tree import tree_digest
+
+    version, record = read_distribution(python)
+    if record is None:
+        return {}
+    return {"exported_wheel": {"version": version, "spec": record.get("spec"),
+                               "patch_set_sha256": record.get("patch_set_sha256"),
+                               "tree_digest_matches": record.get("tree_digest") == tree_digest(root)}}
 
 
 def can_import_torch(python: str) -> bool:
@@ -239,10 +239,15 @@ def inspect_code(pack: Pack, *, tree: str | None = None, python: str | None = No
         root, version, how = opened.package_root, opened.version, f"tree {opened.path}"
         harness_python = str(ensure_env(probe_python))
         harness = f"the CPU probe environment ({harness_python}) with the tree on the path"
-        link_dir = None
+        link_dir, extra = None, {}
     else:
         root = package_root_of(python)
         version, how = read_version(root), f"--python {python}"
+        extra = exported_wheel(python, root)
+        if extra:
+            wheel = extra["exported_wheel"]
+            how += (f" (sglang {wheel['version']}, a wheel exported by sglang-backport; its package "
+                    + ("is" if wheel["tree_digest_matches"] else "is NOT") + " the tree its record names)")
         link_dir = None
         if can_import_torch(python):
             harness_python = python
@@ -271,4 +276,4 @@ def inspect_code(pack: Pack, *, tree: str | None = None, python: str | None = No
                      detections=detections, probes=probes, probe_error=probe_error, harness=harness,
                      deferred_release=deferred, timeout=timeout,
                      capable_backends=capable_backends(root), has_checksum_flag=has_checksum_flag(root),
-                     coverage_check=coverage_setting(root, environ))
+                     coverage_check=coverage_setting(root, environ), extra=extra)

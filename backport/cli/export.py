@@ -1,12 +1,13 @@
-"""Shipping commands: `export TREE --wheel DIR --patches DIR` (a patched tree of a wheel target as a
-deployable wheel and a patch series) and `sign BUNDLE --key KEY` (a DSSE envelope over the receipt)."""
+"""Shipping commands: `export TREE_OR_BUNDLE --wheel DIR --patches DIR` (a patched tree of a wheel
+target as a deployable wheel and a patch series, or those files out of a verified `run --export`
+bundle) and `sign BUNDLE --key KEY` (a DSSE envelope over the receipt)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from backport.cli import emit
-from backport.errors import BadInput
+from backport.errors import BadInput, Finding
 
 
 def cmd_export(args) -> int:
@@ -15,12 +16,11 @@ def cmd_export(args) -> int:
     if not args.wheel and not args.patches:
         raise BadInput("export: nothing to write (give --wheel DIR, --patches DIR or both)")
     target = Path(args.tree)
-    if (target / "receipt.json").is_file() and (target / "SHA256SUMS").is_file():
-        raise BadInput(f"{target}: an evidence bundle holds no tree; export the patched tree "
-                       "(`run --keep-trees` or `apply --out`), or use `run --export`")
     if args.patches and Path(args.patches).exists() and (
             not Path(args.patches).is_dir() or any(Path(args.patches).iterdir())):
         raise BadInput(f"--patches {args.patches}: exists and is not an empty directory")
+    if (target / "receipt.json").is_file() and (target / "SHA256SUMS").is_file():
+        return _from_bundle(args, target)
     lineage = read_lineage(target)
     document = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
                 "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
@@ -39,6 +39,40 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _from_bundle(args, bundle: Path) -> int:
+    """A bundle of `run --export`: copy out its wheel and series, once the bundle verifies (a bundle
+    holds no tree to build them from)."""
+    import json
+    import shutil
+
+    from backport import evidence
+
+    result = evidence.verify(bundle)
+    if not result.ok:
+        raise Finding(f"{bundle}: does not verify ({result.first}); nothing exported")
+    export = json.loads((bundle / evidence.RECEIPT).read_text())["predicate"].get("export")
+    if not export:
+        raise BadInput(f"{bundle}: an evidence bundle without exports (made without `run --export`); "
+                       "export the patched tree instead (`run --keep-trees` or `apply --out`)")
+    document = {"bundle": str(bundle), "label": export["label"], "patch_set_sha256": export["patch_set_sha256"],
+                "wheel": None, "patches": None}
+    lines = [f"{bundle}: verified; patch set {export['patch_set_sha256'][:12]}"]
+    if args.wheel:
+        Path(args.wheel).mkdir(parents=True, exist_ok=True)
+        wheel = export["wheel"]
+        copied = Path(shutil.copyfile(bundle / wheel["file"], Path(args.wheel) / wheel["name"]))
+        document["wheel"] = {**wheel, "path": str(copied)}
+        lines.append(f"wheel: {copied}\n  version {wheel['version']}  sha256 {wheel['sha256']}")
+    if args.patches:
+        Path(args.patches).mkdir(parents=True, exist_ok=True)
+        copied = [Path(shutil.copyfile(bundle / p["file"], Path(args.patches) / Path(p["file"]).name))
+                  for p in export["patches"]]
+        document["patches"] = [str(p) for p in copied]
+        lines.append(f"patches: {len(copied)} files in {Path(args.patches).resolve()}")
+    emit(args, document, "\n".join(lines))
+    return 0
+
+
 def cmd_sign(args) -> int:
     from backport.evidence import sign
 
@@ -53,7 +87,9 @@ def cmd_sign(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="a patched tree as a deployable wheel and/or a git format-patch series")
-    p.add_argument("tree", metavar="TREE", help="a patched tree of a wheel target (apply --out, run --keep-trees)")
+    p.add_argument("tree", metavar="TREE_OR_BUNDLE",
+                   help="a patched tree of a wheel target (apply --out, run --keep-trees), or a bundle of "
+                        "`run --export` (its files are copied out once it verifies)")
     p.add_argument("--wheel", metavar="DIR", help="write sglang-X+backport.N-<tags>.whl here")
     p.add_argument("--patches", metavar="DIR", help="write the backport commits as `git format-patch` files here "
                                                      "(a new or empty directory)")

@@ -35,6 +35,10 @@ def render_summary(bundle: evidence.Bundle, written: Path) -> str:
     lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); "
                  f"patched differs from reference in {s['reference_differences']}")
     lines.append(f"bundle: {written}  (check: sglang-backport verify {written})")
+    export = p.get("export")
+    if export:
+        lines.append(f"exported: {written / export['wheel']['file']} (version {export['wheel']['version']}) and "
+                     f"{len(export['patches'])} patches in {written / 'export' / 'patches'}")
     return "\n".join(lines)
 
 
@@ -50,13 +54,15 @@ def options_from(args) -> list:
                        series=Path(args.series) if args.series else None, python=args.python,
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
-                       bundle_root=out if several else None, min_coverage=args.min_coverage)
+                       bundle_root=out if several else None, min_coverage=args.min_coverage,
+                       export=args.export)
             for spec in args.spec]
 
 
 def _document(outcome) -> dict:
     return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
-            "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary}
+            "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary,
+            "subject": outcome.bundle.statement["subject"]}
 
 
 def cmd_run(args) -> int:
@@ -129,6 +135,9 @@ def register(sub) -> None:
     p.add_argument("--upstream-base-url", metavar="URL", help="raw-file base URL for upstream's test files")
     p.add_argument("--no-upstream-tests", action="store_true", help="do not run upstream's unit tests")
     p.add_argument("--keep-trees", action="store_true", help="keep the patched work tree (path on stderr)")
+    p.add_argument("--export", action="store_true",
+                   help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
+                        "series (export/patches/) in the bundle, as its subjects (sglang==X targets)")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from backport import cache, resources
 from backport.cli import emit
 from backport.errors import BadInput
+from backport.export.installed import describe_installed
 from backport.tree import Tree, clone_tree, open_tree
 
 
@@ -67,8 +69,32 @@ def cmd_status(args) -> int:
     document = {**tree.to_json(), "fixes": [d.to_json() for d in found]}
     lines = [f"{tree.path}: sglang {tree.version}, tree digest {tree.tree_digest}"]
     lines += [f"  {d.fix:10} {'present' if d.present else 'missing':8} {d.how}" for d in found]
+    if args.target == "installed":
+        installed = describe_installed(args.python or sys.executable, tree.tree_digest,
+                                       [Path(b) for b in args.bundle or ()])
+        document["installed"] = installed.to_json()
+        lines += installed_lines(installed, bool(args.bundle))
+    elif args.bundle:
+        raise BadInput("--bundle: only with the 'installed' target")
     emit(args, document, "\n".join(lines))
     return 0
+
+
+def installed_lines(installed, asked: bool) -> list[str]:
+    record = installed.provenance
+    if record is None:
+        lines = [f"installed: sglang {installed.version}, not a wheel exported by sglang-backport"]
+    else:
+        lines = [(f"installed: sglang {installed.version}, exported by sglang-backport from {record.get('spec')} "
+                  f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} commits)"),
+                 "  the installed package " + ("is the tree its record names" if installed.digest_matches else
+                                               f"is NOT the tree its record names ({record.get('tree_digest')})")]
+    for match in installed.bundles:
+        lines.append(f"  described by {match['bundle']}: "
+                     + ("verifies" if match["verifies"] else f"does NOT verify ({match['problem']})"))
+    if asked and not installed.bundles:
+        lines.append("  no given bundle has this tree as its subject")
+    return lines
 
 
 def work_tree(args) -> Tree:
@@ -135,6 +161,9 @@ def register(sub) -> None:
     p.add_argument("target", help="a spec or a path")
     target_args(p)
     p.add_argument("--series", help="patch series directory (default: the pack shipped with the toolkit)")
+    p.add_argument("--bundle", action="append", metavar="PATH",
+                   help="for 'installed': an evidence bundle, or a folder of bundles, to match the installed "
+                        "tree against (repeatable)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
 

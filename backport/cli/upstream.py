@@ -31,10 +31,14 @@ def register(subparsers) -> argparse.ArgumentParser:
             "incompatible (the tree lacks a name the test needs that no fix adds), stale-test (the "
             "failure is in the test's own stand-ins or a signature the release predates; never a "
             "pass). Exit 1 when any test failed or errored on any tree; exit 0 with a skipped "
-            "section when the base URL cannot be reached."),
+            "section when the base URL cannot be reached. A file fixes.toml pins (sha256 beside rev) "
+            "is checked against its pin on every download and cache hit, and refused (exit 2) when it "
+            "differs, whichever server served it; an unpinned file is reported as unpinned and "
+            "trusted only from the server that served it. --print-pins measures the pins."),
     )
-    parser.add_argument("trees", nargs="+", metavar="TREE",
-                        help="a package root containing sglang/, or an upstream checkout (python/sglang/)")
+    parser.add_argument("trees", nargs="*", metavar="TREE",
+                        help="a package root containing sglang/, or an upstream checkout (python/sglang/); "
+                             "at least one unless --print-pins")
     parser.add_argument("--fix", action="append", metavar="FIX",
                         help="only this fix's test files (repeatable; default: every fix)")
     parser.add_argument("--rev", metavar="SHA", help="take every test file at this upstream commit instead")
@@ -45,6 +49,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                              f"{upstream.DEFAULT_BASE_URL})")
     parser.add_argument("--python", metavar="EXE", help="probe interpreter (default: the cached probe environment)")
     parser.add_argument("--series", metavar="DIR", type=Path, help="the patch pack directory (default: patches/)")
+    parser.add_argument("--print-pins", action="store_true",
+                        help="download each listed test file from the base URL (never the cache), and print its "
+                             "sha256 as the upstream_tests lines of fixes.toml; runs no test and changes no file")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(func=handle)
     return parser
@@ -83,6 +90,10 @@ def render(document: dict) -> str:
                 continue
             reason = f"  ({test['reason']})" if test["reason"] else ""
             lines.append(f"  {label}: {test['outcome']}{reason}")
+    for f in document.get("files") or []:
+        if f.get("sha256"):
+            lines.append(f"{f['path']}@{f['rev'][:12]}: sha256 {f['sha256']} "
+                         f"({'pinned in fixes.toml' if f.get('pin') else 'unpinned'}, from {f['source']})")
     for tree in document["trees"]:
         counts: dict[str, int] = {}
         for test in tree["tests"]:
@@ -92,9 +103,35 @@ def render(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_pins(args, roots: list[tuple[str, Path]], refs: list[upstream.TestRef], base_url: str) -> int:
+    """`--print-pins`: each file's sha256 as served now, as toml lines to paste into fixes.toml."""
+    measured = upstream.measure_pins(roots, refs, base_url=base_url)
+    bad = [m.error or m.unavailable for m in measured if m.error or m.unavailable]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise BadInput(f"--print-pins: {bad[0]}{more}")
+    pins = [{"fix": m.ref.fix, "path": m.ref.path, "rev": m.ref.rev, "sha256": m.sha256, "source": m.source,
+             "pinned": m.ref.sha256} for m in measured]
+    if args.json:
+        print(json.dumps({"pins": pins}, indent=2, sort_keys=True))
+        return 0
+    fix = object()
+    for pin in pins:
+        if pin["fix"] != fix:
+            fix = pin["fix"]
+            print(f"# {fix or 'ad-hoc --test'}: upstream_tests = [")
+        print(f'    {{ path = "{pin["path"]}", rev = "{pin["rev"]}", sha256 = "{pin["sha256"]}" }},'
+              f"  # from {pin['source']}")
+    return 0
+
+
 def handle(args) -> int:
+    if not args.trees and not args.print_pins:
+        raise BadInput("upstream-tests needs at least one TREE (or --print-pins)")
     roots = [(spec, package_root_of(spec)) for spec in args.trees]
     refs = _refs(args)
+    if args.print_pins:
+        return print_pins(args, roots, refs, upstream.resolve_base_url(args.base_url))
     base_url = upstream.resolve_base_url(args.base_url)
     python = str(ensure_env(args.python))
     fetched = upstream.fetch_refs(roots, refs, base_url=base_url)

@@ -7,6 +7,7 @@ trees), `statement` (the receipt and its own consistency), `report` (REPORT.md),
 checks: `integrity` (digests), `agreement` (values shared by several files) and `verify`.
 """
 
+from backport.evidence.artifacts import Exported, export_of
 from backport.evidence.bundle import Bundle, assemble, check_bundle_target, write_bundle
 from backport.evidence.environment import (
     KEY_PACKAGES,
@@ -35,8 +36,8 @@ from backport.evidence.verify import verify
 
 __all__ = [
     "APPLY_REPORT", "KEY_PACKAGES", "PAIR_VERDICTS", "PASSING", "PREDICATE_TYPE", "RECEIPT", "REPORT", "ROLES",
-    "STATEMENT_TYPE", "SUMS", "TOOLKIT_PACKAGES", "TREE_VERDICTS", "UPSTREAM_TESTS", "Bundle", "Problem",
+    "STATEMENT_TYPE", "SUMS", "TOOLKIT_PACKAGES", "TREE_VERDICTS", "UPSTREAM_TESTS", "Bundle", "Exported", "Problem",
     "TreeInput", "VerifyResult", "assemble", "canonical_json", "check_bundle_target", "check_statement",
-    "environment_record", "interpreter_environment", "is_finding", "pair_verdict", "probe_file",
+    "environment_record", "export_of", "interpreter_environment", "is_finding", "pair_verdict", "probe_file",
     "render_report", "sha256_bytes", "sha256_file", "sums_text", "toolkit_info", "verify", "write_bundle",
 ]

@@ -9,7 +9,7 @@ both files are named, since either may have been edited. (A consistent rewrite o
 witness is a forgery that only a signature over the receipt can catch.)
 
 `verify` runs these checks after the digests and the receipt's own consistency pass, so a
-receipt here is internally consistent and every file matches its subject.
+receipt here is internally consistent and every file matches its digest in predicate.files.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from backport.evidence import artifacts
 from backport.evidence.layout import (
     APPLY_REPORT,
     RECEIPT,
@@ -203,6 +204,7 @@ def agreement_problems(bundle: Path, statement: dict, names: set[str]) -> list[P
         return [Problem(REPORT, "missing", "every bundle has the receipt rendered as REPORT.md")]
     report = (bundle / REPORT).read_bytes()
     problems = _embedded_file_problems(bundle, statement, names, report)
+    problems += artifacts.bundle_problems(bundle, statement)
     if problems:
         return problems
     try:

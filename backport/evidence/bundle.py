@@ -2,11 +2,13 @@
 
 Layout (users and scripts depend on it)::
 
-    receipt.json          the in-toto statement (statement.py), its subjects are every file below
+    receipt.json          the in-toto statement (statement.py): its subjects are the patched tree
+                          and the exported files (artifacts.py); predicate.files lists every file below
     REPORT.md             the receipt rendered (report.py)
     apply-report.json     the engine's report, normalised (absent when nothing was applied)
     probes/<role>.json    one tree's probe results, normalised
     upstream-tests.json   upstream's unit tests per tree, normalised
+    export/               with `run --export`: the patched wheel and export/patches/NNNN-*.patch
     SHA256SUMS            `sha256sum -c` form over every other file
 
 Determinism: the files are a function of the inputs only. Everything volatile (wall-clock
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from backport import cache
 from backport.errors import BadInput
+from backport.evidence.artifacts import Exported
 from backport.evidence.layout import (
     APPLY_REPORT,
     RECEIPT,
@@ -61,7 +64,7 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
              apply_report: dict | None, patches: list[dict], series_files: list[dict],
              upstream_tests: dict | None, environment: dict, toolkit: dict, timestamps: dict,
              reference_choice: str | None = None, extra_paths: Iterable[tuple[str | Path, str]] = (),
-             coverage: dict | None = None) -> Bundle:
+             coverage: dict | None = None, export: Exported | None = None) -> Bundle:
     """Normalise the raw outputs of a run and lay out every file of its bundle (in memory).
 
     Each tree's package root becomes its role name and its top directory `<role>-tree`; the
@@ -111,16 +114,19 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     if apply_doc is not None:
         files[APPLY_REPORT] = canonical_json(apply_doc)
     files[UPSTREAM_TESTS] = canonical_json(upstream)
+    if export is not None:
+        files.update(export.files)
 
     def statement_for(report: bytes | None) -> dict:
-        subject = {name: sha256_bytes(data) for name, data in files.items()}
-        subject[REPORT] = sha256_bytes(report) if report is not None else "0" * 64
+        digests = {name: sha256_bytes(data) for name, data in files.items()}
+        digests[REPORT] = sha256_bytes(report) if report is not None else "0" * 64
         return build_statement(
             mode=mode, target=target, trees=trees, probes=probes, apply_report=apply_doc, patches=patches,
             series_files=series_files, upstream_tests=upstream, environment=environment, toolkit=toolkit,
-            subject=subject, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage)
+            files=digests, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage,
+            export=None if export is None else export.record)
 
-    # REPORT.md is rendered from the statement (which it does not depend on), then becomes a subject.
+    # REPORT.md is rendered from the statement (which does not depend on its digest), then listed.
     report = render_report(statement_for(None)).encode()
     files[REPORT] = report
     statement = statement_for(report)

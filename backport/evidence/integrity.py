@@ -1,4 +1,5 @@
-"""A bundle's digests: its files against SHA256SUMS, then against the receipt's subjects.
+"""A bundle's digests: its files against SHA256SUMS, then against the receipt's list of them
+(``predicate.files``; the subjects are the artifacts, checked in artifacts.py).
 
 When a file and its line in SHA256SUMS disagree, the problem is blamed on the file, unless
 the receipt (itself intact) vouches for the file's bytes or the two digests differ in a
@@ -27,15 +28,18 @@ def bundle_files(bundle: Path) -> dict[str, Path]:
 
 
 def read_receipt(bundle: Path) -> tuple[dict | None, dict[str, str]]:
-    """(statement, subject name -> sha256); (None, {}) when receipt.json is not a statement with subjects."""
+    """(statement, file name -> sha256 from predicate.files); (None, {}) when receipt.json is not a
+    statement that lists the bundle's files."""
     try:
         statement = json.loads((bundle / RECEIPT).read_bytes())
-        subjects = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+        files = dict(statement["predicate"]["files"])
+        if not isinstance(statement["subject"], list):
+            return None, {}
     except (OSError, ValueError, KeyError, TypeError):
         return None, {}
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in subjects.items()):
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         return None, {}
-    return statement, subjects
+    return statement, files
 
 
 def _hex_distance(a: str, b: str) -> int:
@@ -85,17 +89,17 @@ def sums_problems(bundle: Path, present: dict[str, Path], actual: dict[str, str]
     return problems
 
 
-def subject_problems(actual: dict[str, str], subjects: dict[str, str]) -> list[Problem]:
-    """The files against the receipt's subjects: every file but the receipt is one, with its digest."""
+def file_problems(actual: dict[str, str], files: dict[str, str]) -> list[Problem]:
+    """The files against the receipt's predicate.files: every file but the receipt is listed, with its digest."""
     problems = []
-    for name in sorted((set(actual) - {RECEIPT}) | set(subjects)):
-        if name not in subjects:
-            problems.append(Problem(name, "unexpected", "not a subject of the receipt"))
+    for name in sorted((set(actual) - {RECEIPT}) | set(files)):
+        if name not in files:
+            problems.append(Problem(name, "unexpected", "not listed in the receipt's predicate.files"))
         elif name not in actual:
-            problems.append(Problem(name, "missing", "a subject of the receipt, not in the bundle"))
-        elif subjects[name] != actual[name]:
+            problems.append(Problem(name, "missing", "listed in the receipt's predicate.files, not in the bundle"))
+        elif files[name] != actual[name]:
             problems.append(Problem(name, "modified",
-                                    f"sha256 {actual[name]}, the receipt's subject says {subjects[name]}"))
+                                    f"sha256 {actual[name]}, the receipt's predicate.files says {files[name]}"))
     return problems
 
 

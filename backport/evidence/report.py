@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import coverage
+from backport.evidence import artifacts, coverage
 from backport.evidence.verdicts import PAIR_VERDICTS, ROLES, is_finding
 
 
@@ -52,6 +52,7 @@ def render_report(statement: dict) -> str:
                      if p["mode"] == "upstream-pair" else "No patch applies to this release.")
     if p["apply"] is not None:
         lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{p['apply'].get('head_commit')}`."]
+    lines += [""] + artifacts.render(statement)[:-1]
     lines += ["", "## Cases", "", ("Pair = pristine -> patched. "
                                    "`*` marks a must-preserve case (behaviour every fix must keep)."), ""]
     header = "| probe / case | " + " | ".join(roles) + " | pair | patched = reference |"
@@ -70,6 +71,12 @@ def render_report(statement: dict) -> str:
     up = p["upstream_tests"]
     if up.get("skipped"):
         lines.append(f"Skipped: {up['skipped']}")
+        listed = sorted({(f.get("path"), f.get("rev"), f.get("pin")) for f in up.get("files") or []},
+                        key=lambda k: tuple(str(x) for x in k))
+        if listed:
+            lines += ["", "Test files (not run): " + "; ".join(
+                f"`{f}` at `{r}` ({'pinned, sha256 `' + pin + '`' if pin else 'unpinned'})" for f, r, pin in listed)
+                + "."]
     else:
         results: dict[tuple, dict[str, str]] = {}
         test_roles: list[str] = []
@@ -86,7 +93,10 @@ def render_report(statement: dict) -> str:
                 lines.append(f"| `{_cell(key[0])}` | " + " | ".join(_cell(results[key].get(r)) for r in test_roles)
                              + " |")
             files = sorted({(k[1], k[2], k[3]) for k in results}, key=lambda k: tuple(str(x) for x in k))
-            lines += ["", "Test files: " + "; ".join(f"`{f}` at `{r}` (sha256 `{s}`)" for f, r, s in files) + "."]
+            pins = {(f.get("path"), f.get("rev")): f.get("pin") for f in up.get("files") or []}
+            lines += ["", "Test files: " + "; ".join(
+                f"`{f}` at `{r}` (sha256 `{s}`, {'pinned' if s and pins.get((f, r)) == s else 'unpinned'})"
+                for f, r, s in files) + "."]
     if "coverage" in p:
         lines += [""] + coverage.render(p["coverage"])[:-1]
     lines += ["", "## Summary", ""]

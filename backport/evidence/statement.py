@@ -19,6 +19,7 @@ import jsonschema
 
 from backport import resources
 from backport.errors import Finding
+from backport.evidence import artifacts
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
@@ -62,8 +63,11 @@ def _embed(document: dict, name: str) -> dict:
 
 def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], probes: dict[str, dict],
                     apply_report: dict | None, patches: list[dict], series_files: list[dict],
-                    upstream_tests: dict, environment: dict, toolkit: dict, subject: dict[str, str],
-                    timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None) -> dict:
+                    upstream_tests: dict, environment: dict, toolkit: dict, files: dict[str, str],
+                    timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None,
+                    export: dict | None = None) -> dict:
+    """`files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
+    the artifacts (artifacts.py): the patched tree and, with `export`, the exported files."""
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
     predicate = {
@@ -84,13 +88,15 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         "reference_differences": reference_differences(rows),
         "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
         "summary": summarise(rows, probes, upstream_tests, coverage),
+        "files": dict(sorted(files.items())),
+        "export": export,
         "timestamps": timestamps,
     }
     if coverage is not None:
         predicate["coverage"] = coverage
     return {
         "_type": STATEMENT_TYPE,
-        "subject": [{"name": name, "digest": {"sha256": subject[name]}} for name in sorted(subject)],
+        "subject": artifacts.subjects(trees["patched"].tree_digest, trees["patched"].version, export),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
     }
@@ -202,7 +208,8 @@ def _derived_problems(p: dict) -> list[str]:
                 problems.append(f"case {name}: {key} {row.get(key)!r} disagrees with the probe results")
     if p["reference_differences"] != reference_differences(expected_rows):
         problems.append("reference_differences disagree with the cases")
-    problems += coverage_problems(p.get("coverage"))
+    problems += coverage_problems(p.get("coverage"), upstream=embedded(p, UPSTREAM_TESTS),
+                                  pristine=probes.get("pristine"))
     expected_summary = summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"))
     summary = p["summary"]
     for key in sorted(set(expected_summary) | set(summary)):
@@ -293,7 +300,7 @@ def check_statement(statement: Any) -> list[str]:
     if not isinstance(p, dict):
         return problems + ["has no predicate object"]
     for key in ("probes", "cases", "summary", "inputs", "upstream_tests", "reference_differences", "apply",
-                "environment", "mode"):
+                "environment", "mode", "files"):
         if key not in p:
             return problems + [f"predicate has no {key!r}"]
     try:
@@ -303,6 +310,7 @@ def check_statement(statement: Any) -> list[str]:
         problems += _derived_problems(p)
         problems += _embedding_problems(p)
         problems += _input_problems(p)
+        problems += artifacts.statement_problems(statement)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         problems.append(f"malformed predicate ({type(exc).__name__}: {exc})")
     return problems

@@ -3,7 +3,7 @@
 Problems come in a fixed order, and each stage runs only when the one before found none:
 
 1. the files against SHA256SUMS (in name order);
-2. the files against the receipt's subjects;
+2. the files against the receipt's list of them (predicate.files);
 3. the receipt against the receipt schema and against itself (statement.check_statement);
 4. the files against the receipt's copies of them, and REPORT.md against the receipt's
    rendering (agreement.py), so that a file edited and resealed is named.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from backport.errors import BadInput
 from backport.evidence.agreement import agreement_problems
-from backport.evidence.integrity import bundle_files, digests, read_receipt, subject_problems, sums_problems
+from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import RECEIPT
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
@@ -27,8 +27,8 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     if problems:
         return problems, statement
     if statement is None:
-        return [Problem(RECEIPT, "inconsistent", "not an in-toto statement with a subject list")], None
-    problems = subject_problems(actual, subjects)
+        return [Problem(RECEIPT, "inconsistent", "not an in-toto statement that lists the bundle's files")], None
+    problems = file_problems(actual, subjects)
     if problems:
         return problems, statement
     schema_error = schema_errors(statement)

@@ -1,23 +1,35 @@
-"""Which of the lines each patch adds a probe case executed.
+"""Which of the lines each patch adds a probe case or an upstream test executed, and which lines
+of the pristine functions a fix changes the unsafe cases executed.
 
 The lines a patch adds are found in the patched tree itself: `git blame` attributes every line
 of a touched file to the commit that last changed it, and each applied patch is one commit, so
 a line blamed on patch P's commit is a line P added (and no later patch rewrote). Executable
 lines and executed lines come from coverage.py in the probe interpreter (the harness's
-`--coverage`), measured from before `import sglang` to the last case. Lines a fix's metadata
-excludes (`coverage_exclude`: code no CPU can run, each with its reason) are listed apart and
-never counted as executed.
+`--coverage`), measured from before `import sglang` to the last case, and, when upstream's
+tests ran on the patched tree, from coverage.py around their pytest runs. Lines a fix's
+metadata excludes (`coverage_exclude`: code no CPU can run, each with its reason) are listed
+apart and never counted as executed. A line is `not_executed` when neither a probe case nor an
+upstream test ran it.
 
-What this proves and what it does not: an executed line ran at least once under some case; it
-says nothing about whether a case checked what that line does. A line not executed is code no
-case reached, so no verdict rests on it.
+The pristine side: the functions of the pristine tree that hold a line a fix's hunks remove or
+insert into (found in the tree the patch applied to, by `ast`, then by name in the pristine
+file), and which of their executable lines the cases that are `unsafe` on the pristine tree ran
+(the harness records each case's lines as a coverage.py context).
+
+What this proves and what it does not: an executed line ran at least once under some case or
+test; it says nothing about whether a case checked what that line does. A line not executed is
+code no verdict rests on.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
+from unidiff import PatchSet
+
+from backport import gitops
 from backport.evidence.coverage import totals
 from backport.gitops import blame_commits
 from backport.pack import Pack
@@ -30,15 +42,35 @@ def touched_files(apply_json: dict | None) -> list[str]:
     return sorted(files)
 
 
+def upstream_lines(upstream_doc: dict | None, tree: str = "patched") -> tuple[dict[str, set[int]] | None, str | None]:
+    """(the lines upstream's tests ran on `tree`, per file; or None and why they are not known)."""
+    if not upstream_doc:
+        return None, "upstream tests did not run"
+    if upstream_doc.get("skipped"):
+        return None, f"upstream tests did not run: {upstream_doc['skipped']}"
+    entry = next((t for t in upstream_doc.get("trees") or [] if t.get("tree") == tree), None)
+    if entry is None:
+        return None, f"upstream tests did not run on the {tree} tree"
+    if entry.get("coverage") is None:
+        return None, entry.get("coverage_unavailable") or "upstream tests ran without coverage"
+    return {rel: set(lines) for rel, lines in entry["coverage"].items()}, None
+
+
 def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None, pack: Pack,
-                   probe_doc: dict, min_percent: float | None = None) -> dict:
-    """The receipt's `coverage` section for the patched tree."""
+                   probe_doc: dict, min_percent: float | None = None, *,
+                   upstream: tuple[dict[str, set[int]] | None, str | None] = (None, "upstream tests did not run"),
+                   ) -> tuple[dict, dict[str, list[str]]]:
+    """The receipt's `coverage` section for the patched tree, and per fix the added lines
+    upstream's tests ran (what `upstream-tests.json` records for the patched tree)."""
     measured = probe_doc.get("coverage")
     if measured is None:
         reason = probe_doc.get("coverage_unavailable") or "the probe run recorded no coverage"
-        return {"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent}
+        return ({"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent},
+                {})
+    upstream_ran, upstream_reason = upstream
     blame_cache: dict[str, list[str]] = {}
     patches = []
+    by_upstream: dict[str, list[str]] = {}
     for patch in (apply_json or {}).get("patches", []):
         if patch.get("status") != "applied" or not patch.get("commit"):
             continue
@@ -47,27 +79,186 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
         added = executed = 0
         excluded: list[dict] = []
         not_executed: list[str] = []
+        only_upstream: list[str] = []
+        upstream_hits: list[str] = []
         for rel in sorted({h["file"] for h in patch.get("hunks", [])}):
             if rel not in blame_cache:
                 blame_cache[rel] = blame_commits(tree_path, f"{package_prefix}{rel}")
             lines = (tree_path / f"{package_prefix}{rel}").read_text(errors="replace").splitlines()
             file_cov = measured.get(rel, {"statements": [], "executed": []})
             statements, ran = set(file_cov["statements"]), set(file_cov["executed"])
+            ran_upstream = (upstream_ran or {}).get(rel, set())
             for number, commit in enumerate(blame_cache[rel], 1):
                 if commit != patch["commit"] or number not in statements:
                     continue
                 text = lines[number - 1] if number <= len(lines) else ""
                 reason = next((x.reason for x in exclusions
                                if x.file == rel and re.search(x.pattern, text)), None)
+                where = f"{rel}:{number}"
                 if reason is not None:
-                    excluded.append({"line": f"{rel}:{number}", "reason": reason})
+                    excluded.append({"line": where, "reason": reason})
                     continue
                 added += 1
+                if number in ran_upstream:
+                    upstream_hits.append(where)
                 if number in ran:
                     executed += 1
+                elif number in ran_upstream:
+                    only_upstream.append(where)
                 else:
-                    not_executed.append(f"{rel}:{number}")
+                    not_executed.append(where)
+        if upstream_ran is not None:
+            by_upstream[patch["fix"]] = upstream_hits
         patches.append({"fix": patch["fix"], "variant": patch.get("variant"), "added": added,
-                        "executed_by_probes": executed, "executed_by_upstream_tests": None,
+                        "executed_by_probes": executed,
+                        "executed_by_upstream_tests": None if upstream_ran is None else len(upstream_hits),
+                        "executed_only_by_upstream_tests": only_upstream,
                         "excluded": excluded, "not_executed": not_executed})
-    return {"measured": True, "patches": patches, "totals": totals(patches), "min_percent": min_percent}
+    section = {"measured": True, "patches": patches, "totals": totals(patches), "min_percent": min_percent,
+               "upstream_tests": {"measured": upstream_ran is not None,
+                                  "reason": None if upstream_ran is not None else upstream_reason}}
+    return section, by_upstream
+
+
+# ---- the pristine functions a fix changes ----------------------------------------------------------
+
+
+def _functions(source: str) -> list[tuple[str, int, int, int]]:
+    """(qualified name, first line, last line, indentation) of every function in a module."""
+    found: list[tuple[str, int, int, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                found.append((name, first, child.end_lineno or child.lineno, child.col_offset))
+                visit(child, f"{name}.<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    try:
+        visit(ast.parse(source), "")
+    except (SyntaxError, ValueError):
+        return []
+    return found
+
+
+def _innermost(functions: list[tuple[str, int, int, int]], line: int, *, insert_indent: int | None = None
+               ) -> str | None:
+    """The innermost function holding `line`; with `insert_indent`, a line inserted after `line`
+    belongs to a function that continues past it, or that it is indented into at its end."""
+    best = None
+    for name, first, last, indent in functions:
+        inside = first <= line <= last if insert_indent is None else (
+            first <= line < last or (line == last and insert_indent > indent))
+        if inside and (best is None or first >= best[1]):
+            best = (name, first)
+    return best[0] if best else None
+
+
+def _inserted_into(functions: list[tuple[str, int, int, int]], after: int, block: list[str]) -> str | None:
+    """The function a run of added lines inserted after line `after` goes into, judged by the
+    run's first non-blank line (a new function appended after another is not inside it)."""
+    first = next((text for text in block if text.strip()), None)
+    if first is None:
+        return None
+    return _innermost(functions, after, insert_indent=len(first) - len(first.lstrip()))
+
+
+def changed_functions(tree_path: Path, package_prefix: str, commit: str) -> list[tuple[str, str]]:
+    """(file, qualified function name) the commit changes, in the tree it applied to: functions
+    holding a line it removes or changes, or into which it inserts lines."""
+    text = gitops.diff(tree_path, f"{commit}^", commit, package_prefix)
+    touched: set[tuple[str, str | None]] = set()
+    for patched_file in PatchSet(text):
+        rel = patched_file.source_file.removeprefix("a/")
+        if patched_file.is_added_file:
+            continue
+        spec = f"{commit}^:{package_prefix}{rel}"
+        functions = _functions((gitops.read_blobs(tree_path, [spec])[spec] or b"").decode("utf-8", "replace"))
+        for hunk in patched_file:
+            last_source = hunk.source_start - 1
+            block: list[str] = []  # the run of added lines being read
+            for line in [*hunk, None]:  # None: the hunk's end closes its last run
+                if line is not None and line.is_added:
+                    block.append(line.value)
+                    continue
+                if block:
+                    touched.add((rel, _inserted_into(functions, last_source, block)))
+                    block = []
+                if line is not None and line.is_removed:
+                    touched.add((rel, _innermost(functions, line.source_line_no)))
+                if line is not None and line.source_line_no is not None:
+                    last_source = line.source_line_no
+    return sorted((rel, name) for rel, name in touched if name)
+
+
+def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str, apply_json: dict | None,
+                       pristine_doc: dict) -> list[dict]:
+    """Per fix, each pristine function it changes: its executable lines, how many of them the cases
+    unsafe on the pristine tree ran, and which of those cases ran any."""
+    measured = pristine_doc.get("coverage")
+    unsafe = [f"{c['probe']}/{c['case']}" for c in pristine_doc.get("cases", []) if c.get("verdict") == "unsafe"]
+    entries: list[dict] = []
+    sources: dict[str, list[tuple[str, int, int, int]]] = {}
+    for patch in (apply_json or {}).get("patches", []):
+        if patch.get("status") != "applied" or not patch.get("commit"):
+            continue
+        for rel, name in changed_functions(tree_path, package_prefix, patch["commit"]):
+            path = Path(pristine_root) / rel
+            if rel not in sources:
+                sources[rel] = _functions(path.read_text(errors="replace")) if path.is_file() else []
+            span = next(((first, last) for fn, first, last, _ in sources[rel] if fn == name), None)
+            if span is None:
+                continue  # a function an earlier patch added: not pristine code
+            entry = {"fix": patch["fix"], "file": rel, "function": name, "first_line": span[0],
+                     "last_line": span[1], "lines": None, "executed_by_unsafe_cases": None, "unsafe_cases": []}
+            file_cov = (measured or {}).get(rel)
+            if file_cov is not None and "cases" in file_cov:
+                statements = {n for n in file_cov["statements"] if span[0] <= n <= span[1]}
+                hits = {case: statements & set(file_cov["cases"].get(case, ())) for case in unsafe}
+                entry.update(lines=len(statements), executed_by_unsafe_cases=len(set().union(*hits.values())),
+                             unsafe_cases=sorted(case for case, lines in hits.items() if lines))
+            entries.append(entry)
+    return entries
+
+
+def pristine_reason(pristine_doc: dict) -> str | None:
+    """Why the pristine functions' lines carry no counts (None: they do)."""
+    if pristine_doc.get("coverage") is None:
+        return pristine_doc.get("coverage_unavailable") or "the pristine probe run recorded no coverage"
+    if any("cases" not in f for f in pristine_doc["coverage"].values()):
+        return "the pristine probe run recorded no per-case coverage"
+    return None
+
+
+def measure(trees: dict, apply_json: dict | None, pack: Pack, probe_docs: dict[str, dict],
+            min_percent: float | None, upstream_doc: dict | None) -> dict | None:
+    """The run's coverage section (None: nothing was applied). The raw per-file line lists are not
+    kept (every tree's document would carry thousands of line numbers the section summarises): the
+    probe documents lose theirs, and upstream's record for the patched tree becomes, per fix, the
+    added lines its tests ran (`added_lines_executed`), which `verify` checks the section against."""
+    section = None
+    if apply_json is not None and "patched" in probe_docs:
+        patched = trees["patched"]
+        prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
+        prefix = f"{prefix}/" if prefix else ""
+        section, by_upstream = patch_coverage(patched.tree_path, prefix, apply_json, pack, probe_docs["patched"],
+                                              min_percent, upstream=upstream_lines(upstream_doc))
+        if section["measured"] and "pristine" in probe_docs:
+            pristine = probe_docs["pristine"]
+            section["pristine_functions"] = pristine_functions(trees["pristine"].package_root, patched.tree_path,
+                                                               prefix, apply_json, pristine)
+            section["pristine_reason"] = pristine_reason(pristine)
+        for entry in (upstream_doc or {}).get("trees") or []:
+            if entry.get("tree") == "patched" and section["measured"] and section["upstream_tests"]["measured"]:
+                entry["added_lines_executed"] = by_upstream
+    for entry in (upstream_doc or {}).get("trees") or []:
+        entry.pop("coverage", None)
+    for doc in probe_docs.values():
+        doc.pop("coverage", None)
+        doc.pop("coverage_unavailable", None)
+    return section

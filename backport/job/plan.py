@@ -37,6 +37,7 @@ class RunOptions:
     keep_trees: bool = False
     bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
     min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
+    export: bool = False               # put the patched wheel and the patch series in the bundle
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ def plan(options: RunOptions) -> Plan:
         evidence.check_bundle_target(Path(options.out))
     if options.min_coverage is not None and not 0 <= options.min_coverage <= 100:
         raise BadInput(f"--min-coverage {options.min_coverage}: a percentage from 0 to 100")
+    if options.export and (options.head or source_kind(target) != "wheel"):
+        raise BadInput(f"--export: the patched wheel is built from a pinned upstream wheel, so it needs a "
+                       f"sglang==X target and no --head ({options.spec} is a {source_kind(target)} target"
+                       f"{' with --head' if options.head else ''})")
     return Plan(options, series_dir, pack, "upstream-pair" if options.head else "backport",
                 source_kind(target), is_user_checkout(options.spec), reference, choice, matrix, pins,
                 source_kind(head) if head is not None else None)

@@ -14,6 +14,7 @@ import datetime as _dt
 import hashlib
 import logging
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from backport import cache, evidence
 from backport.engine import ApplyReport, apply_series
 from backport.errors import BadInput, Finding
 from backport.gitops import uncommitted_paths
-from backport.job.coverage import patch_coverage, touched_files
+from backport.job.coverage import measure, touched_files
 from backport.job.plan import Plan, RunOptions, bundle_dir, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
@@ -104,14 +105,16 @@ def tree_input(role: str, tree: Tree, *, digest: str | None = None, commit: str 
 
 
 def upstream_tests(trees: dict[str, evidence.TreeInput], series_dir: Path, python: str,
-                   base_url: str | None) -> dict:
+                   base_url: str | None, coverage_files: list[str] | None = None) -> dict:
+    """Upstream's tests on every tree; on the patched tree under coverage of `coverage_files`."""
     from backport import upstream
 
     refs = upstream.load_refs(series_dir)
     if not refs:
         return {"skipped": "fixes.toml lists no upstream tests", "trees": []}
     labelled = [(role, trees[role].package_root) for role in evidence.ROLES if role in trees]
-    return upstream.run_upstream_tests(labelled, refs, python=python, base_url=base_url)
+    return upstream.run_upstream_tests(labelled, refs, python=python, base_url=base_url,
+                                       coverage={"patched": coverage_files} if coverage_files else None)
 
 
 def series_files(the_plan: Plan) -> list[dict]:
@@ -215,30 +218,42 @@ def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> 
     return [{role: next(documents) for role in run.trees} for run in runs]
 
 
-def measure_coverage(run: Prepared, probe_docs: dict[str, dict]) -> dict | None:
-    """The patches' executed lines on the patched tree; the raw per-file line lists are not kept
-    (every tree's document would carry thousands of line numbers the section summarises)."""
-    section = None
-    if run.apply_json is not None and "patched" in probe_docs:
-        patched = run.trees["patched"]
-        prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
-        section = patch_coverage(patched.tree_path, f"{prefix}/" if prefix else "", run.apply_json,
-                                 run.plan.pack, probe_docs["patched"], run.plan.options.min_coverage)
-    for doc in probe_docs.values():
-        doc.pop("coverage", None)
-        doc.pop("coverage_unavailable", None)
-    return section
+def measure_coverage(run: Prepared, probe_docs: dict[str, dict], upstream: dict | None = None) -> dict | None:
+    """The patches' executed lines (probes and upstream's tests) and the pristine functions the fixes
+    change (job/coverage.py); drops the raw line lists from the documents."""
+    return measure(run.trees, run.apply_json, run.plan.pack, probe_docs, run.plan.options.min_coverage, upstream)
+
+
+def export_files(run: Prepared) -> evidence.Exported | None:
+    """`--export`: the patched tree as a wheel and a `git format-patch` series, for the bundle."""
+    from backport.export import build_wheel, read_lineage, write_series
+
+    patched = run.trees["patched"]
+    if not run.plan.options.export:
+        return None
+    if not any(p.get("status") == "applied" for p in (run.apply_json or {}).get("patches", [])):
+        log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
+        return None
+    lineage = read_lineage(patched.tree_path)
+    with tempfile.TemporaryDirectory(prefix="export-", dir=cache.work_root()) as tmp:
+        wheel = build_wheel(lineage, Path(tmp) / "wheel")
+        series = write_series(lineage, Path(tmp) / "patches")
+        return evidence.export_of(wheel.to_json(), wheel.path.read_bytes(),
+                                  [(path.name, path.read_bytes()) for path in series],
+                                  label=lineage.label, patch_set_sha256=lineage.patch_set_sha256)
 
 
 def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcome:
     """Upstream's tests (when asked) and the bundle of one run."""
     the_plan, options, progress = run.plan, run.plan.options, run.progress
-    coverage = measure_coverage(run, probe_docs)
     upstream = {"skipped": "disabled with --no-upstream-tests", "trees": []}
     if options.upstream_tests:
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
-            upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url)
+            upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
+                                      touched_files(run.apply_json))
+    coverage = measure_coverage(run, probe_docs, upstream)
     with progress.step("bundle", "writing the evidence bundle"):
+        exported = export_files(run)
         source, trees = run.source, run.trees
         bundle = evidence.assemble(
             mode=the_plan.mode,
@@ -259,7 +274,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             },
             reference_choice=the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
-            coverage=coverage)
+            coverage=coverage, export=exported)
         written = evidence.write_bundle(run.out, bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
     return RunOutcome(bundle, written, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest())

@@ -17,7 +17,8 @@ at least one fix.
     depends_on = ["pr36988"]            # fix ids, default []; never itself, no cycle
     fingerprint = [{ file = "sglang/...", pattern = "regex" }]   # all must match;
                                         # a rule with absent = true must NOT match
-    upstream_tests = ["test/registered/..."]                  # free-form list, default []
+    upstream_tests = [{ path = "test/...", rev = "<commit>", sha256 = "<64 hex>" }]  # default [];
+                                        # sha256 optional (absent: unpinned), checked when present
 
 Each patch's header must agree with its fix's entry (headers.check_agreement).
 Everything malformed raises ``BadInput`` with one line naming the file and
@@ -51,6 +52,7 @@ FIX_KEYS = frozenset({"id", "title", "pr", "url", "upstream_commit", "commit", "
                       "scope", "depends_on", "fingerprint", "upstream_tests", "origin", "coverage_exclude"})
 ORIGINS = ("upstream", "vendor")
 RULE_KEYS = frozenset({"file", "pattern", "absent"})
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def _read_text(path: Path) -> str:
@@ -175,6 +177,8 @@ def _fix(fid: str, e: dict, where: str) -> Fix:
     tests = e.get("upstream_tests", [])
     if not isinstance(tests, list):
         raise BadInput(f"{where}: upstream_tests must be a list")
+    for test in tests:
+        _check_test_pin(test, where)
     return Fix(
         id=fid,
         title=title,
@@ -189,6 +193,16 @@ def _fix(fid: str, e: dict, where: str) -> Fix:
         origin=origin,
         coverage_exclude=_exclusions(e.get("coverage_exclude", []), where),
     )
+
+
+def _check_test_pin(test: object, where: str) -> None:
+    """An upstream test's optional `sha256` pin: 64 lowercase hex digits (absent: unpinned)."""
+    if not isinstance(test, dict) or "sha256" not in test:
+        return
+    pin = test["sha256"]
+    if not isinstance(pin, str) or not _SHA256_RE.fullmatch(pin):
+        raise BadInput(f"{where}: upstream_tests {test.get('path', '?')}: sha256 {pin!r} is not 64 lowercase "
+                       f"hex digits (measure it with `sglang-backport upstream-tests --print-pins`)")
 
 
 def _exclusions(items: object, where: str) -> tuple[CoverageExclusion, ...]:

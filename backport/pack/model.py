@@ -57,7 +57,7 @@ class Fix:
     fixed_in: SpecifierSet
     depends_on: tuple[str, ...] = ()
     fingerprint: tuple[FingerprintRule, ...] = ()
-    upstream_tests: tuple[Any, ...] = ()
+    upstream_tests: tuple[Any, ...] = ()  # { path, rev, sha256? } tables; sha256 absent: unpinned
     scope: SpecifierSet = field(default_factory=SpecifierSet)  # releases the pack backports to; "" = all
     origin: str = "upstream"  # "vendor": this pack's own fix; url is its design reference
     # added lines no CPU probe can run (a GPU kernel call, a transport library), each with its reason

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,22 +32,33 @@ class PathSource:
         return _snapshot_package(root, self.spec, tree.package_root, tree.version)
 
 
-INSTALLED_PROBE = ("import json, os, sglang; "
-                   "print(json.dumps({'dir': os.path.dirname(sglang.__file__), "
-                   "'version': getattr(sglang, '__version__', None)}))")
+# Found, not imported: importing sglang runs its package __init__, which needs numpy, torch and
+# the GPU stack (sgl_kernel and friends) that a CPU machine, or an environment inspected from
+# outside, may lack.
+_FIND_SGLANG = ("import importlib.util, os; spec = importlib.util.find_spec('sglang'); "
+                "print(os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else '')")
 
 
-def installed_package(python: str, label: str) -> tuple[Path, str | None]:
-    """(package root, version) of the sglang that `python` imports."""
+def installed_package(python: str, label: str) -> tuple[Path, None]:
+    """(package root, None) of the sglang that `python` would import; the version is read from
+    the tree. BadInput, prefixed with `label`, when there is none."""
     try:
-        proc = subprocess.run([python, "-c", INSTALLED_PROBE], capture_output=True, text=True, timeout=300,
+        proc = subprocess.run([python, "-c", _FIND_SGLANG], capture_output=True, text=True, timeout=120,
                               check=False)
     except OSError as exc:
         raise BadInput(f"{label}: cannot run {python} ({exc.strerror})") from None
+    except subprocess.TimeoutExpired:
+        raise BadInput(f"{label}: {python} did not answer within 120 s") from None
     if proc.returncode != 0:
-        raise BadInput(f"{label}: {python} cannot import sglang")
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    return Path(found["dir"]).parent, found.get("version")
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BadInput(f"{label}: cannot run {python} ({last})")
+    found = (proc.stdout.strip().splitlines() or [""])[-1]
+    if not found:
+        raise BadInput(f"{label}: {python} has no sglang package")
+    root = Path(found).parent
+    if not (root / "sglang" / "__init__.py").is_file():
+        raise BadInput(f"{label}: sglang resolves to {root}, which has no sglang/__init__.py")
+    return root, None
 
 
 @dataclass(frozen=True)

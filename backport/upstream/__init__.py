@@ -14,6 +14,7 @@ from backport.upstream.fetch import (
     Fetched,
     Fetcher,
     fetch_refs,
+    measure_pins,
     resolve_base_url,
 )
 from backport.upstream.junit import OUTCOMES
@@ -30,6 +31,6 @@ from backport.upstream.run import run_upstream_tests
 
 __all__ = [
     "BASE_URL_ENV", "DEFAULT_BASE_URL", "DEFAULT_SERIES", "OUTCOMES", "Fetched", "Fetcher", "TestRef",
-    "ad_hoc_refs", "check_ref", "fetch_refs", "load_refs", "resolve_base_url", "run_upstream_tests",
+    "ad_hoc_refs", "check_ref", "fetch_refs", "load_refs", "measure_pins", "resolve_base_url", "run_upstream_tests",
     "series_added_names", "with_rev",
 ]

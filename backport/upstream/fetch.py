@@ -1,8 +1,13 @@
 """Obtaining upstream test files: an upstream checkout, the cache, or `{base_url}/{rev}/{path}`.
 
-Every file is cached under `<cache>/upstream-tests/<rev>/<path>` with a `.sha256` sidecar.
-Content at a fixed revision must never change: a later copy whose sha256 differs from the
-recorded one is refused. When the base URL cannot be reached, a cached copy is used;
+A file `fixes.toml` pins (`sha256` beside `rev`) is checked against its pin on every download
+and every cache hit, whichever server served it, and is cached by its pin
+(`<cache>/upstream-tests/sha256/<pin>/<name>`): a copy that does not match is never run. An
+unpinned file (no pin yet, or an ad-hoc `--test`) is cached per server
+(`<cache>/upstream-tests/servers/<host>-<hash of the base URL>/<rev>/<path>`), so one mirror's
+copy is never trusted for another; at a fixed revision its content must not change on that
+server. Each cached file has a `.sha256` sidecar. When the base URL cannot be reached, a
+cached copy is used (pinned: if it matches the pin; unpinned: if that server served it);
 without one the file is not run and the result says why (never a pass).
 """
 
@@ -51,7 +56,7 @@ class Fetched:
 
     def to_json(self) -> dict:
         return {"path": self.ref.path, "rev": self.ref.rev, "fix": self.ref.fix,
-                "sha256": self.sha256, "source": self.source,
+                "sha256": self.sha256, "pin": self.ref.sha256, "source": self.source,
                 "error": self.error, "unavailable": self.unavailable}
 
 
@@ -123,8 +128,18 @@ class Fetcher:
         self.session = session or requests.Session()
         self.unreachable: str | None = None  # once the server is unreachable, do not wait again
 
+    def server_key(self) -> str:
+        """The cache folder of this base URL: unpinned files are trusted per server, never across."""
+        host = re.sub(r"[^A-Za-z0-9.-]+", "_", self.base_url.split("://", 1)[-1].split("/", 1)[0])
+        return f"{host}-{hashlib.sha256(self.base_url.encode()).hexdigest()[:12]}"
+
     def cache_paths(self, ref: TestRef) -> tuple[Path, Path]:
-        file = self.cache_dir / ref.rev.lower() / PurePosixPath(ref.path)
+        """A pinned file is kept by its pin (content-addressed: any server's copy that matches
+        the pin is the file); an unpinned one by server, revision and path."""
+        if ref.sha256:
+            file = self.cache_dir / "sha256" / ref.sha256 / PurePosixPath(ref.path).name
+        else:
+            file = self.cache_dir / "servers" / self.server_key() / ref.rev.lower() / PurePosixPath(ref.path)
         return file, file.with_name(file.name + ".sha256")
 
     def _cached(self, ref: TestRef) -> tuple[bytes | None, str | None]:
@@ -202,6 +217,17 @@ class Fetcher:
             return Fetched(ref, error=problem)
         cached, recorded = self._cached(ref)
         where = f"{ref.path}@{ref.rev}"
+        refused = None  # a pinned cache entry that does not match its pin: never run
+        if ref.sha256:
+            if cached is not None and recorded == ref.sha256:
+                return Fetched(ref, cached, recorded, "cache")  # checked against the pin, not the record alone
+            if recorded is not None:
+                file, _ = self.cache_paths(ref)
+                got = recorded if cached is not None else "unreadable or not its recorded sha256"
+                refused = (f"{where}: the cached copy {file} has sha256 {got}, not the pin {ref.sha256} "
+                           f"in fixes.toml; refusing to run it")
+                log.warning("upstream-tests: %s; downloading it again", refused)
+                cached, recorded = None, None
         try:
             found = self._from_checkout(ref)
             if found:
@@ -211,12 +237,14 @@ class Fetcher:
         except _NotFound as exc:
             return Fetched(ref, error=str(exc))
         except _Unreachable as exc:
-            if cached is not None:
-                log.warning("upstream-tests: %s; using the cached copy of %s (sha256 %s...)",
-                            exc, where, recorded[:12])
+            if refused:
+                return Fetched(ref, error=f"{refused} ({exc})")
+            if cached is not None and not ref.sha256:
+                log.warning("upstream-tests: %s; using the cached copy of %s from this server (unpinned, "
+                            "sha256 %s...)", exc, where, recorded[:12])
                 return Fetched(ref, cached, recorded, "cache")
             return Fetched(ref, unavailable=str(exc))
-        problem = validate_python(data, f"{where} ({source})")
+        problem = _check(ref, data, source)
         if problem:
             return Fetched(ref, error=problem)
         digest = _sha256(data)
@@ -224,10 +252,40 @@ class Fetcher:
             file, _ = self.cache_paths(ref)
             return Fetched(ref, error=(
                 f"{where}: content changed upstream: sha256 {digest} from {source}, but the cache "
-                f"recorded {recorded} for the same revision and path ({file}); refusing to run it"))
-        if cached is None:
-            self._store(ref, data)
+                f"recorded {recorded} from the same server for the same revision and path ({file}); "
+                f"refusing to run it"))
+        if cached is None and (ref.sha256 or not found):
+            self._store(ref, data)  # a checkout's own files are not copied unless pinned
         return Fetched(ref, data, digest, source)
+
+    def measure(self, ref: TestRef) -> Fetched:
+        """The file as the server (or a checkout) serves it now, never from the cache: for
+        measuring pins. A pinned ref is still checked against its pin."""
+        problem = check_ref(ref)
+        if problem:
+            return Fetched(ref, error=problem)
+        try:
+            found = self._from_checkout(ref)
+            data, source = found if found else (self._download(ref), self.url(ref))
+        except _NotFound as exc:
+            return Fetched(ref, error=str(exc))
+        except _Unreachable as exc:
+            return Fetched(ref, unavailable=str(exc))
+        problem = _check(ref, data, source)
+        return Fetched(ref, error=problem) if problem else Fetched(ref, data, _sha256(data), source)
+
+
+def _check(ref: TestRef, data: bytes, source: str) -> str | None:
+    """None when `data` is a Python file and matches the ref's pin (if any), else one line."""
+    where = f"{ref.path}@{ref.rev}"
+    problem = validate_python(data, f"{where} ({source})")
+    if problem or not ref.sha256:
+        return problem
+    digest = _sha256(data)
+    if digest != ref.sha256:
+        return (f"{where}: sha256 {digest} from {source} does not match the pin {ref.sha256} in "
+                f"fixes.toml; refusing to run it (a wrong mirror, or the pin is wrong)")
+    return None
 
 
 def _short_network_reason(exc: Exception) -> str:
@@ -247,3 +305,11 @@ def fetch_refs(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: 
     checkouts = [repo for _, root in package_roots(trees) if (repo := upstream_checkout(root)) is not None]
     fetcher = Fetcher(base_url, checkouts=checkouts, cache_dir=cache_dir)
     return [fetcher.fetch(ref) for ref in refs]
+
+
+def measure_pins(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: str | None = None) -> list[Fetched]:
+    """Every ref as the server (or an upstream checkout among `trees`) serves it now, never from the
+    cache: what `--print-pins` prints. A ref already pinned is checked against its pin."""
+    checkouts = [repo for _, root in package_roots(trees) if (repo := upstream_checkout(root)) is not None]
+    fetcher = Fetcher(base_url, checkouts=checkouts)
+    return [fetcher.measure(ref) for ref in refs]

@@ -31,13 +31,20 @@ class TestRef:
     # Names the pack adds or its fingerprints name: a tree that lacks one of these lacks a
     # fix, which is a failure, not an incompatibility.
     fix_names: frozenset[str] = field(default=frozenset(), compare=False)
+    # The file's sha256 as fixes.toml pins it; None: unpinned (an ad-hoc --test, or no pin yet).
+    sha256: str | None = field(default=None, compare=False)
+
+    @property
+    def pinned(self) -> bool:
+        return self.sha256 is not None
 
 
 def load_refs(series_dir: Path | None = None, fixes: list[str] | None = None,
               rev: str | None = None) -> list[TestRef]:
     """The upstream test files `fixes.toml` lists for `fixes` (all fixes when None).
 
-    `rev` replaces every file's revision. The pack's fix names are attached to each ref.
+    `rev` replaces every file's revision, which drops the pins (a pin names the file at its
+    listed revision). The pack's fix names are attached to each ref.
     """
     series_dir = Path(series_dir or DEFAULT_SERIES)
     pack = load_pack(series_dir)
@@ -52,9 +59,17 @@ def load_refs(series_dir: Path | None = None, fixes: list[str] | None = None,
             if not isinstance(entry, Mapping) or not isinstance(entry.get("path"), str) or (
                     rev is None and not isinstance(entry.get("rev"), str)):
                 raise BadInput(f"{fixes_toml}: {fix_id}: each upstream_tests entry needs path and rev")
-            ref = TestRef(entry["path"], rev or entry["rev"], fix_id, names)
+            pin = None if rev is not None else entry.get("sha256")
+            ref = TestRef(entry["path"], rev or entry["rev"], fix_id, names, pin)
             if ref not in refs:
                 refs.append(ref)
+                continue
+            listed = refs[refs.index(ref)]
+            if listed.sha256 != pin and None not in (listed.sha256, pin):
+                raise BadInput(f"{fixes_toml}: {ref.path}@{ref.rev} is pinned to {listed.sha256} by "
+                               f"{listed.fix} and to {pin} by {fix_id}")
+            if listed.sha256 is None and pin is not None:
+                refs[refs.index(ref)] = replace(listed, sha256=pin)
     return refs
 
 

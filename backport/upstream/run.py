@@ -2,12 +2,17 @@
 
 Each file runs in the probe interpreter, copied into a temporary directory, with the tree
 as the only SGLang on the path (as upstream's CI runs one process per file). Outcomes come
-from pytest's JUnit XML (`junit`).
+from pytest's JUnit XML (`junit`). Asked to, pytest runs under coverage.py (`coverage run
+-m pytest`, then `coverage json`, both the interpreter's own coverage) over the given files
+of the tree, and the tree's entry records the lines that ran (`coverage`), or why none were
+recorded (`coverage_unavailable`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -25,9 +30,40 @@ PYTEST_TIMEOUT = 1800.0          # seconds for one file on one tree
 log = logging.getLogger("backport.upstream")
 
 
+def has_coverage(python: str) -> bool:
+    """Whether the interpreter can run `coverage` (an operator's own may lack it)."""
+    try:
+        proc = subprocess.run([python, "-c", "import coverage"], capture_output=True, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def _executed_lines(python: str, work: Path, env: dict, package_root: Path, include: list[str],
+                    timeout: float) -> dict[str, list[int]] | None:
+    """Per measured file (relative to the package root), the lines the run executed (None: no data)."""
+    report = work / "coverage.json"
+    proc = subprocess.run([python, "-m", "coverage", "json", f"--data-file={work / '.coverage'}", "-o", str(report),
+                           f"--include={','.join(include)}", "--rcfile=" + str(work / "empty.coveragerc")],
+                          cwd=work, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    if proc.returncode != 0 or not report.is_file():
+        return None  # nothing measured (e.g. no measured file was imported): `coverage json` says so
+    executed: dict[str, list[int]] = {}
+    for name, data in json.loads(report.read_text()).get("files", {}).items():
+        path = Path(os.path.realpath(work / name))
+        if path.is_relative_to(package_root):
+            executed[path.relative_to(package_root).as_posix()] = sorted(data.get("executed_lines", []))
+    return executed
+
+
 def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNames | None = None,
-             timeout: float = PYTEST_TIMEOUT) -> list[dict]:
-    """Run one fetched test file with pytest against one tree; per-test entries."""
+             timeout: float = PYTEST_TIMEOUT, coverage: list[str] | None = None,
+             executed: dict[str, set[int]] | None = None) -> list[dict]:
+    """Run one fetched test file with pytest against one tree; per-test entries.
+
+    With `coverage` (files relative to the package root), pytest runs under coverage.py and the
+    lines of those files that ran are added to `executed`.
+    """
     assert fetched.data is not None
     package_root = Path(package_root).resolve()
     names = names or TreeNames(package_root)
@@ -42,10 +78,19 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
         junit = work / "junit.xml"
         cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN", f"--junitxml={junit}",
                "--rootdir", str(work), test_file.name]
+        include = [str(package_root / rel) for rel in coverage or []]
+        if include:
+            # An empty rc file: no configuration of the caller's (or the tree's) reaches the measurement.
+            (work / "empty.coveragerc").write_text("")
+            cmd[1:3] = ["-m", "coverage", "run", f"--data-file={work / '.coverage'}",
+                        f"--rcfile={work / 'empty.coveragerc'}", f"--include={','.join(include)}", "-m", "pytest"]
         env = probe_environ(python, package_root, path_dir)
         try:
             proc = subprocess.run(cmd, check=False, cwd=work, env=env, capture_output=True, text=True,
                                   timeout=timeout)
+            if include and executed is not None:
+                for rel, lines in (_executed_lines(python, work, env, package_root, include, timeout) or {}).items():
+                    executed.setdefault(rel, set()).update(lines)
         except subprocess.TimeoutExpired:
             return [entry(fetched, fetched.ref.path, "error",
                           f"pytest did not finish within {timeout:.0f} s on this tree")]
@@ -66,14 +111,17 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
 
 def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, python: str,
                        base_url: str | None = None, timeout: float = PYTEST_TIMEOUT,
-                       cache_dir: Path | None = None, fetched: list[Fetched] | None = None) -> dict:
+                       cache_dir: Path | None = None, fetched: list[Fetched] | None = None,
+                       coverage: dict[str, list[str]] | None = None) -> dict:
     """Run every ref on every tree. Returns {"trees": [...], "skipped": None | reason, "files": [...]}.
 
     `trees` are (label, package root) pairs. Bad files (404, HTML, unparsable, changed at a
-    fixed revision) become one `error` entry per tree; files that could not be obtained
-    because the base URL is unreachable become `skipped` entries; when no file at all could
-    be obtained, nothing runs and `skipped` carries the reason. `fetched` reuses the result
-    of `fetch_refs` for the same refs.
+    fixed revision, not matching their pin) become one `error` entry per tree; files that could
+    not be obtained because the base URL is unreachable become `skipped` entries; when no file
+    at all could be obtained, nothing runs and `skipped` carries the reason. `fetched` reuses
+    the result of `fetch_refs` for the same refs. `coverage` maps a tree's label to files
+    (relative to its package root) to measure while its tests run: that tree's entry gets
+    `coverage` ({file: executed lines}) or `coverage_unavailable` (why not).
     """
     roots = package_roots(trees)
     if fetched is None:
@@ -90,9 +138,14 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
         log.warning("upstream-tests: skipped: %s; no upstream test file was cached", reason)
         return {"trees": [], "skipped": reason, "files": files}
     results = []
+    measurable = None
     for label, root in roots:
         names = TreeNames(root)
         tests: list[dict] = []
+        measure = (coverage or {}).get(label)
+        if measure and measurable is None:
+            measurable = has_coverage(python)
+        executed: dict[str, set[int]] = {}
         for item in fetched:
             if item.error:
                 tests.append(entry(item, item.ref.path, "error", item.error))
@@ -100,6 +153,16 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
                 tests.append(entry(item, item.ref.path, "skipped", f"not obtained: {item.unavailable}"))
             else:
                 log.info("upstream-tests: %s@%s on %s ...", item.ref.path, item.ref.rev[:12], label)
-                tests.extend(run_file(python, root, item, names=names, timeout=timeout))
-        results.append({"tree": label, "tests": tests})
+                tests.extend(run_file(python, root, item, names=names, timeout=timeout,
+                                      coverage=measure if measurable else None, executed=executed))
+        result: dict = {"tree": label, "tests": tests}
+        if measure:
+            ran = any(item.data is not None for item in fetched)
+            if not measurable:
+                result["coverage_unavailable"] = "the probe interpreter has no coverage package"
+            elif not ran:
+                result["coverage_unavailable"] = "no upstream test file was obtained"
+            else:
+                result["coverage"] = {rel: sorted(lines) for rel, lines in sorted(executed.items())}
+        results.append(result)
     return {"trees": results, "skipped": None, "files": files}

@@ -1,0 +1,90 @@
+"""`status installed`: recognise an exported wheel in a running environment.
+
+An exported wheel installs as `sglang X+backport.N` and carries `sglang_backport.json` in its
+dist-info (export/wheel.py). What the environment says is only a claim; the tree digest of
+the package as installed is measured, and a bundle matches only when its receipt's subject
+`patched-tree/sglang` is that digest and the bundle itself verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from backport.errors import BadInput
+from backport.evidence.artifacts import PROVENANCE, TREE_SUBJECT
+from backport.evidence.layout import RECEIPT
+
+_READ = ("import json, importlib.metadata as m\n"
+         "try:\n    d = m.distribution('sglang')\nexcept m.PackageNotFoundError:\n    d = None\n"
+         f"print(json.dumps({{'version': d and d.version, 'provenance': d and d.read_text({PROVENANCE!r})}}))")
+
+
+@dataclass(frozen=True)
+class Installed:
+    version: str | None            # the distribution's version, as `pip show sglang` prints it
+    provenance: dict | None        # the exported wheel's record, None for an upstream wheel
+    tree_digest: str               # measured on the installed package
+    bundles: tuple[dict, ...] = ()  # the given bundles whose subject is this tree, each verified
+
+    @property
+    def is_backport(self) -> bool:
+        return self.provenance is not None
+
+    @property
+    def digest_matches(self) -> bool | None:
+        """The installed package against the tree digest its record claims (None: no record)."""
+        return None if self.provenance is None else self.provenance.get("tree_digest") == self.tree_digest
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "backport": self.provenance, "tree_digest": self.tree_digest,
+                "digest_matches_record": self.digest_matches, "bundles": list(self.bundles)}
+
+
+def read_distribution(python: str) -> tuple[str | None, dict | None]:
+    try:
+        proc = subprocess.run([python, "-c", _READ], capture_output=True, text=True, timeout=120, check=False)
+    except OSError as exc:
+        raise BadInput(f"installed: cannot run {python} ({exc.strerror})") from None
+    if proc.returncode != 0:
+        raise BadInput(f"installed: {python} cannot read the sglang distribution's metadata")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    record = found.get("provenance")
+    try:
+        provenance = json.loads(record) if record else None
+    except ValueError:
+        raise BadInput(f"installed: the sglang distribution's {PROVENANCE} is not JSON") from None
+    return found.get("version"), provenance
+
+
+def _bundles_under(path: Path) -> list[Path]:
+    if (path / RECEIPT).is_file():
+        return [path]
+    if not path.is_dir():
+        raise BadInput(f"--bundle {path}: neither an evidence bundle nor a folder of bundles")
+    return sorted(p.parent for p in path.glob(f"*/{RECEIPT}"))
+
+
+def matching_bundles(paths: list[Path], tree_digest: str) -> list[dict]:
+    """Every bundle under `paths` whose receipt's subject is this tree, with whether it verifies."""
+    from backport.evidence import verify
+
+    found = []
+    for bundle in (b for path in paths for b in _bundles_under(Path(path))):
+        try:
+            subjects = json.loads((bundle / RECEIPT).read_text())["subject"]
+            digest = next((s["digest"]["sha256"] for s in subjects if s.get("name") == TREE_SUBJECT), None)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if digest == tree_digest:
+            result = verify(bundle)
+            found.append({"bundle": str(bundle), "verifies": result.ok,
+                          "problem": None if result.ok else str(result.first)})
+    return found
+
+
+def describe_installed(python: str, tree_digest: str, bundles: list[Path]) -> Installed:
+    version, provenance = read_distribution(python)
+    return Installed(version, provenance, tree_digest, tuple(matching_bundles(bundles, tree_digest)))

@@ -34,7 +34,7 @@ from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_di
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: subjects are the artifacts, bundle files in predicate.files, predicate.export
 _EMBEDDING_KEYS = ("file", "sha256")
 
 

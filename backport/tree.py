@@ -80,11 +80,17 @@ def package_root_of(path: str | Path) -> Path:
     return path / prefix if prefix else path
 
 
+def is_package_source(name: str) -> bool:
+    """Whether a path of the package (`sglang/...`, on disk or in a wheel) is its source: importing
+    a tree writes `__pycache__/` and `.pyc` files, which are not, and no digest counts them."""
+    return "__pycache__" not in name.split("/") and not name.endswith(".pyc")
+
+
 def _manifest_files(package_root: Path):
     top = package_root / "sglang"
     for path in sorted(top.rglob("*")):
-        if "__pycache__" in path.parts or path.suffix == ".pyc":
-            continue  # importing a tree writes these; they are not the source
+        if not is_package_source(path.as_posix()):
+            continue
         if path.is_symlink():
             yield path, ("symlink:" + str(path.readlink())).encode()
         elif path.is_file():

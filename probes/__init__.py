@@ -42,6 +42,14 @@ class Outcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def judged(problems: list[str], safe: str, details: dict[str, Any], *, unsafe_prefix: str = "") -> Outcome:
+    """A case's verdict from the problems it found: safe (observed: `safe`) when there are none,
+    else unsafe, observing each problem (after `unsafe_prefix`)."""
+    if not problems:
+        return Outcome(SAFE, safe, details)
+    return Outcome(UNSAFE, unsafe_prefix + "; ".join(problems) + ".", details)
+
+
 @dataclass(frozen=True)
 class Case:
     probe: str

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
     CountingPageAllocator,
     Ledger,
@@ -366,12 +366,9 @@ def rejected_session_request_releases_session_and_cache(ctx) -> Outcome:
     if obs["cache_releases"] != 1:
         problems.append(f"cache-side state released {obs['cache_releases']} time(s)")
     obs["violations"] = problems
-    if not problems:
-        return Outcome(
-            SAFE, "Retired at the prefill door: session detached, cache-side state released once, 400 streamed once.",
-            obs,
-        )
-    return Outcome(UNSAFE, "; ".join(problems) + ".", obs)
+    return judged(problems, (
+        "Retired at the prefill door: session detached, cache-side state released once, 400 streamed "
+        "once."), obs)
 
 
 # ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from probes.standins import (
     Ledger,
     TransferEngineStandIn,
     WorkerStopped,
+    abort_frames,
     pin_runtime,
     sg,
     sg_attr,
@@ -203,10 +204,7 @@ class PrefillRig:
 
     def abort_from(self, peer: int) -> None:
         """One decode rank's ABORT for the room reaches this prefill rank."""
-        ip, port = DECODE_PEERS[peer]
-        frames = [b"ABORT", str(ROOM).encode(), ip.encode(), str(port).encode()]
-        if sg_attr("disaggregation.common.conn", "AbortNotification") is not None:
-            frames.append(b"1")  # the ABORT generation (0.5.22 frames)
+        frames = abort_frames(ROOM, DECODE_PEERS[peer])
         self.ledger.record("abort_received", peer=peer, writes_in_flight=self.engine.in_flight)
         if hasattr(self.mgr, "_handle_abort_notification"):
             self.mgr._handle_abort_notification(frames)

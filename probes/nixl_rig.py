@@ -21,7 +21,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable
-from probes.standins import DecodePeerWire, Ledger, WorkerStopped, construct_with, pin_runtime, sg, sg_attr
+from probes.standins import (
+    DecodePeerWire,
+    Ledger,
+    WorkerStopped,
+    abort_frames,
+    construct_with,
+    pin_runtime,
+    sg,
+    sg_attr,
+)
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 ROOM = 801
@@ -253,10 +262,7 @@ class NixlPrefillRig:
 
     def abort_from(self, peer: int) -> None:
         """One decode rank's ABORT for the room reaches this prefill rank."""
-        ip, port = DECODE_PEERS[peer]
-        frames = [b"ABORT", str(ROOM).encode(), ip.encode(), str(port).encode()]
-        if sg_attr("disaggregation.common.conn", "AbortNotification") is not None:
-            frames.append(b"1")  # the ABORT generation (0.5.22 frames)
+        frames = abort_frames(ROOM, DECODE_PEERS[peer])
         self.ledger.record("abort_received", peer=peer, writes_in_flight=self.agent.in_flight)
         self.mgr._handle_abort_notification(frames)
 

@@ -63,7 +63,7 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
     CountingPageAllocator,
     InertCollaborator,
@@ -558,10 +558,8 @@ def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
         problems.append("a warning named a backend that defers")
     if any(n > 1 for n in per_backend.values()):
         problems.append(f"a backend was warned about more than once: {per_backend}")
-    if not problems:
-        return Outcome(SAFE, f"Each transfer held or released once ({fates}); warnings per backend {per_backend}.",
-                       details)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+    return judged(problems, (
+        f"Each transfer held or released once ({fates}); warnings per backend {per_backend}."), details)
 
 
 @case(
@@ -613,10 +611,8 @@ def waiting_timeout_holds_pages_until_drain(ctx) -> Outcome:
         problems.append("pages released before any drain ACK")
     if final["pages_held"] or final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
         problems.append("pages not released exactly once after both drain ACKs")
-    if not problems:
-        return Outcome(SAFE, "One ABORT per prefill rank at the timeout; pages held until both ACKs, released once.",
-                       details)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+    return judged(problems, (
+        "One ABORT per prefill rank at the timeout; pages held until both ACKs, released once."), details)
 
 
 class _QuiescentPrefillSocket(_PrefillPeerSocket):
@@ -694,6 +690,5 @@ def scheduler_abort_keeps_raced_ack(ctx) -> Outcome:
         problems.append("rank 0's raced ACK was lost: pages still held after every rank ACKed (until the timeout)")
     elif final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
         problems.append("pages not released exactly once")
-    if not problems:
-        return Outcome(SAFE, "The raced ACK counted: pages held until both ranks ACKed, then released once.", details)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+    return judged(problems, "The raced ACK counted: pages held until both ranks ACKed, then released once.",
+                  details)

@@ -60,7 +60,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.mooncake_rig import (
     DECODE_PEERS,
     DEFERRED_ENV,
@@ -315,10 +315,9 @@ def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
         problems.append("NIXL has no drain-ACK capability here, so decode releases the failed transfer's pages at once")
     if details["acks_while_writes_in_flight"]:
         problems.append(f"{details['acks_while_writes_in_flight']} drain ACK(s) sent while the sibling write ran")
-    if not problems:
-        return Outcome(SAFE, "NIXL defers, and no drain ACK left while the sibling of the failed handle was "
-                       "writing (decode releases on its timeout).", details)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+    return judged(problems, (
+        "NIXL defers, and no drain ACK left while the sibling of the failed handle was writing "
+        "(decode releases on its timeout)."), details)
 
 
 def _status_name(KVPoll, value) -> str:
@@ -562,10 +561,9 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
         if details["acks_before_drain"] or missing:
             problems.append(f"{label}: held {details['targets_held_while_outstanding']}, ACKed before the drain "
                             f"{details['acks_before_drain']}, never ACKed {missing}")
-    if not problems:
-        return Outcome(SAFE, "No ACK left before the chunk drained and each rank got its ACK when it did, with and "
-                       "without rank 1's transfer info.", runs)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", runs)
+    return judged(problems, (
+        "No ACK left before the chunk drained and each rank got its ACK when it did, with and without"
+        " rank 1's transfer info."), runs)
 
 
 @case(
@@ -621,10 +619,9 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
         problems.append(f"ACKs sent for the poisoned room: {acks_while_poisoned}")
     if first not in acks_after_reopen:
         problems.append(f"the reopened room's ABORT was not ACKed to {first} (ACKs: {acks_after_reopen})")
-    if not problems:
-        return Outcome(SAFE, f"The poison dropped {first}'s target, {second}'s late ABORT was neither held nor "
-                       "ACKed, and the room's next request was ACKed again.", details)
-    return Outcome(UNSAFE, "; ".join(problems) + ".", details)
+    return judged(problems, (
+        f"The poison dropped {first}'s target, {second}'s late ABORT was neither held nor ACKed, and "
+        f"the room's next request was ACKed again."), details)
 
 
 @case(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
     CountingPageAllocator,
     Ledger,
@@ -140,9 +140,7 @@ def _retired_once(obs: dict[str, Any]) -> list[str]:
 
 def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcome:
     obs["violations"] = problems
-    if not problems:
-        return Outcome(SAFE, safe_text, obs)
-    return Outcome(UNSAFE, "Not retired cleanly: " + "; ".join(problems) + ".", obs)
+    return judged(problems, safe_text, obs, unsafe_prefix="Not retired cleanly: ")
 
 
 # ---------------------------------------------------------------------------
@@ -211,9 +209,8 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
     if obs["output_ids"]:
         problems.append("sampled token appended")
     obs["violations"] = problems
-    if not problems:
-        return Outcome(SAFE, "The delayed result had no effect on the retired request.", obs)
-    return Outcome(UNSAFE, "The delayed result acted on a retired request: " + "; ".join(problems) + ".", obs)
+    return judged(problems, "The delayed result had no effect on the retired request.",
+                  obs, unsafe_prefix="The delayed result acted on a retired request: ")
 
 
 @case(
@@ -269,9 +266,8 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
         problems.insert(0, "retired or sent while a later chunk was in flight")
     details = {"middle_result": middle, "final_result": final}
     details["violations"] = problems
-    if not problems:
-        return Outcome(SAFE, "The middle result waited; the final result retired the request once.", details)
-    return Outcome(UNSAFE, "Chunked abort mishandled: " + "; ".join(problems) + ".", details)
+    return judged(problems, "The middle result waited; the final result retired the request once.",
+                  details, unsafe_prefix="Chunked abort mishandled: ")
 
 
 @case(

@@ -781,6 +781,16 @@ class TransferEngineStandIn:
         self.in_flight = 0
 
 
+def abort_frames(room: int, peer: tuple[str, int]) -> list[bytes]:
+    """One decode rank's ABORT message for `room`, as the prefill's ABORT handler receives it
+    (with the ABORT generation where the release's frames carry one, as 0.5.22's do)."""
+    ip, port = peer
+    frames = [b"ABORT", str(room).encode(), ip.encode(), str(port).encode()]
+    if sg_attr("disaggregation.common.conn", "AbortNotification") is not None:
+        frames.append(b"1")
+    return frames
+
+
 class DecodePeerWire:
     """Stands for the prefill rank's ZMQ pushes to decode endpoints
     (``_send_multipart_locked``): records drain ACKs (with the writes still

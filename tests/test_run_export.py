@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from backport import cli, evidence
-from backport.evidence.artifacts import TREE_SUBJECT, wheel_tree_digest
+from backport.evidence.artifacts import TREE_SUBJECT, read_wheel
 from tests.conftest import WORKSPACE_CACHE
 from tests.test_evidence import _receipt, _reseal, _validate
 from tests.test_job import PASSING_CASES, probe_doc, real_cache  # noqa: F401 - real_cache: a fixture
@@ -65,7 +65,7 @@ def test_the_subjects_are_the_patched_tree_the_wheel_and_the_series(bundle):
                         wheel["file"]: evidence.sha256_file(bundle / wheel["file"]),
                         **{x["file"]: evidence.sha256_file(bundle / x["file"]) for x in export["patches"]}}
     # the wheel installs exactly the patched tree the probes judged
-    assert wheel_tree_digest((bundle / wheel["file"]).read_bytes()) == p["inputs"]["trees"]["patched"]["tree_digest"]
+    assert read_wheel((bundle / wheel["file"]).read_bytes())[0] == p["inputs"]["trees"]["patched"]["tree_digest"]
     assert "Backport-Of:" in (bundle / export["patches"][0]["file"]).read_text()
     assert "## Subjects" in (bundle / "REPORT.md").read_text()
     assert evidence.verify(bundle).ok

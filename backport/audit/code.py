@@ -87,7 +87,7 @@ def package_root_of(python: str) -> Path:
     """The directory holding the `sglang` package that `python` imports (found, not imported)."""
     from backport.sources.local import installed_package
 
-    return installed_package(python, f"--python {python}")[0]
+    return installed_package(python, f"--python {python}")
 
 
 def exported_wheel(python: str, root: Path) -> dict:

@@ -15,7 +15,6 @@ SHA256SUMS), so a signature over the statement still covers every byte of the bu
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import zipfile
@@ -24,13 +23,13 @@ from pathlib import Path
 
 from backport.evidence.layout import sha256_bytes
 from backport.evidence.problem import Problem
-from backport.tree import manifest_digest
+from backport.tree import is_package_source, manifest_digest
 
 TREE_SUBJECT = "patched-tree/sglang"
 EXPORT_DIR = "export"
 PATCHES_DIR = f"{EXPORT_DIR}/patches"
 TREE_DIGEST_METHOD = "sha256 of the sha256sum manifest of sglang/ (sglang-backport status)"
-PROVENANCE = "sglang_backport.json"  # in the exported wheel's dist-info (export/wheel.py)
+PROVENANCE = "sglang_backport.json"  # the exported wheel's record, in its dist-info (export/wheel.py writes it)
 
 
 @dataclass(frozen=True)
@@ -104,22 +103,19 @@ def statement_problems(statement: dict) -> list[str]:
     return problems
 
 
-def wheel_tree_digest(data: bytes) -> str:
-    """The tree digest of the `sglang/` package a wheel installs (the same manifest as a tree's)."""
+def read_wheel(data: bytes) -> tuple[str, dict | None]:
+    """(the tree digest of the `sglang/` package a wheel installs, the same manifest as a tree's;
+    its dist-info's export record, None when it has none)."""
     with zipfile.ZipFile(io.BytesIO(data)) as wheel:
-        entries = [(info.filename, hashlib.sha256(wheel.read(info)).hexdigest()) for info in wheel.infolist()
-                   if info.filename.startswith("sglang/") and not info.is_dir()
-                   and "__pycache__" not in info.filename.split("/") and not info.filename.endswith(".pyc")]
-    return manifest_digest(entries)
-
-
-def wheel_provenance(data: bytes) -> dict | None:
-    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
-        for name in wheel.namelist():
+        entries, provenance = [], None
+        for info in wheel.infolist():
+            name = info.filename
             top, _, rest = name.partition("/")
-            if top.endswith(".dist-info") and rest == PROVENANCE:
-                return json.loads(wheel.read(name))
-    return None
+            if top == "sglang" and not info.is_dir() and is_package_source(name):
+                entries.append((name, sha256_bytes(wheel.read(info))))
+            elif top.endswith(".dist-info") and rest == PROVENANCE:
+                provenance = json.loads(wheel.read(info))
+    return manifest_digest(entries), provenance
 
 
 def bundle_problems(bundle: Path, statement: dict) -> list[Problem]:
@@ -131,9 +127,8 @@ def bundle_problems(bundle: Path, statement: dict) -> list[Problem]:
         return []
     name = wheel["file"]
     try:
-        data = (bundle / name).read_bytes()
-        digest = wheel_tree_digest(data)
-        provenance = wheel_provenance(data) or {}
+        digest, provenance = read_wheel((bundle / name).read_bytes())
+        provenance = provenance or {}
     except (OSError, zipfile.BadZipFile, ValueError) as exc:
         return [Problem(name, "modified", f"not a readable wheel ({exc})")]
     problems = []

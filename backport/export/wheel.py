@@ -28,9 +28,10 @@ from wheel.wheelfile import WheelFile
 from backport import cache
 from backport.digests import sha256_file
 from backport.errors import BadInput
+from backport.evidence.artifacts import PROVENANCE
 from backport.export.lineage import Lineage
+from backport.tree import is_package_source
 
-PROVENANCE = "sglang_backport.json"
 MEMBER_DATE = (2000, 1, 1, 0, 0, 0)  # as the toolkit's pristine commits
 SIGNATURES = ("RECORD", "RECORD.jws", "RECORD.p7s")
 
@@ -92,7 +93,7 @@ def _relabelled_metadata(text: str, version: str) -> str:
 def _package_files(package_root: Path) -> list[tuple[str, Path]]:
     files = []
     for path in sorted((package_root / "sglang").rglob("*")):
-        if "__pycache__" in path.parts or path.suffix == ".pyc":
+        if not is_package_source(path.as_posix()):
             continue
         if path.is_symlink():
             raise BadInput(f"{path}: a symbolic link; a wheel cannot carry it")

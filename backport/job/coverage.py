@@ -68,7 +68,7 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
         return ({"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent},
                 {})
     upstream_ran, upstream_reason = upstream
-    blame_cache: dict[str, list[str]] = {}
+    blamed: dict[str, tuple[list[str], list[str]]] = {}  # file -> (commit per line, its lines), read once
     patches = []
     by_upstream: dict[str, list[str]] = {}
     for patch in (apply_json or {}).get("patches", []):
@@ -82,13 +82,14 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
         only_upstream: list[str] = []
         upstream_hits: list[str] = []
         for rel in sorted({h["file"] for h in patch.get("hunks", [])}):
-            if rel not in blame_cache:
-                blame_cache[rel] = blame_commits(tree_path, f"{package_prefix}{rel}")
-            lines = (tree_path / f"{package_prefix}{rel}").read_text(errors="replace").splitlines()
+            if rel not in blamed:
+                blamed[rel] = (blame_commits(tree_path, f"{package_prefix}{rel}"),
+                               (tree_path / f"{package_prefix}{rel}").read_text(errors="replace").splitlines())
+            commits, lines = blamed[rel]
             file_cov = measured.get(rel, {"statements": [], "executed": []})
             statements, ran = set(file_cov["statements"]), set(file_cov["executed"])
             ran_upstream = (upstream_ran or {}).get(rel, set())
-            for number, commit in enumerate(blame_cache[rel], 1):
+            for number, commit in enumerate(commits, 1):
                 if commit != patch["commit"] or number not in statements:
                     continue
                 text = lines[number - 1] if number <= len(lines) else ""

@@ -218,23 +218,16 @@ def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> 
     return [{role: next(documents) for role in run.trees} for run in runs]
 
 
-def measure_coverage(run: Prepared, probe_docs: dict[str, dict], upstream: dict | None = None) -> dict | None:
-    """The patches' executed lines (probes and upstream's tests) and the pristine functions the fixes
-    change (job/coverage.py); drops the raw line lists from the documents."""
-    return measure(run.trees, run.apply_json, run.plan.pack, probe_docs, run.plan.options.min_coverage, upstream)
-
-
 def export_files(run: Prepared) -> evidence.Exported | None:
     """`--export`: the patched tree as a wheel and a `git format-patch` series, for the bundle."""
     from backport.export import build_wheel, read_lineage, write_series
 
-    patched = run.trees["patched"]
     if not run.plan.options.export:
         return None
     if not any(p.get("status") == "applied" for p in (run.apply_json or {}).get("patches", [])):
         log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
         return None
-    lineage = read_lineage(patched.tree_path)
+    lineage = read_lineage(run.trees["patched"].tree_path)
     with tempfile.TemporaryDirectory(prefix="export-", dir=cache.work_root()) as tmp:
         wheel = build_wheel(lineage, Path(tmp) / "wheel")
         series = write_series(lineage, Path(tmp) / "patches")
@@ -251,7 +244,8 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
             upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
                                       touched_files(run.apply_json))
-    coverage = measure_coverage(run, probe_docs, upstream)
+    # the patches' executed lines and the pristine functions the fixes change; drops the raw line lists
+    coverage = measure(run.trees, run.apply_json, the_plan.pack, probe_docs, options.min_coverage, upstream)
     with progress.step("bundle", "writing the evidence bundle"):
         exported = export_files(run)
         source, trees = run.source, run.trees

@@ -39,9 +39,9 @@ _FIND_SGLANG = ("import importlib.util, os; spec = importlib.util.find_spec('sgl
                 "print(os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else '')")
 
 
-def installed_package(python: str, label: str) -> tuple[Path, None]:
-    """(package root, None) of the sglang that `python` would import; the version is read from
-    the tree. BadInput, prefixed with `label`, when there is none."""
+def installed_package(python: str, label: str) -> Path:
+    """The package root (the directory holding `sglang/`) of the sglang that `python` would
+    import. BadInput, prefixed with `label`, when there is none."""
     try:
         proc = subprocess.run([python, "-c", _FIND_SGLANG], capture_output=True, text=True, timeout=120,
                               check=False)
@@ -58,7 +58,7 @@ def installed_package(python: str, label: str) -> tuple[Path, None]:
     root = Path(found).parent
     if not (root / "sglang" / "__init__.py").is_file():
         raise BadInput(f"{label}: sglang resolves to {root}, which has no sglang/__init__.py")
-    return root, None
+    return root
 
 
 @dataclass(frozen=True)
@@ -67,5 +67,5 @@ class InstalledSource:
     python: str
 
     def materialise(self, root: Path) -> Fetched:
-        package_root, version = installed_package(self.python, self.spec)
-        return _snapshot_package(root, self.spec, package_root, version)
+        # the version is read from the snapshot's tree, as for a plain directory
+        return _snapshot_package(root, self.spec, installed_package(self.python, self.spec), None)

@@ -25,6 +25,7 @@ import git
 import requests
 
 from backport import cache
+from backport.digests import sha256_bytes
 from backport.errors import BadInput
 from backport.upstream.refs import TestRef, check_ref
 
@@ -66,10 +67,6 @@ class _Unreachable(Exception):
 
 class _NotFound(Exception):
     """Bad input for one file: 404, not Python, too large."""
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def validate_python(data: bytes, where: str) -> str | None:
@@ -154,13 +151,13 @@ class Fetcher:
             data = file.read_bytes()
         except OSError:
             return None, recorded
-        return (data if _sha256(data) == recorded else None), recorded
+        return (data if sha256_bytes(data) == recorded else None), recorded
 
     def _store(self, ref: TestRef, data: bytes) -> None:
         file, sidecar = self.cache_paths(ref)
         cache.write_file_atomic(file, data)
         # The sidecar is written last: its presence means the file beside it is complete.
-        cache.write_file_atomic(sidecar, f"{_sha256(data)}  {file.name}\n".encode())
+        cache.write_file_atomic(sidecar, f"{sha256_bytes(data)}  {file.name}\n".encode())
 
     def _from_checkout(self, ref: TestRef) -> tuple[bytes, str] | None:
         for repo in self.checkouts:
@@ -247,7 +244,7 @@ class Fetcher:
         problem = _check(ref, data, source)
         if problem:
             return Fetched(ref, error=problem)
-        digest = _sha256(data)
+        digest = sha256_bytes(data)
         if recorded is not None and digest != recorded:
             file, _ = self.cache_paths(ref)
             return Fetched(ref, error=(
@@ -272,7 +269,7 @@ class Fetcher:
         except _Unreachable as exc:
             return Fetched(ref, unavailable=str(exc))
         problem = _check(ref, data, source)
-        return Fetched(ref, error=problem) if problem else Fetched(ref, data, _sha256(data), source)
+        return Fetched(ref, error=problem) if problem else Fetched(ref, data, sha256_bytes(data), source)
 
 
 def _check(ref: TestRef, data: bytes, source: str) -> str | None:
@@ -281,7 +278,7 @@ def _check(ref: TestRef, data: bytes, source: str) -> str | None:
     problem = validate_python(data, f"{where} ({source})")
     if problem or not ref.sha256:
         return problem
-    digest = _sha256(data)
+    digest = sha256_bytes(data)
     if digest != ref.sha256:
         return (f"{where}: sha256 {digest} from {source} does not match the pin {ref.sha256} in "
                 f"fixes.toml; refusing to run it (a wrong mirror, or the pin is wrong)")
@@ -302,14 +299,17 @@ def _short_network_reason(exc: Exception) -> str:
 def fetch_refs(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: str | None = None,
                cache_dir: Path | None = None) -> list[Fetched]:
     """Obtain every ref once (upstream checkouts among `trees` first, then cache and base URL)."""
-    checkouts = [repo for _, root in package_roots(trees) if (repo := upstream_checkout(root)) is not None]
-    fetcher = Fetcher(base_url, checkouts=checkouts, cache_dir=cache_dir)
+    fetcher = _fetcher(trees, base_url, cache_dir)
     return [fetcher.fetch(ref) for ref in refs]
 
 
 def measure_pins(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: str | None = None) -> list[Fetched]:
     """Every ref as the server (or an upstream checkout among `trees`) serves it now, never from the
     cache: what `--print-pins` prints. A ref already pinned is checked against its pin."""
+    return [_fetcher(trees, base_url).measure(ref) for ref in refs]
+
+
+def _fetcher(trees: list[tuple[str, Path]], base_url: str | None, cache_dir: Path | None = None) -> Fetcher:
+    """A fetcher that takes files from any upstream checkout among `trees` before the server."""
     checkouts = [repo for _, root in package_roots(trees) if (repo := upstream_checkout(root)) is not None]
-    fetcher = Fetcher(base_url, checkouts=checkouts)
-    return [fetcher.measure(ref) for ref in refs]
+    return Fetcher(base_url, checkouts=checkouts, cache_dir=cache_dir)

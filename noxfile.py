@@ -30,7 +30,8 @@ from backport.releases import load_releases  # the matrix is the one list of rel
 PAIRS_FILE = ROOT / "patches" / "pairs.toml"
 UPSTREAM_ENV = "SGLANG_BACKPORT_UPSTREAM_GIT"
 
-nox.options.sessions = ["tests", "lint"]
+# plain `nox` runs the quick check only; the test suite (about 25 minutes) is `nox -s tests`
+nox.options.sessions = ["lint"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -114,6 +115,8 @@ def pair(session: nox.Session, name: str) -> None:
     if entry["head"] != "backport":
         command += ["--head", entry["head"]]
     if entry.get("out"):
-        command += ["--out", str(ROOT / entry["out"])]
+        # the pair's own bundle directory: a re-run replaces it (a bundle holding anything else,
+        # a signature or notes, is moved aside whole, never deleted)
+        command += ["--out", str(ROOT / entry["out"]), "--force"]
     session.chdir(ROOT)
     session.run(*command, *session.posargs, external=False)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from backport.cli import main
+from backport.evidence.layout import MARKER, MARKER_BYTES
 
+RELEASE_FILES = {"myapp-1.0.tar.gz": b"\x1f\x8b\x08 a tarball", "SHA256SUMS": b"%s  myapp-1.0.tar.gz\n" % (b"0" * 64)}
 SGLANG_TREE_FILES = {"sglang/__init__.py": "", "sglang/version.py": "__version__ = '9.9.9'\n"}
 
 
@@ -37,7 +39,11 @@ BAD = {
     "run-bad-reference": ["run", "sglang==0.5.19", "--reference", "sglang==9.9.9"],
     "run-no-series": ["run", "sglang==0.5.19", "--series", "{tmp}/no-pack"],
     "run-out-is-a-file": ["run", "sglang==0.5.19", "--out", "{tmp}/file"],
+    "run-out-holds-someones-sha256sums": ["run", "sglang==0.5.19", "--out", "{tmp}/release"],
+    "run-out-holds-someones-sha256sums-force": ["run", "sglang==0.5.19", "--out", "{tmp}/release", "--force"],
+    "run-out-holds-a-bundle": ["run", "sglang==0.5.19", "--out", "{tmp}/bundle"],
     "verify-missing": ["verify", "{tmp}/no-bundle"],
+    "verify-not-a-bundle": ["verify", "{tmp}/release"],
     "upstream-tests-missing": ["upstream-tests", "{tmp}/nope"],
     "gc-negative": ["gc", "--older-than", "-3"],
     "usage-unknown-command": ["frobnicate"],
@@ -55,6 +61,14 @@ def workspace(tmp_path, monkeypatch):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     (tmp_path / "file").write_text("not a directory\n")
+    # someone's release folder, which a bundle must never replace
+    (tmp_path / "release").mkdir()
+    for name, data in RELEASE_FILES.items():
+        (tmp_path / "release" / name).write_bytes(data)
+    # a bundle the toolkit wrote (its marker and a receipt): replaced only with --force
+    (tmp_path / "bundle").mkdir()
+    (tmp_path / "bundle" / MARKER).write_bytes(MARKER_BYTES)
+    (tmp_path / "bundle" / "receipt.json").write_text("{}\n")
     return tmp_path
 
 
@@ -73,6 +87,9 @@ def test_bad_input_is_exit_2_and_one_line(case, as_json, workspace, capsys):
     # refused before anything heavy: no probe environment, no download
     assert not (workspace / "cache" / "envs").exists()
     assert not (workspace / "cache" / "wheels").exists()
+    # and nothing of the user's changed
+    assert {p.name: p.read_bytes() for p in (workspace / "release").iterdir()} == RELEASE_FILES
+    assert sorted(p.name for p in (workspace / "bundle").iterdir()) == sorted([MARKER, "receipt.json"])
 
 
 def test_a_closed_pipe_ends_quietly(workspace):

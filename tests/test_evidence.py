@@ -28,7 +28,7 @@ SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
 
 D = {n: f"{n:x}" * 64 for n in range(1, 10)}  # fake sha256 digests
 C = {n: f"{n:x}" * 40 for n in range(1, 10)}  # fake commits
-BUNDLE_FILES = ["REPORT.md", "SHA256SUMS", "apply-report.json", "probes/patched.json", "probes/pristine.json",
+BUNDLE_FILES = [".sglang-backport-bundle", "REPORT.md", "SHA256SUMS", "apply-report.json", "probes/patched.json", "probes/pristine.json",
                 "probes/reference.json", "receipt.json", "upstream-tests.json"]
 
 
@@ -439,18 +439,73 @@ def test_write_bundle_replaces_only_bundles(tmp_path):
     out.mkdir()
     (out / "precious.txt").write_text("mine")
     with pytest.raises(BadInput):
-        evidence.write_bundle(out, fixture_run(tmp_path / "r"))
+        evidence.write_bundle(out, fixture_run(tmp_path / "r"), replace=True)
     assert (out / "precious.txt").read_text() == "mine"
     (tmp_path / "afile").write_text("x")
     with pytest.raises(BadInput, match="not a directory"):
         evidence.check_bundle_target(tmp_path / "afile")
     bundle = tmp_path / "bundle"
     evidence.write_bundle(bundle, fixture_run(tmp_path / "r", started="2026-01-01T00:00:00+00:00"))
-    (bundle / "stale.txt").write_text("left over")
-    evidence.write_bundle(bundle, fixture_run(tmp_path / "r", started="2026-01-02T00:00:00+00:00"))
-    assert not (bundle / "stale.txt").exists()
+    first = (bundle / evidence.RECEIPT).read_bytes()
+    # the toolkit's own files only: replaced in place, nothing kept aside
+    placed = evidence.place_bundle(bundle, fixture_run(tmp_path / "r", started="2026-01-02T00:00:00+00:00"),
+                                   replace=True)
+    assert placed.previous is None and (bundle / evidence.RECEIPT).read_bytes() != first
     assert evidence.verify(bundle).ok
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+
+
+def test_a_folder_with_someones_sha256sums_is_not_a_bundle(tmp_path):
+    """A release folder with its own SHA256SUMS (or even a receipt.json of someone else's) is
+    never replaced, with or without replace, and nothing in it changes."""
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "myapp-1.0.tar.gz").write_bytes(b"\x1f\x8b tarball")
+    (release / "SHA256SUMS").write_text(f"{'0' * 64}  myapp-1.0.tar.gz\n")
+    before = {p.name: p.read_bytes() for p in release.iterdir()}
+    for replace in (False, True):
+        with pytest.raises(BadInput, match="is not an evidence bundle"):
+            evidence.write_bundle(release, fixture_run(tmp_path / "r"), replace=replace)
+    (release / "receipt.json").write_text('{"predicateType": "https://example.org/other"}')
+    with pytest.raises(BadInput, match="is not an evidence bundle"):
+        evidence.write_bundle(release, fixture_run(tmp_path / "r"), replace=True)
+    (release / "receipt.json").unlink()
+    assert {p.name: p.read_bytes() for p in release.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["release"]  # no staging left
+    assert not evidence.is_bundle(release)
+
+
+def test_a_bundle_is_replaced_only_when_asked_and_foreign_files_are_kept(tmp_path):
+    bundle = evidence.write_bundle(tmp_path / "bundle", fixture_run(tmp_path / "r1",
+                                                                     started="2026-01-01T00:00:00+00:00"))
+    assert evidence.is_bundle(bundle) and (bundle / ".sglang-backport-bundle").is_file()
+    (bundle / "receipt.dsse.json").write_text('{"signatures": []}')   # a signature over this receipt
+    (bundle / "NOTES.txt").write_text("reviewed by A. on Monday")
+    old_receipt = (bundle / evidence.RECEIPT).read_bytes()
+    newer = fixture_run(tmp_path / "r2", started="2026-01-02T00:00:00+00:00")
+    with pytest.raises(BadInput, match="holds an evidence bundle already; pass --force"):
+        evidence.write_bundle(bundle, newer)
+    assert (bundle / "NOTES.txt").is_file() and (bundle / evidence.RECEIPT).read_bytes() == old_receipt
+    placed = evidence.place_bundle(bundle, newer, replace=True)
+    assert placed.previous is not None and placed.previous.parent == tmp_path
+    assert placed.previous.name.startswith("bundle.previous-")
+    # the old bundle is whole, its signature beside the receipt it signs; the new one verifies clean
+    assert (placed.previous / "receipt.dsse.json").read_text() == '{"signatures": []}'
+    assert (placed.previous / "NOTES.txt").read_text() == "reviewed by A. on Monday"
+    assert (placed.previous / evidence.RECEIPT).read_bytes() == old_receipt
+    assert not (bundle / "NOTES.txt").exists() and not (bundle / "receipt.dsse.json").exists()
+    assert evidence.verify(bundle).ok
+    # an edited file of the toolkit's is the user's now: kept aside too, never deleted
+    (bundle / evidence.REPORT).write_text("my edits\n")
+    again = evidence.place_bundle(bundle, newer, replace=True)
+    assert again.previous is not None and (again.previous / evidence.REPORT).read_text() == "my edits\n"
+    assert again.previous != placed.previous and placed.previous.is_dir()
+
+
+def test_verify_of_a_directory_that_is_not_a_bundle_is_bad_input(tmp_path):
+    (tmp_path / "SHA256SUMS").write_text(f"{'0' * 64}  x\n")
+    with pytest.raises(BadInput, match="not an evidence bundle"):
+        evidence.verify(tmp_path)
 
 
 # ---- verify: digests ------------------------------------------------------------------------------
@@ -459,7 +514,7 @@ def test_write_bundle_replaces_only_bundles(tmp_path):
 def test_verify_passes(bundle_dir):
     result = evidence.verify(bundle_dir)
     assert result.ok, result.problems
-    assert len(result.files) == 7 and result.summary["result"] == "pass"
+    assert len(result.files) == 8 and result.summary["result"] == "pass"
     assert result.to_json()["first"] is None
 
 

@@ -21,7 +21,7 @@ from backport import evidence
 from backport.errors import BadInput
 
 
-def render_summary(bundle: evidence.Bundle, written: Path) -> str:
+def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None = None) -> str:
     p = bundle.statement["predicate"]
     roles = [r for r in evidence.ROLES if r in p["probes"]]
     lines = [f"{'case':58} " + " ".join(f"{r:14}" for r in roles) + " pair"]
@@ -35,6 +35,8 @@ def render_summary(bundle: evidence.Bundle, written: Path) -> str:
     lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); "
                  f"patched differs from reference in {s['reference_differences']}")
     lines.append(f"bundle: {written}  (check: sglang-backport verify {written})")
+    if previous is not None:
+        lines.append(f"previous bundle kept whole (it held files this run does not rewrite): {previous}")
     export = p.get("export")
     if export:
         lines.append(f"exported: {written / export['wheel']['file']} (version {export['wheel']['version']}) and "
@@ -55,14 +57,15 @@ def options_from(args) -> list:
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
-                       export=args.export)
+                       export=args.export, force=args.force)
             for spec in args.spec]
 
 
 def _document(outcome) -> dict:
     return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
             "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary,
-            "subject": outcome.bundle.statement["subject"]}
+            "subject": outcome.bundle.statement["subject"],
+            "previous_bundle": None if outcome.previous is None else str(outcome.previous)}
 
 
 def cmd_run(args) -> int:
@@ -81,7 +84,7 @@ def cmd_run(args) -> int:
             "exit_code": code, "runs": [{"spec": spec, **_document(o)} for spec, o in zip(args.spec, outcomes)]}
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
-        print("\n\n".join(render_summary(o.bundle, o.written) for o in outcomes))
+        print("\n\n".join(render_summary(o.bundle, o.written, o.previous) for o in outcomes))
     return code
 
 
@@ -117,6 +120,10 @@ def register(sub) -> None:
                                            "each, every tree probed in one probe matrix)")
     p.add_argument("--out", help="bundle directory (default: evidence/<target>/ under the current directory); "
                                  "with several SPECs the folder that holds their bundles")
+    p.add_argument("--force", action="store_true",
+                   help="--out may hold an evidence bundle already: replace it (a bundle holding anything the "
+                        "toolkit did not write, a signature or notes, is moved aside whole and the new path "
+                        "printed); a directory that is not a bundle is never written into")
     p.add_argument("--jobs", type=int, metavar="N", help="trees probed at once (default: the core count)")
     p.add_argument("--min-coverage", type=float, metavar="PCT",
                    help="make it a finding (exit 1) when fewer than PCT%% of the executable lines the pack "

@@ -8,7 +8,7 @@ checks: `integrity` (digests), `agreement` (values shared by several files) and 
 """
 
 from backport.evidence.artifacts import Exported, export_of
-from backport.evidence.bundle import Bundle, assemble, check_bundle_target, write_bundle
+from backport.evidence.bundle import Bundle, Written, assemble, check_bundle_target, is_bundle, place_bundle, write_bundle
 from backport.evidence.environment import (
     KEY_PACKAGES,
     TOOLKIT_PACKAGES,
@@ -37,7 +37,7 @@ from backport.evidence.verify import verify
 __all__ = [
     "APPLY_REPORT", "KEY_PACKAGES", "PAIR_VERDICTS", "PASSING", "PREDICATE_TYPE", "RECEIPT", "REPORT", "ROLES",
     "STATEMENT_TYPE", "SUMS", "TOOLKIT_PACKAGES", "TREE_VERDICTS", "UPSTREAM_TESTS", "Bundle", "Exported", "Problem",
-    "TreeInput", "VerifyResult", "assemble", "canonical_json", "check_bundle_target", "check_statement",
-    "environment_record", "export_of", "interpreter_environment", "is_finding", "pair_verdict", "probe_file",
+    "TreeInput", "VerifyResult", "Written", "assemble", "canonical_json", "check_bundle_target", "check_statement",
+    "environment_record", "export_of", "interpreter_environment", "is_bundle", "is_finding", "pair_verdict", "place_bundle", "probe_file",
     "render_report", "sha256_bytes", "sha256_file", "sums_text", "toolkit_info", "verify", "write_bundle",
 ]

@@ -9,6 +9,7 @@ Layout (users and scripts depend on it)::
     probes/<role>.json    one tree's probe results, normalised
     upstream-tests.json   upstream's unit tests per tree, normalised
     export/               with `run --export`: the patched wheel and export/patches/NNNN-*.patch
+    .sglang-backport-bundle   the marker: with receipt.json, what makes a directory a bundle
     SHA256SUMS            `sha256sum -c` form over every other file
 
 Determinism: the files are a function of the inputs only. Everything volatile (wall-clock
@@ -18,6 +19,9 @@ times, durations, import times, absolute paths of temporary trees) lives in the 
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable
@@ -29,19 +33,25 @@ from backport.errors import BadInput
 from backport.evidence.artifacts import Exported
 from backport.evidence.layout import (
     APPLY_REPORT,
+    MARKER,
+    MARKER_BYTES,
     RECEIPT,
     REPORT,
     SUMS,
     UPSTREAM_TESTS,
     canonical_json,
+    parse_sums,
     probe_file,
     sha256_bytes,
+    sha256_file,
     sums_text,
 )
 from backport.evidence.report import render_report
 from backport.evidence.scrub import normalise_document, normalise_probe
-from backport.evidence.statement import TreeInput, build_statement
+from backport.evidence.statement import PREDICATE_TYPE, TreeInput, build_statement
 from backport.evidence.verdicts import ROLES
+
+log = logging.getLogger("backport.evidence")
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,7 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     files[UPSTREAM_TESTS] = canonical_json(upstream)
     if export is not None:
         files.update(export.files)
+    files[MARKER] = MARKER_BYTES
 
     def statement_for(report: bytes | None) -> dict:
         digests = {name: sha256_bytes(data) for name, data in files.items()}
@@ -135,28 +146,97 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     return Bundle(files, statement)
 
 
-def _looks_like_bundle(path: Path) -> bool:
-    return (path / RECEIPT).is_file() or (path / SUMS).is_file()
+# ---- where a bundle may go: never over what a user owns ------------------------------------------
 
 
-def check_bundle_target(out: Path) -> Path:
-    """`out` as an absolute path, if a bundle may be written there (BadInput otherwise)."""
+def is_bundle(path: Path) -> bool:
+    """A bundle this toolkit wrote: its marker and its receipt (a file named SHA256SUMS alone is not one)."""
+    path = Path(path)
+    marker = path / MARKER
+    return (marker.is_file() and not marker.is_symlink() and marker.read_bytes() == MARKER_BYTES
+            and (path / RECEIPT).is_file())
+
+
+def _is_legacy_bundle(path: Path) -> bool:
+    """A bundle of an earlier version (no marker): a receipt.json whose predicate type is ours."""
+    try:
+        statement = json.loads((path / RECEIPT).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(statement, dict) and statement.get("predicateType") == PREDICATE_TYPE
+
+
+def check_bundle_target(out: Path, *, replace: bool = False) -> Path:
+    """`out` as an absolute path, if a bundle may be written there (BadInput otherwise).
+
+    A directory the toolkit did not write is never written into; an existing bundle is replaced
+    only when `replace` (the default evidence/<target>/ directory, or `--force`).
+    """
     out = Path(out).absolute()
-    if out.exists() and not out.is_dir():
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise BadInput(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not _looks_like_bundle(out):
-        raise BadInput(f"{out}: exists, is not empty and is not an evidence bundle; refusing to replace it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return out
+    if not (is_bundle(out) or _is_legacy_bundle(out)):
+        raise BadInput(f"{out}: exists, is not empty and is not an evidence bundle (no {MARKER} beside a "
+                       f"receipt.json); refusing to write into it, nothing was changed: give another --out")
+    if not replace:
+        raise BadInput(f"{out}: holds an evidence bundle already; pass --force to replace it (files the toolkit "
+                       f"did not write, a signature or notes, stay with the old bundle, moved aside) or give "
+                       f"another --out")
     return out
 
 
-def write_bundle(out: Path, bundle: Bundle) -> Path:
+def _own_files(out: Path) -> set[str] | None:
+    """The names of the files in `out` that the toolkit wrote there and nobody changed since (SHA256SUMS
+    and what it lists, digests matching); None when anything else is there (a signature, notes, an
+    edited file, a link) or the bundle has no marker."""
+    if not is_bundle(out):
+        return None
+    listed, _why = parse_sums((out / SUMS).read_bytes()) if (out / SUMS).is_file() else (None, None)
+    if listed is None:
+        return None
+    own = {SUMS}
+    for path in out.rglob("*"):
+        if path.is_dir() and not path.is_symlink():
+            continue
+        name = path.relative_to(out).as_posix()
+        if name == SUMS:
+            continue
+        if path.is_symlink() or listed.get(name) != sha256_file(path):
+            return None
+        own.add(name)
+    return own
+
+
+def _aside_name(out: Path) -> Path:
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    candidate = out.with_name(f"{out.name}.previous-{stamp}")
+    number = 1
+    while candidate.exists() or candidate.is_symlink():
+        number += 1
+        candidate = out.with_name(f"{out.name}.previous-{stamp}-{number}")
+    return candidate
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    previous: Path | None      # where the bundle that was at `path` was moved, whole (None: none kept)
+
+
+def place_bundle(out: Path, bundle: Bundle, *, replace: bool = False) -> Written:
     """Write the bundle beside `out` under a temporary name, then swap it into place.
 
-    An existing bundle at `out` is replaced only after the new one is complete; a directory
-    that is not a bundle (no receipt.json, no SHA256SUMS) and is not empty is never replaced.
+    Nothing a user owns is deleted. A directory that is not a bundle is never written into. An
+    existing bundle (only when `replace`) is removed only when it holds nothing but the toolkit's
+    own unchanged files and the new bundle rewrites every one of them; otherwise (a signature,
+    a reviewer's notes, an export the new run does not make, an edited file) the old bundle is
+    moved aside whole, beside `out`, and `previous` says where.
     """
-    out = check_bundle_target(out)
+    out = check_bundle_target(out, replace=replace)
     staged = cache.staging_dir(out)
+    previous = None
     try:
         for name, data in bundle.files.items():
             target = staged / name
@@ -167,7 +247,11 @@ def write_bundle(out: Path, bundle: Bundle) -> Path:
                 os.fsync(handle.fileno())
         old = None
         if out.exists():
-            old = staged.with_name(staged.name.replace(".partial", ".old"))
+            own = _own_files(out)
+            if own is not None and own <= set(bundle.files):
+                old = staged.with_name(staged.name.replace(".partial", ".old"))
+            else:
+                old = previous = _aside_name(out)
             os.rename(out, old)
         try:
             os.rename(staged, out)
@@ -175,9 +259,17 @@ def write_bundle(out: Path, bundle: Bundle) -> Path:
             if old is not None:
                 os.rename(old, out)
             raise
-        if old is not None:
+        if old is not None and previous is None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return out
+    if previous is not None:
+        log.warning("%s: the bundle that was there holds files this run does not rewrite; kept whole at %s",
+                    out, previous)
+    return Written(out, previous)
+
+
+def write_bundle(out: Path, bundle: Bundle, *, replace: bool = False) -> Path:
+    """`place_bundle`, for callers that need only the bundle's path."""
+    return place_bundle(out, bundle, replace=replace).path

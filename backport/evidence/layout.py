@@ -19,6 +19,11 @@ REPORT = "REPORT.md"
 APPLY_REPORT = "apply-report.json"
 UPSTREAM_TESTS = "upstream-tests.json"
 PROBES_DIR = "probes"
+# The marker the toolkit writes into every bundle (listed in SHA256SUMS like any other file): with
+# receipt.json it is what makes a directory a bundle, so a folder that merely holds a file named
+# SHA256SUMS is never taken for one (bundle.py replaces only what it recognises).
+MARKER = ".sglang-backport-bundle"
+MARKER_BYTES = b"sglang-backport evidence bundle: written by sglang-backport; see receipt.json\n"
 
 
 def probe_file(role: str) -> str:

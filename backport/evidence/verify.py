@@ -16,7 +16,7 @@ from pathlib import Path
 from backport.errors import BadInput
 from backport.evidence.agreement import agreement_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
-from backport.evidence.layout import RECEIPT
+from backport.evidence.layout import MARKER, RECEIPT
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
 
@@ -45,6 +45,9 @@ def verify(bundle: Path | str) -> VerifyResult:
     bundle = Path(bundle)
     if not bundle.is_dir():
         raise BadInput(f"{bundle}: not a directory")
+    if not (bundle / MARKER).exists() and not (bundle / RECEIPT).exists():
+        # neither the marker nor the receipt: not a damaged bundle, not a bundle at all
+        raise BadInput(f"{bundle}: not an evidence bundle (no {MARKER}, no {RECEIPT})")
     present = bundle_files(bundle)
     actual = digests(present)
     problems, statement = _problems(bundle, present, actual)

@@ -38,6 +38,13 @@ class RunOptions:
     bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
     min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
     export: bool = False               # put the patched wheel and the patch series in the bundle
+    force: bool = False                # `out` may hold a bundle already: replace it (evidence/bundle.py)
+
+    @property
+    def replace_bundle(self) -> bool:
+        """An existing bundle at the bundle directory may be replaced: the toolkit named the directory
+        (evidence/<target>/, or <--out>/<target> with several SPECs), or --force."""
+        return self.force or self.out is None
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def plan(options: RunOptions) -> Plan:
         reference = default_reference(pack, pins)
         choice = "default: the newest pinned release whose version is in every fix's fixed_in"
     if options.out is not None:
-        evidence.check_bundle_target(Path(options.out))
+        evidence.check_bundle_target(Path(options.out), replace=options.replace_bundle)
     if options.min_coverage is not None and not 0 <= options.min_coverage <= 100:
         raise BadInput(f"--min-coverage {options.min_coverage}: a percentage from 0 to 100")
     if options.export and (options.head or source_kind(target) != "wheel"):

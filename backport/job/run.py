@@ -45,6 +45,7 @@ class RunOutcome:
     written: Path
     exit_code: int
     receipt_sha256: str
+    previous: Path | None = None       # where the bundle that was at `written` was moved, whole
 
     @property
     def summary(self) -> dict:
@@ -180,7 +181,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
         head = fetch(options.head, the_plan) if options.head else None
         out = Path(options.out) if options.out else bundle_dir(
             source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
-        evidence.check_bundle_target(out)
+        evidence.check_bundle_target(out, replace=options.replace_bundle)
     trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
     apply_json, patches = None, []
     try:
@@ -269,9 +270,10 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             reference_choice=the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
             coverage=coverage, export=exported)
-        written = evidence.write_bundle(run.out, bundle)
+        placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
-    return RunOutcome(bundle, written, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest())
+    return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),
+                      placed.previous)
 
 
 def discard(work: list[Path], *, keep: bool) -> None:

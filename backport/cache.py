@@ -127,8 +127,19 @@ def write_json_atomic(path: Path, document: object) -> None:
     write_file_atomic(path, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
 
 
+def _installed_snapshot(entry: Path) -> bool:
+    """A tree entry snapshotted from an interpreter's installed sglang (`status installed`, `run installed`)."""
+    try:
+        return json.loads((entry / "target.json").read_text()).get("spec") == "installed"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def gc(*, older_than_days: float, now: float | None = None) -> dict:
-    """Remove work clones older than the given age and every staging leftover of a dead process."""
+    """Remove work clones and snapshots of installed packages older than the given age, and every
+    staging leftover of a dead process (a killed probe environment build's, pip's temporary files
+    included). A snapshot of an installed package is taken again on the next use; no bundle needs
+    it (a bundle holds digests, and verify reads only the bundle)."""
     root = cache_root()
     now = time.time() if now is None else now
     removed: list[str] = []
@@ -140,6 +151,12 @@ def gc(*, older_than_days: float, now: float | None = None) -> dict:
             if path.name.startswith("."):
                 continue
             if now - path.stat().st_mtime >= older_than_days * 86400:
+                discard_dir(path)
+                removed.append(str(path))
+    trees = root / "trees"
+    if trees.is_dir():
+        for path in sorted(trees.glob("path-*")):
+            if _installed_snapshot(path) and now - path.stat().st_mtime >= older_than_days * 86400:
                 discard_dir(path)
                 removed.append(str(path))
     return {"cache": str(root), "removed": removed}

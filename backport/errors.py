@@ -7,3 +7,12 @@ class BadInput(Exception):
 
 class Finding(Exception):
     """A result the operator must act on (a patch failed, a digest mismatch): exit 1."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs (each process
+    a command started is stopped, each temporary directory removed), as KeyboardInterrupt for SIGINT."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

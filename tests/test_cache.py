@@ -115,6 +115,25 @@ def test_gc_removes_old_work_clones_only(cache_dir, capsys):
     assert code == 2 and error_line(err)
 
 
+def test_gc_removes_old_snapshots_of_installed_packages_and_killed_builds(cache_dir, capsys):
+    trees = cache_dir / "trees"
+    installed, directory, fresh = trees / "path-aaa", trees / "path-bbb", trees / "path-ccc"
+    for entry, spec in ((installed, "installed"), (directory, "/srv/checkout"), (fresh, "installed")):
+        (entry / "tree" / "sglang").mkdir(parents=True)
+        (entry / "target.json").write_text(json.dumps({"spec": spec}))
+    past = time.time() - 10 * 86400
+    for entry in (installed, directory):
+        os.utime(entry, (past, past))
+    # a probe environment build killed with SIGKILL: its staging entry, pip's temporary files inside
+    killed = cache_dir / "envs" / ".probe-0123.999999999.x.partial"
+    (killed / "tmp" / "pip-unpack-x").mkdir(parents=True)
+    code, out, _ = run_cli(capsys, "gc", "--json")
+    assert code == 0 and sorted(json.loads(out)["removed"]) == sorted([str(killed), str(installed)])
+    assert not installed.exists() and directory.exists() and fresh.exists() and not killed.exists()
+    code, out, _ = run_cli(capsys, "gc", "--older-than", "0", "--json")
+    assert json.loads(out)["removed"] == [str(fresh)] and directory.exists()
+
+
 MALFORMED_MATRIX = {
     "missing-wheel": '[[release]]\nversion = "9.9.1"\n',
     "extra-key": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\ncolour = "red"\n' % ("0" * 64),

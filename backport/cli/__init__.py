@@ -12,10 +12,13 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from backport import __version__
-from backport.errors import BadInput, Finding
+from backport.errors import BadInput, Finding, Interrupted
 
 # Each module adds its subcommands with `register(subparsers)`.
 COMMAND_MODULES = (
@@ -66,11 +69,36 @@ def _configure_logging() -> None:
     root.propagate = False
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Interrupted while a command runs, so its cleanup runs (Python's
+    default for them ends the process without any `finally`); the old handlers come back after."""
+
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    saved = {}
+    for sig in STOP_SIGNALS:
+        try:
+            saved[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave the handlers alone
+            break
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _configure_logging()
     try:
-        code = _dispatch(argv, "--json" in argv)
+        with _signals_raise():
+            code = _dispatch(argv, "--json" in argv)
         sys.stdout.flush()  # inside the try: a closed pipe is reported here, not at exit
         return code
     except BrokenPipeError:
@@ -95,8 +123,11 @@ def _dispatch(argv: list[str], wants_json: bool) -> int:
             print(f"sglang-backport: {exc}", file=sys.stderr)
             return 1
         return _error(wants_json, 1, str(exc))
-    except KeyboardInterrupt:
-        return 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"sglang-backport: interrupted by {signal.Signals(signum).name}: stopped; every process it started "
+              f"is ended and its temporary files removed", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         raise
     except Exception as exc:

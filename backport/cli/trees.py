@@ -179,8 +179,10 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_apply)
 
-    p = sub.add_parser("gc", help="remove old work clones and leftovers of killed runs from the cache")
+    p = sub.add_parser("gc", help="remove old work clones, snapshots of installed packages and leftovers of "
+                                  "killed runs from the cache")
     p.add_argument("--older-than", type=float, default=7.0, metavar="DAYS",
-                   help="remove work clones not modified for this many days (default 7; 0 removes all)")
+                   help="remove work clones and snapshots of installed packages not modified for this many "
+                        "days (default 7; 0 removes all)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)

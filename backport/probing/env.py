@@ -7,10 +7,14 @@ install, or pip would replace it with a CUDA build of several GB.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
+import shutil
+import signal
 import subprocess
+import threading
 import sys
 import time
 import venv
@@ -45,6 +49,55 @@ def env_python(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+PROGRESS_SECONDS = 10   # the longest an environment build stays silent
+
+
+def _pip_install(python: Path, constraint: Path, requirements: Path) -> list[str]:
+    return [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+            "-c", str(constraint), "-r", str(requirements)]
+
+
+def _run_step(cmd: list[str], tmpdir: Path, what: str, say, started: float) -> None:
+    """Run one build command with its temporary files in `tmpdir` (inside the staging entry, so they
+    go with it on every exit path), a line of progress at least every PROGRESS_SECONDS, and the
+    command's whole process group ended when this one is interrupted or fails."""
+    tmpdir.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PIP_NO_INPUT": "1"}
+    lines: collections.deque[str] = collections.deque(maxlen=20)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                proc.wait(timeout=PROGRESS_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                last = next((line.strip() for line in reversed(lines) if line.strip()), "starting")
+                say(f"  probe environment: {what}, {time.monotonic() - started:.0f} s: {last[:120]}")
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc)
+        reader.join(timeout=2)
+    if proc.returncode != 0:
+        tail = "\n".join(list(lines)[-5:])
+        raise BadInput(f"{REQUIREMENTS}: probe environment {what} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def ensure_env(python: str | None = None, *, quiet: bool = False) -> Path:
     """The interpreter probes run in: `python` if given, else the cached environment (built on first use)."""
     chosen = python or os.environ.get("SGLANG_BACKPORT_PROBE_PYTHON")
@@ -59,19 +112,19 @@ def ensure_env(python: str | None = None, *, quiet: bool = False) -> Path:
     say = (lambda *_: None) if quiet else log.warning
     requirements = REQUIREMENTS.read_text()
     started = time.monotonic()
+    cache.clean_stale_staging(final.parent)  # a killed build's leftovers, pip's temporary files with them
 
     def build(staged: Path) -> None:
-        say(f"building the CPU probe environment in {final} (one time, about 2-3 minutes) ...")
-        venv.EnvBuilder(with_pip=True).create(staged)
+        say(f"building the CPU probe environment in {final} (one time, about 3-6 minutes) ...")
+        venv.EnvBuilder(with_pip=False).create(staged)
+        tmpdir = staged / "tmp"    # TMPDIR of every step: pip's temporary directories die with the entry
+        _run_step([str(env_python(staged)), "-m", "ensurepip", "--upgrade", "--default-pip"], tmpdir,
+                  "ensurepip", say, started)
         constraint = staged / "constraints.txt"
         constraint.write_text(_torch_pin(requirements) + "\n")
-        cmd = [str(env_python(staged)), "-m", "pip", "install", "--disable-pip-version-check",
-               "--progress-bar", "off", "-c", str(constraint), "-r", str(REQUIREMENTS)]
         say("  pip install -r probes/requirements-cpu.txt (torch pinned to the CPU wheel) ...")
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-            raise BadInput(f"{REQUIREMENTS}: probe environment install failed:\n{tail}")
+        _run_step(_pip_install(env_python(staged), constraint, REQUIREMENTS), tmpdir, "pip install", say, started)
+        shutil.rmtree(tmpdir, ignore_errors=True)
         (staged / "READY").write_text(requirements)
         say(f"  probe environment ready in {time.monotonic() - started:.0f} s")
 

@@ -8,7 +8,15 @@ checks: `integrity` (digests), `agreement` (values shared by several files) and 
 """
 
 from backport.evidence.artifacts import Exported, export_of
-from backport.evidence.bundle import Bundle, Written, assemble, check_bundle_target, is_bundle, place_bundle, write_bundle
+from backport.evidence.bundle import (
+    Bundle,
+    Written,
+    assemble,
+    check_bundle_target,
+    is_bundle,
+    place_bundle,
+    write_bundle,
+)
 from backport.evidence.environment import (
     KEY_PACKAGES,
     TOOLKIT_PACKAGES,

@@ -14,8 +14,8 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import sys
+import threading
 import time
 import venv
 from pathlib import Path

@@ -152,7 +152,12 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         trees=trees, probe_docs=probe_docs, apply_report=apply_report, patches=patches,
         series_files=[{"path": "fixes.toml", "sha256": D[9]}], upstream_tests=upstream,
         environment=environment, toolkit={"name": "sglang-backport", "version": "0.1.0", "git_commit": None,
-                                          "git_dirty": None},
+                                          "git_dirty": None,
+                                          "code": {"backport_sha256": D[2], "probes_sha256": D[3],
+                                                   "probe_requirements_sha256": D[4]},
+                                          "distribution": {"installed_from": "wheel",
+                                                           "wheel": "sglang_backport-0.1.0-py3-none-any.whl",
+                                                           "wheel_sha256": D[5]}},
         timestamps=timestamps, reference_choice="default",
         extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")], coverage=fixture_coverage())
 
@@ -850,7 +855,7 @@ def test_verify_never_raises_on_a_resealed_receipt(bundle_dir):
     exception) and accepts only edits of values that no other file holds."""
     statement = _receipt(bundle_dir)
     original = {name: (bundle_dir / name).read_bytes() for name in ("receipt.json", "SHA256SUMS")}
-    unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty")
+    unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty", "distribution")
     accepted, checked = [], 0
     same_shape = (("predicate", "probes", "pristine"), ("predicate", "probes", "reference"),
                   ("predicate", "summary", "per_tree", "pristine"), ("predicate", "summary", "per_tree", "reference"),

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from backport import __version__, resources
+from backport.digests import sha256_file
 
 # Packages whose versions decide how SGLang's modules behave on a CPU (probes/requirements-cpu.txt).
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "triton", "numpy", "xgrammar", "apache-tvm-ffi",
@@ -17,8 +18,55 @@ KEY_PACKAGES = ("torch", "transformers", "tokenizers", "triton", "numpy", "xgram
 TOOLKIT_PACKAGES = ("gitpython", "unidiff", "packaging", "requests")
 
 
+def directory_digest(root: Path) -> str:
+    """sha256 of the `sha256sum` manifest of every file under `root` (`__pycache__` excluded), as a tree digest."""
+    from backport.tree import manifest_digest
+
+    return manifest_digest((path.relative_to(root).as_posix(), sha256_file(path))
+                           for path in sorted(Path(root).rglob("*"))
+                           if path.is_file() and "__pycache__" not in path.relative_to(root).parts)
+
+
+def code_digests() -> dict:
+    """The code that judged: the toolkit's package, the probes package, the probe environment's requirements."""
+    return {"backport_sha256": directory_digest(Path(__file__).resolve().parent.parent),
+            "probes_sha256": directory_digest(resources.probes_dir()),
+            "probe_requirements_sha256": sha256_file(resources.probes_dir() / "requirements-cpu.txt")}
+
+
+def distribution_info() -> dict:
+    """How this toolkit was installed (PEP 610's direct_url.json): from a source checkout, a directory,
+    or a wheel file, whose sha256 is recorded when the installer recorded it or the file is still there."""
+    if resources.checkout_root() is not None:
+        return {"installed_from": "source checkout", "wheel": None, "wheel_sha256": None}
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    try:
+        raw = metadata.distribution("sglang-backport").read_text("direct_url.json")
+        direct = json.loads(raw) if raw else None
+    except (metadata.PackageNotFoundError, ValueError):
+        direct = None
+    if not isinstance(direct, dict):
+        return {"installed_from": "package index or unknown", "wheel": None, "wheel_sha256": None}
+    url = str(direct.get("url", ""))
+    if "dir_info" in direct:
+        editable = bool((direct.get("dir_info") or {}).get("editable"))
+        return {"installed_from": "editable directory" if editable else "directory", "wheel": None,
+                "wheel_sha256": None}
+    name = unquote(urlparse(url).path).rsplit("/", 1)[-1] or None
+    hashes = (direct.get("archive_info") or {}).get("hashes") or {}
+    digest = hashes.get("sha256")
+    if digest is None and url.startswith("file://"):
+        path = Path(unquote(urlparse(url).path))
+        digest = sha256_file(path) if path.is_file() else None
+    return {"installed_from": "wheel" if name and name.endswith(".whl") else "archive", "wheel": name,
+            "wheel_sha256": digest}
+
+
 def toolkit_info(root: Path | None = None) -> dict:
-    """Version and git commit of the toolkit checkout (commit null when it is not a git checkout)."""
+    """Version and git commit of the toolkit checkout (commit null when it is not a git checkout), the
+    digests of the code that judged, and how the toolkit was installed."""
     root = Path(root or resources.SOURCE_ROOT)
     commit = None
     dirty = None
@@ -37,7 +85,8 @@ def toolkit_info(root: Path | None = None) -> dict:
             repo.close()
     except Exception:  # noqa: BLE001 - not a checkout, or no git: recorded as null
         commit, dirty = None, None
-    return {"name": "sglang-backport", "version": __version__, "git_commit": commit, "git_dirty": dirty}
+    return {"name": "sglang-backport", "version": __version__, "git_commit": commit, "git_dirty": dirty,
+            "code": code_digests(), "distribution": distribution_info()}
 
 
 _ENV_SCRIPT = r"""

@@ -34,7 +34,8 @@ from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_di
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
-SCHEMA_VERSION = 2  # 2: subjects are the artifacts, bundle files in predicate.files, predicate.export
+SCHEMA_VERSION = 3  # 3: toolkit.code (digests of the code that judged) and toolkit.distribution; the bundle marker
+# 2: subjects are the artifacts, bundle files in predicate.files, predicate.export
 _EMBEDDING_KEYS = ("file", "sha256")
 
 

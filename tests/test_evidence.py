@@ -153,11 +153,11 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         series_files=[{"path": "fixes.toml", "sha256": D[9]}], upstream_tests=upstream,
         environment=environment, toolkit={"name": "sglang-backport", "version": "0.1.0", "git_commit": None,
                                           "git_dirty": None,
-                                          "code": {"backport_sha256": D[2], "probes_sha256": D[3],
-                                                   "probe_requirements_sha256": D[4]},
+                                          "code": {"backport_sha256": "ab" * 32, "probes_sha256": "ac" * 32,
+                                                   "probe_requirements_sha256": "ad" * 32},
                                           "distribution": {"installed_from": "wheel",
                                                            "wheel": "sglang_backport-0.1.0-py3-none-any.whl",
-                                                           "wheel_sha256": D[5]}},
+                                                           "wheel_sha256": "ae" * 32}},
         timestamps=timestamps, reference_choice="default",
         extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")], coverage=fixture_coverage())
 
@@ -855,7 +855,7 @@ def test_verify_never_raises_on_a_resealed_receipt(bundle_dir):
     exception) and accepts only edits of values that no other file holds."""
     statement = _receipt(bundle_dir)
     original = {name: (bundle_dir / name).read_bytes() for name in ("receipt.json", "SHA256SUMS")}
-    unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty", "distribution")
+    unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty")
     accepted, checked = [], 0
     same_shape = (("predicate", "probes", "pristine"), ("predicate", "probes", "reference"),
                   ("predicate", "summary", "per_tree", "pristine"), ("predicate", "summary", "per_tree", "reference"),

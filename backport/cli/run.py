@@ -19,6 +19,7 @@ from pathlib import Path
 
 from backport import evidence
 from backport.errors import BadInput
+from backport.evidence.scope import reference_comparison
 
 
 def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None = None) -> str:
@@ -32,8 +33,7 @@ def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None
                      + f" {row['pair']}{mark}")
     s = p["summary"]
     counts = ", ".join(f"{n} {v}" for v, n in s["pair_verdicts"].items() if n)
-    lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); "
-                 f"patched differs from reference in {s['reference_differences']}")
+    lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); {reference_comparison(p)}")
     lines.append(f"bundle: {written}  (check: sglang-backport verify {written})")
     if previous is not None:
         lines.append(f"previous bundle kept whole (it held files this run does not rewrite): {previous}")

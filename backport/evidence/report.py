@@ -8,32 +8,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import artifacts, coverage
-from backport.evidence.verdicts import PAIR_VERDICTS, ROLES, is_finding
+from backport.evidence import artifacts, coverage, scope
+from backport.evidence.verdicts import REFERENCE, ROLES, is_finding
 
 
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value).replace("|", "\\|")
 
 
-def _pair_counts(summary: dict) -> list[tuple[str, int]]:
-    """The pair verdict counts in the table's order (a receipt read back has its keys sorted)."""
-    counts = summary["pair_verdicts"]
-    order = [v for v in PAIR_VERDICTS if v in counts] + sorted(v for v in counts if v not in PAIR_VERDICTS)
-    return [(v, counts[v]) for v in order]
+_pair_counts = scope.pair_counts
+
+
+def _toolkit_line(p: dict) -> str:
+    toolkit, env = p["toolkit"], p["environment"]
+    code, dist = toolkit.get("code") or {}, toolkit.get("distribution") or {}
+    installed = dist.get("installed_from", "unknown")
+    if dist.get("wheel"):
+        installed += f" `{dist['wheel']}` (sha256 `{dist.get('wheel_sha256') or 'not recorded'}`)"
+    return (f"Toolkit sglang-backport {toolkit['version']} (commit {toolkit['git_commit'] or 'none: not a git checkout'}"
+            f"; installed from {installed}; code sha256: toolkit `{code.get('backport_sha256')}`, probes "
+            f"`{code.get('probes_sha256')}`, probe requirements `{code.get('probe_requirements_sha256')}`). "
+            f"Probe environment: Python {env['python']}, torch {env['torch']}, {env['platform']}.")
 
 
 def render_report(statement: dict) -> str:
     p = statement["predicate"]
     target, trees, summary = p["inputs"]["target"], p["inputs"]["trees"], p["summary"]
     roles = [r for r in ROLES if r in p["probes"]]
-    lines = [f"# Evidence: {target['spec']}", ""]
-    lines.append(f"Result: **{summary['result'].upper()}** ({summary['cases']} cases; "
-                 + ", ".join(f"{n} {v}" for v, n in _pair_counts(summary) if n) + ").")
-    lines += ["", (f"Toolkit sglang-backport {p['toolkit']['version']} "
-                   f"(commit {p['toolkit']['git_commit'] or 'none: not a git checkout'}). "
-                   f"Probe environment: Python {p['environment']['python']}, torch {p['environment']['torch']}, "
-                   f"{p['environment']['platform']}."), ""]
+    lines = [f"# Evidence: {target['spec']}", ""] + scope.render(statement)
+    lines += [_toolkit_line(p), ""]
     lines += ["## Inputs", "", "| role | spec | version | tree digest (sha256) | commit | artifact sha256 |",
               "|---|---|---|---|---|---|"]
     for role in ROLES:
@@ -53,13 +56,20 @@ def render_report(statement: dict) -> str:
     if p["apply"] is not None:
         lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{p['apply'].get('head_commit')}`."]
     lines += [""] + artifacts.render(statement)[:-1]
-    lines += ["", "## Cases", "", ("Pair = pristine -> patched. "
-                                   "`*` marks a must-preserve case (behaviour every fix must keep)."), ""]
+    own_mark = "own check" if REFERENCE in roles else "-"
+    lines += ["", "## Cases", "", ("Pair = pristine -> patched; **bold** marks a finding. "
+                                   "`*` marks a must-preserve case (behaviour every fix must keep). "
+                                   "patched = reference: `yes` the patched tree's verdict equals the reference's, "
+                                   "`**no**` it differs"
+                                   + (", `own check` a case of this pack's own check, which no release has "
+                                      "(not compared: the reference is unsafe there by design)"
+                                      if REFERENCE in roles else ", `-` no reference tree was probed")
+                                   + ". A `-` in a tree's column: that tree was not probed for the case."), ""]
     header = "| probe / case | " + " | ".join(roles) + " | pair | patched = reference |"
     lines += [header, "|" + "---|" * (len(roles) + 3)]
     for row in p["cases"]:
         name = f"{row['probe']} / {row['case']}{' *' if row['must_preserve'] else ''}"
-        agree = {True: "yes", False: "**no**", None: "-"}[row["reference_agrees"]]
+        agree = {True: "yes", False: "**no**", None: own_mark}[row["reference_agrees"]]
         pair = f"**{row['pair']}**" if is_finding(row["pair"], row["must_preserve"]) else row["pair"]
         lines.append(f"| {_cell(name)} | " + " | ".join(_cell(row["verdicts"].get(r)) for r in roles)
                      + f" | {pair} | {agree} |")
@@ -102,7 +112,7 @@ def render_report(statement: dict) -> str:
     lines += ["", "## Summary", ""]
     lines += [f"- {v}: {n}" for v, n in _pair_counts(summary)]
     lines.append(f"- must-preserve cases: {summary['must_preserve_cases']}")
-    lines.append(f"- patched differs from reference: {summary['reference_differences']}")
+    lines.append(f"- {scope.reference_comparison(p)}")
     if summary.get("coverage"):
         c = summary["coverage"]
         lines.append(f"- patch lines executed by probes: {c['executed_by_probes']} of {c['added']} ({c['percent']}%)"

@@ -61,8 +61,8 @@ def _upstream_line(up: dict) -> tuple[str, bool]:
     if not outcomes:
         return f"no test ran ({len(files)} test file(s) listed)", False
     detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
-    return (f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a result, "
-            f"on {', '.join(trees)} ({detail})", ran > 0)
+    return ((f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a result, "
+            f"on {', '.join(trees)} ({detail})"), ran > 0)
 
 
 def render(statement: dict) -> list[str]:
@@ -74,10 +74,10 @@ def render(statement: dict) -> list[str]:
     upstream, upstream_ran = _upstream_line(p["upstream_tests"])
     live = p.get("live")
     lines = ["## Scope", "", "What ran:", "",
-             f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
+             (f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
              f"SGLang modules imported in the probe environment (Python {env.get('python')}, torch "
              f"{env.get('torch')}) on a CPU, with named stand-ins where a GPU, RDMA or a model would be "
-             f"needed: {STAND_INS}.",
+             f"needed: {STAND_INS}."),
              "- Live tier (real prefill and decode servers): " + ("ran; see its section below." if live else
                                                                    "not run; no server answered a request."),
              f"- Upstream's unit tests: {upstream}.",
@@ -93,12 +93,12 @@ def render(statement: dict) -> list[str]:
         lines.append(f"- {not_executed} executable line(s) the patches add that no case executed (listed under "
                      f"Coverage): they are reviewed, not proven.")
     lines += [
-        "- That writes have stopped when the deferred-release timeout fires: "
+        ("- That writes have stopped when the deferred-release timeout fires: "
         "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT` releases held pages without every drain ACK, "
         "so a write still in flight can land on reused pages; treat every \"Deferred KV release ... timed out\" "
-        "warning as a possible exposure.",
-        "- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no release "
-        "and no patch of this pack closes it.",
+        "warning as a possible exposure."),
+        ("- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no release "
+        "and no patch of this pack closes it."),
         "- A deployment where only one side runs the pack: both prefill and decode must run it (see Rollout).",
         "",
         f"Result: **{summary['result'].upper()}** ({summary['cases']} cases; "
@@ -122,14 +122,14 @@ def rollout(statement: dict) -> list[str]:
     return ["## Rollout", "",
             f"What to deploy: {wheel}, on every prefill and every decode node, in this order:",
             "",
-            "1. Prefill first: a patched prefill with an unpatched decode is harmless (it records the "
-            "transferred coverage in a spare slot, and sends drain ACKs an old decode ignores).",
-            "2. Then decode. While versions are mixed, a patched decode refuses every handoff from an unpatched "
+            ("1. Prefill first: a patched prefill with an unpatched decode is harmless (it records the "
+            "transferred coverage in a spare slot, and sends drain ACKs an old decode ignores)."),
+            ("2. Then decode. While versions are mixed, a patched decode refuses every handoff from an unpatched "
             f"prefill (HTTP 500, `transfer_coverage/unpatched_peer_refused`): set `{COVERAGE_SWITCH}` on decode "
-            "until every prefill runs the pack, then unset it.",
-            f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. Rollback: "
+            "until every prefill runs the pack, then unset it."),
+            (f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. Rollback: "
             f"{rollback}; a plain `pip install sglang=={version}` keeps the `+backport` build (PEP 440: the "
-            "local version satisfies `==`).",
-            "4. Check each node: `sglang-backport status installed --python EXE` says which patch set it runs, "
-            "the role order and whether its peer must be patched too.",
+            "local version satisfies `==`)."),
+            ("4. Check each node: `sglang-backport status installed --python EXE` says which patch set it runs, "
+            "the role order and whether its peer must be patched too."),
             ""]

@@ -886,3 +886,26 @@ def test_verify_cli(bundle_dir, capsys):
     assert cli.main(["verify", str(bundle_dir)]) == 1
     assert capsys.readouterr().out.startswith("FAIL REPORT.md: modified")
     assert cli.main(["verify", str(bundle_dir / "nope")]) == 2
+
+
+def test_report_states_its_scope_before_the_result(bundle_dir):
+    """REPORT.md's first lines say what ran and what was not proven; then the result, whose counts
+    agree with the cases table (the pack's own check counted apart), every mark with a legend."""
+    report = (bundle_dir / REPORT).read_text()
+    lines = report.splitlines()
+    result_at = next(i for i, line in enumerate(lines) if line.startswith("Result: "))
+    top = "\n".join(lines[:result_at])
+    assert lines[2] == "## Scope" and top.index("What ran:") < top.index("Not proven by this bundle:")
+    assert "- CPU probes: " in top and "stand-ins" in top and "`RecordingKVSender`" in top
+    assert "- Live tier (real prefill and decode servers): not run" in top
+    assert "- Upstream's unit tests: " in top
+    for caveat in ("possible exposure", "#38961", "both prefill and decode must run it", "GPU, over RDMA"):
+        assert caveat in top, caveat
+    cases = [line for line in lines if line.startswith("| ") and " / " in line.split("|")[1] and "---" not in line
+             and not line.startswith("| probe / case")]
+    agree = [line.rstrip(" |").rsplit("| ", 1)[-1] for line in cases]
+    compared = sum(1 for a in agree if a in ("yes", "**no**"))
+    differs = agree.count("**no**")
+    assert f"patched differs from the reference in {differs} of {compared} compared cases" in lines[result_at]
+    assert set(agree) <= {"yes", "**no**", "own check"}
+    assert "`own check` a case of this pack's own check" in report and "`**no**` it differs" in report

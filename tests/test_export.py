@@ -130,3 +130,44 @@ def test_export_command_writes_both(exported, tmp_path, capsys, shared):
     document = json.loads(capsys.readouterr().out)
     assert code == 0
     assert document["wheel"]["sha256"] == wheel.sha256 and len(document["patches"]) == len(lineage.commits)
+
+
+def _readme_rollback() -> str:
+    """The rollback command README's "Rollout and rollback" section tells an operator to run."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Rollout and rollback", 1)[1].split("\n## ", 1)[0]
+    (command,) = [line.strip() for line in section.splitlines() if line.strip().startswith("pip install --force")]
+    return command
+
+
+def test_the_readme_rollback_leaves_upstream_installed(exported, release_tree, tmp_path, capsys, shared):
+    """An exported wheel installed, `status installed` says the role order and the rollback; README's
+    rollback command (run as written, by the environment's pip) then leaves upstream's 0.5.19 installed:
+    its version and the pristine tree's digest, no +backport build and no record."""
+    import shlex
+
+    _, _, wheel = exported
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--no-compile", str(wheel.path)], check=True,
+                   capture_output=True)
+    code = cli.main(["status", "installed", "--python", python, "--json"])
+    rollout = json.loads(capsys.readouterr().out)["installed"]["rollout"]
+    assert code == 0 and rollout["patched"] and rollout["peer_must_be_patched"] is True
+    assert "as prefill" in rollout["order"] and "roll back decode first" in rollout["order"]
+    command = _readme_rollback()
+    assert rollout["rollback"] == command
+    argv = shlex.split(command)
+    assert argv[:2] == ["pip", "install"]
+    done = subprocess.run([*pip, *argv[1:]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = subprocess.run([*pip, "show", "sglang"], check=True, capture_output=True, text=True).stdout
+    assert "Version: 0.5.19\n" in shown
+    (site,) = (venv / "lib").glob("python3.*/site-packages")
+    assert tree_digest(site) == tree_digest(release_tree("0.5.19").package_root)
+    assert not list(site.glob("sglang-*+backport*.dist-info"))
+    code = cli.main(["status", "installed", "--python", python, "--json"])
+    installed = json.loads(capsys.readouterr().out)["installed"]
+    assert installed["backport"] is None and installed["rollout"]["patched"] is False

@@ -9,7 +9,7 @@ from pathlib import Path
 from backport import cache, resources
 from backport.cli import emit
 from backport.errors import BadInput
-from backport.export.installed import describe_installed
+from backport.export.installed import describe_installed, rollout
 from backport.tree import Tree, clone_tree, open_tree
 
 
@@ -73,7 +73,12 @@ def cmd_status(args) -> int:
         installed = describe_installed(args.python or sys.executable, tree.tree_digest,
                                        [Path(b) for b in args.bundle or ()])
         document["installed"] = installed.to_json()
+        document["installed"]["rollout"] = advice = rollout(installed, {d.fix for d in found if d.present})
         lines += installed_lines(installed, bool(args.bundle))
+        lines.append("  rollout: " + advice["order"] + (
+            "; the PD peer must run this patch set too" if advice["peer_must_be_patched"] else ""))
+        if advice["rollback"]:
+            lines.append(f"  rollback: {advice['rollback']}  (a plain `pip install sglang==X` keeps this build)")
     elif args.bundle:
         raise BadInput("--bundle: only with the 'installed' target")
     emit(args, document, "\n".join(lines))

@@ -88,3 +88,26 @@ def matching_bundles(paths: list[Path], tree_digest: str) -> list[dict]:
 def describe_installed(python: str, tree_digest: str, bundles: list[Path]) -> Installed:
     version, provenance = read_distribution(python)
     return Installed(version, provenance, tree_digest, tuple(matching_bundles(bundles, tree_digest)))
+
+
+COVERAGE_CHECK_FIX = "sbp-transfer-coverage"
+COVERAGE_SWITCH = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=0"
+
+
+def rollout(installed: Installed, present: set[str]) -> dict:
+    """Which role this node's code expects to be upgraded in which order, whether its PD peer must run the
+    pack too, and the rollback command (README, Rollout)."""
+    upstream = (installed.version or "").split("+", 1)[0]
+    if not installed.is_backport:
+        return {"patched": False, "order": "not a wheel exported by sglang-backport: upgrade prefill nodes first, "
+                                           "then decode", "peer_must_be_patched": None, "rollback": None}
+    checks = COVERAGE_CHECK_FIX in present
+    return {
+        "patched": True,
+        "order": ("as prefill: safe with any decode, upgrade it first; as decode: upgrade it after every prefill "
+                  f"peer, or set {COVERAGE_SWITCH} on it while versions are mixed (a patched decode refuses an "
+                  "unpatched prefill's handoffs with HTTP 500); roll back decode first" if checks else
+                  "upgrade prefill first, then decode; roll back decode first"),
+        "peer_must_be_patched": True,
+        "rollback": f"pip install --force-reinstall --no-deps 'sglang=={upstream}'" if upstream else None,
+    }

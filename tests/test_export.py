@@ -161,7 +161,7 @@ def test_the_readme_rollback_leaves_upstream_installed(exported, release_tree, t
     assert rollout["rollback"] == command
     argv = shlex.split(command)
     assert argv[:2] == ["pip", "install"]
-    done = subprocess.run([*pip, *argv[1:]], capture_output=True, text=True)
+    done = subprocess.run([*pip, *argv[1:]], check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     shown = subprocess.run([*pip, "show", "sglang"], check=True, capture_output=True, text=True).stdout
     assert "Version: 0.5.19\n" in shown

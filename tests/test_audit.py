@@ -291,9 +291,9 @@ def test_deferred_setting_from_code_default_or_the_audit_environment(tmp_path):
 # ---- report, exit codes, HTTP, bad input --------------------------------------------------------
 
 
-def test_unknown_does_not_fail_the_run_and_is_never_shown_as_pass():
+def test_unknown_exits_1_unless_allowed_and_is_never_shown_as_pass():
     results = gates.evaluate(None, (facts(),), PACK)
-    assert exit_code(results) == 0
+    assert exit_code(results) == 1 and exit_code(results, allow_unknown=True) == 0
     text = terminal(results)
     assert "overall: UNKNOWN" in text and "not verified: gate 2" in text
     assert "**unknown**" in markdown(results, None, (facts(),))
@@ -310,7 +310,9 @@ def test_unreachable_server_is_unknown_not_pass(capsys):
     with serve({}) as url:
         pass  # closed: nothing listens on that port any more
     code, document = run_cli(["--server", url], capsys)
-    assert code == 0 and document["verdict"] == UNKNOWN
+    assert code == 1 and document["verdict"] == UNKNOWN and document["exit_code"] == 1
+    code, allowed = run_cli(["--server", url, "--allow-unknown"], capsys)
+    assert code == 0 and allowed["verdict"] == UNKNOWN and allowed["exit_code"] == 0
     assert all(gate(document, n)["verdict"] == UNKNOWN for n in (1, 2, 4))
     assert document["servers"][0]["error"]
 
@@ -473,7 +475,7 @@ def test_audit_python_exe_finds_its_sglang_and_says_where_probes_ran(
         assert harness.startswith(f"the operator's interpreter {exe}")
     else:
         assert "cannot import torch" in harness and "alone on the path" in harness
-    assert gate(document, 1)["verdict"] == UNKNOWN and code == 0
+    assert gate(document, 1)["verdict"] == UNKNOWN and code == 1  # unknown is never a pass
 
 
 def test_audit_names_a_wheel_exported_by_the_toolkit(tmp_path, monkeypatch):

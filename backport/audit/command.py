@@ -1,7 +1,7 @@
 """`sglang-backport audit [--python EXE | TREE] [--server URL ...] [--report FILE] [--json]`.
 
-Exit codes: 0 when no gate fails (`pass`, `warn` and `unknown` gates; `unknown` is printed as
-not verified, never as a pass), 1 when any gate fails, 2 for bad input (one line, or with
+Exit codes: 0 when every gate is `pass` or `warn`, 1 when any gate fails or is `unknown` (not
+verified is never a pass; `--allow-unknown` lets unknown gates exit 0), 2 for bad input (one line, or with
 --json one document `{"error": {"code": 2, "message": ...}}`).
 """
 
@@ -23,7 +23,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                      "(the code, by fingerprint and by the admission and prefill-retirement probes), "
                      "3 transfer covers read (the handoff checksum on both sides), 4 page lifetime "
                      "(the fixes, deferred release, the backend's capability, the timeout, both sides). "
-                     "Exit 1 when any gate fails; unknown gates are reported as not verified."))
+                     "Exit 1 when any gate fails or is unknown (not verified), unless --allow-unknown."))
     p.add_argument("tree", nargs="?", metavar="TREE",
                    help="an SGLang tree the servers run (checkout or unpacked release)")
     p.add_argument("--python", metavar="EXE",
@@ -33,6 +33,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="FILE", help="write the Markdown report here")
     p.add_argument("--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request (default 10)")
+    p.add_argument("--allow-unknown", action="store_true",
+                   help="exit 0 when no gate fails even if some are unknown (not verified: no server given, "
+                        "unreadable); by default an unknown gate exits 1")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=cmd_audit)
     return p
@@ -78,7 +81,9 @@ def _audit(args) -> tuple[int, dict, str]:
     results = gates.evaluate(code, servers, pack)
     if args.report:
         Path(args.report).write_text(report.markdown(results, code, servers))
-    return report.exit_code(results), report.to_json(results, code, servers), report.terminal(results)
+    allow = args.allow_unknown
+    return (report.exit_code(results, allow_unknown=allow), report.to_json(results, code, servers, allow_unknown=allow),
+            report.terminal(results))
 
 
 def cmd_audit(args) -> int:

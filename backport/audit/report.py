@@ -10,18 +10,21 @@ from backport.audit.servers import ServerFacts
 SCHEMA = "sglang-backport/audit/1"
 
 
-def exit_code(gates: tuple[GateResult, ...]) -> int:
-    """1 when any gate fails; 0 otherwise. `unknown` and `warn` do not fail the run, but the
-    overall verdict and every report show them as what they are, never as a pass."""
-    return 1 if any(g.verdict == FAIL for g in gates) else 0
+def exit_code(gates: tuple[GateResult, ...], *, allow_unknown: bool = False) -> int:
+    """1 when any gate fails, or is `unknown` (not verified is never a pass; `--allow-unknown`
+    lets unknown gates through); 0 otherwise (`pass` and `warn`)."""
+    if any(g.verdict == FAIL for g in gates):
+        return 1
+    return 1 if not allow_unknown and any(g.verdict == UNKNOWN for g in gates) else 0
 
 
-def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...]) -> dict:
+def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...], *,
+            allow_unknown: bool = False) -> dict:
     return {
         "schema": SCHEMA,
         "toolkit_version": __version__,
         "verdict": worst(g.verdict for g in gates),
-        "exit_code": exit_code(gates),
+        "exit_code": exit_code(gates, allow_unknown=allow_unknown),
         "code": code.to_json() if code else None,
         "servers": [s.to_json() for s in servers],
         "gates": [g.to_json() for g in gates],
@@ -35,7 +38,8 @@ def terminal(gates: tuple[GateResult, ...]) -> str:
         lines += [f"    {line}" for line in g.evidence]
     overall = worst(g.verdict for g in gates)
     unverified = [str(g.gate) for g in gates if g.verdict == UNKNOWN]
-    tail = f"; not verified: gate {', '.join(unverified)}" if unverified else ""
+    tail = (f"; not verified: gate {', '.join(unverified)} (exit 1 unless --allow-unknown)"
+            if unverified else "")
     lines.append(f"overall: {overall.upper()}{tail}")
     return "\n".join(lines)
 

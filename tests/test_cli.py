@@ -36,6 +36,10 @@ BAD = {
     "probe-missing-tree": ["probe", "{tmp}/nonexistent"],
     "probe-unknown-probe": ["probe", "{tmp}/tree", "--probe", "no_such_probe"],
     "run-unpinned": ["run", "sglang==9.9.9"],
+    "run-version-typo": ["run", "sglang==0.5.91"],
+    "run-version-newer-than-the-matrix": ["run", "sglang==0.5.23"],
+    "run-version-below-the-range": ["run", "sglang==0.5.9"],
+    "run-path-without-sglang": ["run", "{tmp}/release"],
     "run-bad-reference": ["run", "sglang==0.5.19", "--reference", "sglang==9.9.9"],
     "run-no-series": ["run", "sglang==0.5.19", "--series", "{tmp}/no-pack"],
     "run-out-is-a-file": ["run", "sglang==0.5.19", "--out", "{tmp}/file"],
@@ -113,6 +117,27 @@ def test_internal_errors_are_one_line(workspace, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert code == 1 and "internal error: RuntimeError: a bug" in one_error_line(err)
     assert json.loads(out)["error"]["code"] == 1
+
+
+@pytest.mark.parametrize("version, says", [
+    ("0.5.91", "did you mean sglang==0.5.19?"),
+    ("0.5.16.post1", "did you mean sglang==0.5.16?"),
+    ("0.5.23", "newer than the release matrix (newest pinned: 0.5.22): it ships every upstream fix this pack "
+               "carries, so only this pack's own check (sbp-transfer-coverage) applies"),
+    ("0.5.9", "below the supported range (0.5.10 - 0.5.22)"),
+])
+def test_version_mistakes_are_answered_precisely(version, says, workspace, capsys):
+    assert main(["fetch", f"sglang=={version}"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert says in line
+    # a typo is not steered to an unverified download; the other two name it last, as the way to go on anyway
+    assert ("--allow-unpinned" not in line) if "did you mean" in says else line.endswith("pass --allow-unpinned")
+
+
+def test_run_of_a_path_without_sglang_is_refused_before_the_environment_build(workspace, capsys):
+    assert main(["run", "/etc"]) == 2
+    assert "not an SGLang tree" in one_error_line(capsys.readouterr().err)
+    assert not (workspace / "cache" / "envs").exists()
 
 
 def test_bad_input_corpus_size():

@@ -18,7 +18,8 @@ from backport.releases import WheelPin, load_pins
 from backport.sources.base import Fetched, Source
 from backport.sources.gitrepo import GitSource
 from backport.sources.local import InstalledSource, PathSource
-from backport.sources.wheel import WheelSource, extract_wheel_package
+from backport.sources.wheel import WheelSource, extract_wheel_package, unpinned_message
+from backport.tree import package_root_of
 
 __all__ = [
     "Fetched",
@@ -50,9 +51,7 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         pins = load_pins() if pins is None else pins
         pin = pins.get(version)
         if pin is None and not allow_unpinned:
-            known = ", ".join(sorted(pins, key=Version))
-            raise BadInput(f"{spec}: version {version} is not pinned in the release matrix "
-                           f"(pinned: {known}); pass --allow-unpinned to fetch it unverified")
+            raise BadInput(unpinned_message(spec, version, list(pins)))
         return WheelSource(spec, version, pin)
     if spec.startswith("git+"):
         url, sep, commit = spec[4:].rpartition("@")
@@ -65,6 +64,7 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         raise BadInput(f"{spec}: only sglang==VERSION is a package target")
     if not Path(spec).expanduser().exists():
         raise BadInput(f"{spec}: not a target spec (sglang==X, git+URL@SHA, installed) and no such path")
+    package_root_of(Path(spec).expanduser())  # a path without an SGLang package is refused here, before any build
     return PathSource(spec, Path(spec))
 
 

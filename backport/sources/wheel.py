@@ -31,6 +31,49 @@ WHEEL_PLATFORM = ("--platform", "manylinux_2_34_x86_64", "--python-version", "3.
                   "--implementation", "cp", "--abi", "cp311", "--only-binary=:all:")
 
 
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions, adjacent swaps."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def _swapped(a: str, b: str) -> bool:
+    """b is a with two characters exchanged (the typo 0.5.91 for 0.5.19)."""
+    return len(a) == len(b) and sorted(a) == sorted(b) and sum(x != y for x, y in zip(a, b)) == 2
+
+
+def unpinned_message(spec: str, version: str, pinned: list[str]) -> str:
+    """Why `sglang==version` is refused, answered precisely: the nearest pinned release for a typo,
+    newer than the matrix (only this pack's own check applies), or below the supported range.
+    --allow-unpinned comes last: it is the way to run an unverified wheel, not a fix for a typo."""
+    from packaging.version import Version
+
+    pinned = sorted(pinned, key=Version)
+    if not pinned:
+        return f"{spec}: {version} is not pinned: the release matrix pins no release; pass --allow-unpinned"
+    low, high, wanted = pinned[0], pinned[-1], Version(version)
+    span = f"{low} - {high}"
+    unverified = "; to prove it anyway from an unverified wheel, pass --allow-unpinned"
+    typo = next((v for v in pinned if _swapped(version, v)), None)
+    if typo is None and Version(low) <= wanted <= Version(high):
+        typo = min(pinned, key=lambda v: (Version(v).release != wanted.release, _edits(version, v),
+                                          abs(Version(v).micro - wanted.micro)))
+    if typo is not None:
+        return (f"{spec}: {version} is not a release in the matrix ({span}); did you mean sglang=={typo}? "
+                f"(pinned: {', '.join(pinned)})")
+    if wanted > Version(high):
+        return (f"{spec}: {version} is newer than the release matrix (newest pinned: {high}): it ships every "
+                f"upstream fix this pack carries, so only this pack's own check (sbp-transfer-coverage) "
+                f"applies, and no variant of it is measured there" + unverified)
+    return (f"{spec}: {version} is below the supported range ({span}): the pack has no backport for it; "
+            f"upgrade to a release in the range (0.5.17 or later gets every fix)" + unverified)
+
+
 @dataclass(frozen=True)
 class WheelSource:
     spec: str

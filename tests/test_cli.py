@@ -37,7 +37,7 @@ BAD = {
     "probe-unknown-probe": ["probe", "{tmp}/tree", "--probe", "no_such_probe"],
     "run-unpinned": ["run", "sglang==9.9.9"],
     "run-version-typo": ["run", "sglang==0.5.91"],
-    "run-version-newer-than-the-matrix": ["run", "sglang==0.5.23"],
+    "run-version-newer-than-the-matrix": ["run", "sglang==9.0.1"],
     "run-version-below-the-range": ["run", "sglang==0.5.9"],
     "run-path-without-sglang": ["run", "{tmp}/release"],
     "run-bad-reference": ["run", "sglang==0.5.19", "--reference", "sglang==9.9.9"],
@@ -119,12 +119,24 @@ def test_internal_errors_are_one_line(workspace, monkeypatch, capsys):
     assert json.loads(out)["error"]["code"] == 1
 
 
+def _newest_pinned():
+    from packaging.version import Version
+
+    from backport.releases import load_pins
+
+    return max(load_pins(), key=Version)
+
+
+NEWEST = _newest_pinned()
+NEWER = ".".join(NEWEST.split(".")[:2] + [str(int(NEWEST.split(".")[2]) + 1)])
+
+
 @pytest.mark.parametrize("version, says", [
     ("0.5.91", "did you mean sglang==0.5.19?"),
     ("0.5.16.post1", "did you mean sglang==0.5.16?"),
-    ("0.5.23", "newer than the release matrix (newest pinned: 0.5.22): it ships every upstream fix this pack "
-               "carries, so only this pack's own check (sbp-transfer-coverage) applies"),
-    ("0.5.9", "below the supported range (0.5.10 - 0.5.22)"),
+    (NEWER, (f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this pack "
+             "carries, so only this pack's own check (sbp-transfer-coverage) applies")),
+    ("0.5.9", f"below the supported range (0.5.10 - {NEWEST})"),
 ])
 def test_version_mistakes_are_answered_precisely(version, says, workspace, capsys):
     assert main(["fetch", f"sglang=={version}"]) == 2

@@ -98,7 +98,7 @@ def test_run_writes_a_bundle_that_verifies(real_cache, stub_probes, tmp_path, ca
     captured = capsys.readouterr()
     document = json.loads(captured.out)  # exactly one JSON document on stdout
     assert code == 0 and document["result"] == "pass" and document["bundle"] == str(out.absolute())
-    assert "[1/" in captured.err and "probe matrix" in captured.err
+    assert "[sglang==0.5.19 1/" in captured.err and "probe matrix" in captured.err
     assert evidence.verify(out).ok
     p = json.loads((out / "receipt.json").read_text())["predicate"]
     _validate(json.loads((out / "receipt.json").read_text()))
@@ -199,6 +199,62 @@ def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, s
     assert cli.main(["run", "sglang==0.5.19", "--out", str(tmp_path), "--no-upstream-tests"]) == 2
     assert "not an evidence bundle" in capsys.readouterr().err
     assert stub_probes == [] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_run_out_into_a_folder_with_someones_sha256sums_deletes_nothing(real_cache, stub_probes, tmp_path, capsys):
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "myapp-1.0.tar.gz").write_bytes(b"tarball")
+    (release / "SHA256SUMS").write_text(f"{'0' * 64}  myapp-1.0.tar.gz\n")
+    for extra in ([], ["--force"]):
+        assert cli.main(["run", "sglang==0.5.19", "--out", str(release), "--no-upstream-tests", *extra]) == 2
+        assert "not an evidence bundle" in capsys.readouterr().err
+    assert sorted(p.name for p in release.iterdir()) == ["SHA256SUMS", "myapp-1.0.tar.gz"]
+    assert (release / "myapp-1.0.tar.gz").read_bytes() == b"tarball" and stub_probes == []
+
+
+def test_a_second_run_into_a_signed_bundle_refuses_then_keeps_the_signature(real_cache, stub_probes, tmp_path,
+                                                                             capsys):
+    """Without --force: exit 2, one line, nothing changed. With --force: the old bundle, signature and a
+    reviewer's notes with it, is moved aside whole (and still verifies with its key); the new one verifies."""
+    import subprocess
+
+    bundle, key, pub = tmp_path / "bundle", tmp_path / "k.pem", tmp_path / "k.pub"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(key)], check=True)
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-pubout", "-out", str(pub)], check=True)
+    run = ["run", "sglang==0.5.19", "--out", str(bundle), "--no-upstream-tests"]
+    assert cli.main(run) == 0
+    assert cli.main(["sign", str(bundle), "--key", str(key)]) == 0
+    (bundle / "NOTES.txt").write_text("reviewed\n")
+    before = {p.relative_to(bundle): p.read_bytes() for p in bundle.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --force" in err
+    assert {p.relative_to(bundle): p.read_bytes() for p in bundle.rglob("*") if p.is_file()} == before
+    assert cli.main([*run, "--force", "--json"]) == 0
+    previous = Path(json.loads(capsys.readouterr().out)["previous_bundle"])
+    assert {p.relative_to(previous): p.read_bytes() for p in previous.rglob("*") if p.is_file()} == before
+    # verify names the reviewer's file as not the toolkit's; without it, the signature checks beside its receipt
+    assert evidence.verify(previous).first.file == "NOTES.txt"
+    (previous / "NOTES.txt").unlink()
+    assert cli.main(["verify", str(previous), "--key", str(pub)]) == 0
+    assert cli.main(["verify", str(bundle)]) == 0 and not (bundle / "receipt.dsse.json").exists()
+
+
+def test_readme_first_command_twice_in_a_row(real_cache, stub_probes, tmp_path, monkeypatch, capsys):
+    """The default directory evidence/<target>/ is the toolkit's own: a re-run replaces its own files
+    without --force; what someone added there (a signature) moves aside with the old bundle."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "sglang==0.5.19", "--no-upstream-tests"]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", "sglang==0.5.19", "--no-upstream-tests", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["previous_bundle"] is None
+    assert sorted(p.name for p in (tmp_path / "evidence").iterdir()) == ["sglang-0.5.19"]
+    (tmp_path / "evidence" / "sglang-0.5.19" / "receipt.dsse.json").write_text("{}")
+    assert cli.main(["run", "sglang==0.5.19", "--no-upstream-tests", "--json"]) == 0
+    previous = Path(json.loads(capsys.readouterr().out)["previous_bundle"])
+    assert (previous / "receipt.dsse.json").read_text() == "{}" and previous.parent == tmp_path / "evidence"
 
 
 # ---- end to end ------------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ class Progress:
     total: int
     index: int = 0
     steps: list[dict] = field(default_factory=list)
+    target: str = ""                   # the spec whose steps these are: named on every line
 
     @contextmanager
     def step(self, name: str, message: str) -> Iterator[None]:
         self.index += 1
-        log.info("[%d/%d] %s ...", self.index, self.total, message)
+        log.info("[%s %d/%d] %s ...", self.target or "step", self.index, self.total, message)
         started = time.monotonic()
         try:
             yield
@@ -28,4 +29,4 @@ class Progress:
             seconds = round(time.monotonic() - started, 3)
             self.steps.append({"step": name, "seconds": seconds})
         if seconds >= 2:
-            log.info("      %s: %.1f s", name, seconds)
+            log.info("      %s %s: %.1f s", self.target or "step", name, seconds)

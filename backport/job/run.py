@@ -295,7 +295,7 @@ def run_many(many: list[RunOptions], *, jobs: int | None = None) -> list[RunOutc
     outs = [p.options.out for p in plans if p.options.out is not None]
     if len(set(outs)) != len(outs):
         raise BadInput("two runs would write the same bundle directory (--out)")
-    progress = [Progress(total=p.total_steps) for p in plans]
+    progress = [Progress(total=p.total_steps, target=p.options.spec) for p in plans]
     with progress[0].step("environment", "probe environment"):
         python = str(ensure_env(many[0].python))
     for other in progress[1:]:

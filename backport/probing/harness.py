@@ -12,6 +12,7 @@ from pathlib import Path
 
 from backport.errors import BadInput, Finding
 from backport.probing.env import PROBES_DIR, SHIMS
+from backport.probing.supervise import Heartbeat, supervise
 
 log = logging.getLogger("backport.probing")
 
@@ -81,9 +82,12 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
         cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                              env=probe_environ(python, package_root, Path(tmp)), cwd=tmp)
+        what = label or str(package_root)
+        beat = Heartbeat(log.info, lambda seconds: f"      probing {what}: still running, {seconds:.0f} s")
+        code = supervise(cmd, env=probe_environ(python, package_root, Path(tmp)), cwd=tmp,
+                         stdout=Path(tmp) / "out.json", stderr=Path(tmp) / "err.log", tick=beat)
         # The link's temporary name is this module's business: tracebacks in case details
         # name it, so it is replaced here by a stable one before anyone records the document.
-        stdout = proc.stdout.replace(str(Path(tmp) / "probes"), "probes")
-    return read_document(stdout, proc.stderr, proc.returncode, package_root)
+        stdout = (Path(tmp) / "out.json").read_text(errors="replace").replace(str(Path(tmp) / "probes"), "probes")
+        stderr = (Path(tmp) / "err.log").read_text(errors="replace")
+    return read_document(stdout, stderr, code, package_root)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,12 +21,47 @@ from backport.probing.harness import (
     probe_environ,
     read_document,
 )
+from backport.probing.supervise import supervise
 
 log = logging.getLogger("backport.probing")
 
 
 def default_jobs() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class _Watch:
+    """Progress of a probe matrix: a line as each tree finishes (its document is complete JSON),
+    and one at least every 10 s naming the trees still running."""
+
+    def __init__(self, out: Path, labels: list[str], every: float = 10.0):
+        self.out, self.labels, self.every = out, labels, every
+        self.done: set[int] = set()
+        self.last = 0.0
+        self.seconds = 0.0
+
+    def _finished(self, index: int) -> bool:
+        try:
+            json.loads((self.out / f"{index}.json").read_text())
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def __call__(self, seconds: float | None) -> None:
+        self.seconds = self.seconds if seconds is None else seconds
+        total = len(self.labels)
+        for index, label in enumerate(self.labels):
+            if index not in self.done and self._finished(index):
+                self.done.add(index)
+                self.last = self.seconds
+                log.info("      probed %s (%d of %d trees) at %.0f s", label, len(self.done), total, self.seconds)
+        if seconds is not None and seconds - self.last >= self.every:
+            self.last = seconds
+            started = [label for i, label in enumerate(self.labels)
+                       if i not in self.done and (self.out / f"{i}.json").exists()]
+            doing = (f"running: {', '.join(started)}" if started
+                     else "importing the shared third-party modules once")
+            log.info("      probe matrix: %d of %d trees done, %.0f s; %s", len(self.done), total, seconds, doing)
 
 
 def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None = None, *,
@@ -54,12 +88,17 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
             cmd += ["--probe", name]
         for rel in coverage or []:
             cmd += ["--coverage", rel]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                              env=probe_environ(python, None, Path(tmp)), cwd=tmp)
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-            raise Finding(f"probe matrix exited {proc.returncode}:\n{tail}")
-        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        names = {}
+        for root, label in zip(roots, labels or [str(r) for r in roots]):
+            names.setdefault(root, label)
+        watch = _Watch(out, [names[root] for root in unique])
+        code = supervise(cmd, env=probe_environ(python, None, Path(tmp)), cwd=tmp, stdout=Path(tmp) / "matrix.out",
+                         stderr=Path(tmp) / "matrix.err", tick=watch)
+        watch(None)
+        if code != 0:
+            tail = "\n".join((Path(tmp) / "matrix.err").read_text(errors="replace").strip().splitlines()[-8:])
+            raise Finding(f"probe matrix exited {code}:\n{tail}")
+        summary = json.loads((Path(tmp) / "matrix.out").read_text().strip().splitlines()[-1])
         link = str(Path(tmp) / "probes")
         documents = {}
         for index, root in enumerate(unique):

@@ -156,3 +156,29 @@ def test_bad_input_corpus_size():
     """README counts this corpus; keep the number there in step."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert f"{len(BAD)} bad-input cases" in readme
+
+
+def _subcommands():
+    import argparse
+
+    from backport.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", list(_subcommands()))
+def test_readme_cli_table_lists_every_flag_help_shows(command):
+    """Each subcommand has one row in README's CLI table, and that row names every flag its --help shows."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("\n## CLI\n", 1)[1].split("\nExit codes:", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith(f"| `sglang-backport {command} ")
+            or line.startswith(f"| `sglang-backport {command}`")]
+    assert len(rows) == 1, f"README's CLI table has {len(rows)} rows for {command}"
+    shown = _subcommands()[command].format_help()
+    flags = {option for action in _subcommands()[command]._actions for option in action.option_strings
+             if option.startswith("--") and option != "--help"}
+    assert flags, command
+    for flag in sorted(flags):
+        assert flag in shown  # what --help prints
+        assert f"[{flag}" in rows[0] or f" {flag} " in rows[0], f"README's row for {command} lacks {flag}"

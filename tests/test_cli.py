@@ -172,8 +172,8 @@ def test_readme_cli_table_lists_every_flag_help_shows(command):
     """Each subcommand has one row in README's CLI table, and that row names every flag its --help shows."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     table = readme.split("\n## CLI\n", 1)[1].split("\nExit codes:", 1)[0]
-    rows = [line for line in table.splitlines() if line.startswith(f"| `sglang-backport {command} ")
-            or line.startswith(f"| `sglang-backport {command}`")]
+    heads = (f"| `sglang-backport {command} ", f"| `sglang-backport {command}`")
+    rows = [line for line in table.splitlines() if line.startswith(heads)]
     assert len(rows) == 1, f"README's CLI table has {len(rows)} rows for {command}"
     shown = _subcommands()[command].format_help()
     flags = {option for action in _subcommands()[command]._actions for option in action.option_strings

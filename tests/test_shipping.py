@@ -69,6 +69,17 @@ def test_the_installed_toolkit_finds_its_data_and_runs(installed, tmp_path):
                        (schema, "sglang_backport_data/receipt.schema.json")):
         assert path.endswith(tail) and "site-packages" in path and not path.startswith(str(REPO))
 
+    # the receipt's toolkit record: no git commit outside a checkout, but the wheel and the code by digest
+    record = _run([str(installed / "python"), "-c",
+                   "import json; from backport.evidence import toolkit_info; print(json.dumps(toolkit_info()))"],
+                  cwd=tmp_path)
+    assert record.returncode == 0, record.stderr
+    toolkit = json.loads(record.stdout)
+    (wheel,) = (installed.parent.parent / "dist").glob("sglang_backport-*.whl")
+    assert toolkit["git_commit"] is None and toolkit["distribution"] == {
+        "installed_from": "wheel", "wheel": wheel.name, "wheel_sha256": evidence.sha256_file(wheel)}
+    assert toolkit["code"]["probes_sha256"] == evidence.environment.directory_digest(REPO / "probes")
+
     cli = str(installed / "sglang-backport")
     cache = {"SGLANG_BACKPORT_CACHE": str(WORKSPACE_CACHE)}
     status = _run([cli, "status", "sglang==0.5.19"], cwd=tmp_path, **cache)

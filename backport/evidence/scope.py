@@ -46,7 +46,8 @@ def _upstream_line(up: dict) -> tuple[str, bool]:
     """(what ran of upstream's tests, whether any ran)."""
     files = {(f.get("path"), f.get("rev")) for f in up.get("files") or [] if isinstance(f, dict)}
     if up.get("skipped"):
-        return (f"not run ({up['skipped']}); {len(files)} test file(s) listed for the fixes, none ran", False)
+        listed = f"; {len(files)} test file(s) listed for the fixes, none ran" if files else ""
+        return f"not run ({up['skipped']}){listed}", False
     outcomes: dict[str, int] = {}
     ran_files = set()
     trees = []

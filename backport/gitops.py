@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -272,12 +273,24 @@ def clone_work_tree(src: Path, dest: Path) -> Path:
     src, dest = Path(src), Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadInput(f"{dest}: exists and is not an empty directory")
+    existed = dest.exists()
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         run(dest.parent, "clone", "--quiet", "--local", "--", str(src.resolve()), str(dest))
     except GitError as e:
-        raise BadInput(f"{src}: cannot clone ({str(e).splitlines()[-1]})") from None
+        # git keeps a clone whose checkout failed ("Clone succeeded, but checkout failed"):
+        # the destination goes back to what it was (absent, or the empty directory given)
+        if existed:
+            for child in dest.iterdir():
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        else:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise CloneFailed(f"{src}: cannot clone ({str(e).splitlines()[-1]})") from None
     return dest.resolve()
+
+
+class CloneFailed(BadInput):
+    """A clone of a work tree failed (a user's path: bad input; a cache entry: damaged, rebuilt)."""
 
 
 # ------------------------------------------------------------------ blame

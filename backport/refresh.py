@@ -50,8 +50,8 @@ from .errors import BadInput
 from .pack.load import load_variant
 from .pack.model import Fix, Pack, PatchVariant, parse_version
 from .releases import default_path, load_pins
-from .sources import materialise
-from .tree import clone_tree, commit_all
+from .sources import clone_pristine, materialise
+from .tree import commit_all
 
 STATE = "sglang-backport-refresh.json"  # in the clone's git dir: what --continue needs
 PLACED, CONFLICTED, WRITTEN = "placed", "conflict", "written"
@@ -120,7 +120,7 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
     own = work_dir is None
     dest = Path(tempfile.mkdtemp(prefix=f"sglang-refresh-{fix_id}-{v}-")) if own else Path(work_dir)
     try:
-        tree = clone_tree(pristine, dest.parent, dest)
+        tree = clone_pristine(pristine, dest.parent, dest)
         deps = _closure(pack, fix_id, v)
         report = apply_series(tree.path, pack, str(v), package_prefix=tree.package_prefix, only=deps) \
             if deps else None

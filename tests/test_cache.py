@@ -156,3 +156,22 @@ def test_malformed_release_matrix_is_one_line_exit_2(case, tmp_path, monkeypatch
     code, out, err = run_cli(capsys, "fetch", SPEC, "--json")
     assert code == 2 and str(path) in error_line(err)
     assert json.loads(out)["error"]["code"] == 2
+
+
+def test_a_blob_that_no_longer_reads_is_rebuilt_and_out_is_left_clean(fetched, tmp_path, capsys):
+    """The hit check hashes the work tree, not every git object: a truncated blob shows only
+    when the entry is cloned. The entry is then rebuilt and --out gets a good tree, never a
+    half-checked-out clone or a 'bad input' about the user's directory."""
+    doc, _ = fetched
+    repo = git.Repo(doc["tree"])
+    blob = repo.head.commit.tree / "sglang" / "version.py"
+    obj = Path(doc["tree"]) / ".git" / "objects" / blob.hexsha[:2] / blob.hexsha[2:]
+    obj.chmod(0o644)
+    obj.write_bytes(obj.read_bytes()[:7])
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", SPEC, "--out", str(out))
+    assert code != 2, err
+    assert "does not clone" in err and "rebuilding it" in err
+    assert (out / "sglang" / "version.py").is_file()
+    assert git.Repo(out).head.commit.tree / "sglang" / "version.py"
+    assert fetch_again(capsys)["cached"] is True

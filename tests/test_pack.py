@@ -214,6 +214,10 @@ CORPUS: list[tuple[str, Callable[[Path], None], str, str]] = [
     ("diff-git-header-junk", patch1(_diff().replace("index 1111111..2222222 100644\n", "hello there\n")),
      "unexpected line in git header", P1),
     ("diff-header-disagrees", patch1(_diff().replace(f"--- a/{MOD}", "--- a/sglang/other.py")), "disagrees", P1),
+    # git apply's "inconsistent filename": the git header names one file, the ---/+++ lines another
+    ("diff-git-header-names-escape", patch1(_diff().replace(f"diff --git a/{MOD} b/{MOD}",
+                                                            "diff --git a/../h3_escape.py b/../h3_escape.py")),
+     "inconsistent file names", P1),
     ("diff-file-twice", patch1(_diff() + _diff(old="    y = 2", new="    y = 3")), "appears twice", P1),
     ("diff-changes-nothing", patch1(_diff(new="    x = 1").replace("-    x = 1\n+    x = 1\n", "     x = 1\n")),
      "changes nothing", P1),

@@ -10,7 +10,8 @@ from backport import cache, resources
 from backport.cli import emit
 from backport.errors import BadInput
 from backport.export.installed import describe_installed, rollout
-from backport.tree import Tree, clone_tree, open_tree
+from backport.sources import clone_pristine
+from backport.tree import Tree, open_tree
 
 
 def target_args(p) -> None:
@@ -113,9 +114,9 @@ def work_tree(args) -> Tree:
         if not os.access(out if out.exists() else _existing_parent(out), os.W_OK):
             raise BadInput(f"{out}: --out is not writable")
         source = fetch_tree(args.target, args)
-        return clone_tree(source, out.parent, out)
+        return clone_pristine(source, out.parent, out)
     source = fetch_tree(args.target, args)
-    return clone_tree(source, cache.work_root())
+    return clone_pristine(source, cache.work_root())
 
 
 def _existing_parent(path: Path) -> Path:

@@ -27,8 +27,8 @@ from backport.job.coverage import measure, touched_files
 from backport.job.plan import Plan, RunOptions, bundle_dir, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
-from backport.sources import materialise
-from backport.tree import Tree, clone_tree, tree_digest
+from backport.sources import clone_pristine, materialise
+from backport.tree import Tree, tree_digest
 
 log = logging.getLogger("backport.job")
 
@@ -82,7 +82,7 @@ def check_pristine(the_plan: Plan, source: Tree) -> str:
 
 def clone(source: Tree) -> Tree:
     """A fresh clone of `source` under the cache's work/ (removed at the end unless kept)."""
-    return clone_tree(source, cache.work_root())
+    return clone_pristine(source, cache.work_root())
 
 
 def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:

@@ -42,6 +42,7 @@ def parse_diff(body: str, where: str) -> tuple[PatchSet, tuple[FilePatch, ...]]:
         raise BadInput(f"{where}: no diff after the header")
     if not body.endswith("\n"):
         raise BadInput(f"{where}: the diff's last line has no newline (truncated in the middle of a line?)")
+    _check_git_header_names(body.split("\n"), where)
     try:
         ps = PatchSet(body)
     except UnidiffParseError as e:
@@ -60,6 +61,32 @@ def parse_diff(body: str, where: str) -> tuple[PatchSet, tuple[FilePatch, ...]]:
         seen.add(fp.path)
         files.append(fp)
     return ps, tuple(files)
+
+
+def _check_git_header_names(lines: list[str], where: str) -> None:
+    """The names in a ``diff --git a/X b/Y`` line are the ones its ``---``/``+++`` lines give.
+
+    git apply refuses a patch whose header and file lines disagree ("inconsistent
+    filename"); unidiff keeps one of them depending on its version, so the patch
+    could name one file in one place and change another. Checked before parsing.
+    """
+    for n, text in enumerate(lines, 1):
+        if not text.startswith("diff --git "):
+            continue
+        names = {"--- ": None, "+++ ": None}
+        for follow in lines[n:]:
+            if follow.startswith(("diff --git ", "@@")):
+                break
+            if follow[:4] in names and names[follow[:4]] is None:
+                names[follow[:4]] = follow[4:].split("\t", 1)[0]
+        old, new = names["--- "], names["+++ "]
+        if old is None or new is None:
+            continue  # a header-only entry (mode change, binary): _check_kind judges it
+        a = old if old != DEV_NULL else "a/" + new.removeprefix("b/")
+        b = new if new != DEV_NULL else "b/" + old.removeprefix("a/")
+        if text[len("diff --git "):] != f"{a} {b}":
+            raise BadInput(f"{where}: diff line {n}: inconsistent file names: {text[:80]!r} "
+                           f"disagrees with '--- {old}' / '+++ {new}'")
 
 
 def _parse_error(msg: str) -> str:

@@ -6,6 +6,7 @@ spec form. SGLang code reaches the project only through these, at run time.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -13,13 +14,16 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from backport import cache
-from backport.errors import BadInput
+from backport.errors import BadInput, Finding
+from backport.gitops import CloneFailed
 from backport.releases import WheelPin, load_pins
 from backport.sources.base import Fetched, Source
 from backport.sources.gitrepo import GitSource
 from backport.sources.local import InstalledSource, PathSource
 from backport.sources.wheel import WheelSource, extract_wheel_package, unpinned_message
-from backport.tree import package_root_of
+from backport.tree import Tree, clone_tree, package_root_of
+
+log = logging.getLogger("backport.sources")
 
 __all__ = [
     "Fetched",
@@ -29,6 +33,7 @@ __all__ = [
     "Source",
     "WheelPin",
     "WheelSource",
+    "clone_pristine",
     "extract_wheel_package",
     "load_pins",
     "materialise",
@@ -66,6 +71,26 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         raise BadInput(f"{spec}: not a target spec (sglang==X, git+URL@SHA, installed) and no such path")
     package_root_of(Path(spec).expanduser())  # a path without an SGLang package is refused here, before any build
     return PathSource(spec, Path(spec))
+
+
+def clone_pristine(source: Tree, parent: Path, dest: Path | None = None) -> Tree:
+    """A fresh clone of a materialised tree. A cache entry whose git objects no longer read
+    (the hit check hashes the files, not every blob: that would cost a second per hit) is
+    moved aside, rebuilt from its spec and cloned once more; `dest` is left as it was found."""
+    try:
+        return clone_tree(source, parent, dest)
+    except CloneFailed as first:
+        entry = source.path.parent
+        if entry.parent != cache.cache_root() / "trees":
+            raise  # a user's own checkout: their input
+        log.warning("cache entry %s does not clone (%s); rebuilding it", entry.name, first)
+        cache.discard_dir(entry)
+        again = materialise(source.spec, allow_unpinned=source.unpinned).tree
+        try:
+            return clone_tree(again, parent, dest)
+        except CloneFailed as second:
+            raise Finding(f"{entry}: the rebuilt cache entry still does not clone ({second}); "
+                          f"remove {cache.cache_root()} and fetch again") from None
 
 
 def source_kind(source: Source) -> str:

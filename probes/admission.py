@@ -211,6 +211,7 @@ def _finish_abort(message: str):
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect='A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.',
 )
@@ -230,6 +231,7 @@ def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect='A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: no KV receiver, no prealloc queue entry, its 400 streamed once.',
 )
@@ -265,6 +267,7 @@ class _ClientStream:
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
 )
@@ -330,6 +333,7 @@ def _streaming_session():
 
 
 @case(
+    proves=("pr38935",), needs=(">=0.5.11",),
     must_preserve=False,
     expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no handoff, its "
     "400 streamed once, its session no longer in flight (the session's next request is accepted), and the "
@@ -436,6 +440,7 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.18",),
     must_preserve=True,
     expect='A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.',
 )
@@ -487,6 +492,7 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.16",),
     must_preserve=True,
     expect='A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.',
 )

@@ -183,7 +183,10 @@ class HandoffRig(DoorRig):
 
 
 
+# #38935 at the door and the pack's coverage check each make it safe too, but every tree that has
+# either also has #36988 (a dependency of one, applied with the other), so #36988 is what it proves.
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect='A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled complete with fewer tokens than decode reserved.',
 )

@@ -271,6 +271,7 @@ class TransferRig:
 
 
 @case(
+    proves=("pr35049", "pr41023", "pr41404"),
     must_preserve=False,
     expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
 )
@@ -342,6 +343,7 @@ def _tracker_or_skip():
 
 
 @case(
+    proves=("pr35049",), needs=("pr35049",),
     must_preserve=False,
     expect='A drain ACK that arrives before the room is registered does not count toward its release.',
 )
@@ -368,6 +370,7 @@ def ack_before_registration_not_counted(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049",), needs=("pr35049",),
     must_preserve=False,
     expect="A drain ACK that arrives after the room was released does not count for the room's next request.",
 )
@@ -460,6 +463,7 @@ class _WarningRecorder(logging.Handler):
 
 
 @case(
+    needs=("pr35049",),
     must_preserve=True,
     expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, a transfer decode aborted on a backend without the drain-ACK capability either keeps its pages held (the deferral asked for) or releases them exactly once; whether a warning named the variable is reported.",
 )
@@ -505,6 +509,7 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
 
 
 @case(
+    needs=("pr35049",),
     must_preserve=True,
     expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, two aborted transfers on a backend without "
     "the drain-ACK capability, one on a backend with it, and one failed before any prefill rank learned its pages "
@@ -563,6 +568,7 @@ def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049", "pr41404"), needs=(">=0.5.13",),
     must_preserve=False,
     expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one ABORT at "
     "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and releases "
@@ -631,6 +637,7 @@ class _QuiescentPrefillSocket(_PrefillPeerSocket):
 
 
 @case(
+    proves=("pr40645",), needs=("pr35049",),
     must_preserve=False,
     expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
     "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "

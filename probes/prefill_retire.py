@@ -147,6 +147,7 @@ def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcom
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, its HiCache storage state released once, release_kv_cache without insert once, abort streamed once.",
 )
@@ -182,6 +183,7 @@ def final_aborted_result_retired(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",), needs=(">=0.5.13",),
     must_preserve=False,
     expect='A result arriving after the request was retired by bootstrap-failure cleanup has no effect.',
 )
@@ -214,6 +216,7 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="When the sender's abort() raises, the request is still retired once with all local cleanup.",
 )
@@ -234,6 +237,7 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect='An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.',
 )
@@ -271,6 +275,7 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="An aborted request's middle-chunk result, with no later chunk of it launched, retires the request once: no KV chunk sent, not requeued, metadata buffer freed, KV released without insert once, abort streamed once.",
 )
@@ -310,6 +315,7 @@ class _RejectingGrammar:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
 )
@@ -367,6 +373,7 @@ def valid_finished_request_sends_kv(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.13",),
     must_preserve=True,
     expect="A valid request whose optimistic bootstrap is still pending, whose middle-chunk result comes back with no later chunk launched, is released and requeued for a retry: no KV chunk sent, nothing retired or streamed.",
 )

@@ -411,7 +411,8 @@ def _commit(obs: dict[str, Any], what: str) -> Outcome:
 # ---------------------------------------------------------------------------
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP 500, never committed, pages released once, counted.",
 )
@@ -422,7 +423,8 @@ def short_coverage_refused(ctx) -> Outcome:
     return _refusal(obs, "The short handoff (1 of 640 tokens)", "short of the reservation")
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported as such, never silently committed.",
 )
@@ -432,7 +434,8 @@ def unpatched_peer_refused(ctx) -> Outcome:
     return _refusal(obs, "The handoff without recorded coverage", "no transferred KV coverage")
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none commits it alone.",
 )
@@ -447,7 +450,7 @@ def full_coverage_committed(ctx) -> Outcome:
     return _commit(obs, "The complete handoff")
 
 
-@case(beyond_upstream=True, 
+@case(beyond_upstream=True,
     must_preserve=True,
     expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, so prefill sends only the rest) is committed.",
 )
@@ -471,7 +474,8 @@ def _rebootstrap_or_skip():
         raise NotApplicable("decode has no PD rebootstrap in this release")
 
 
-@case(beyond_upstream=True, 
+@case(
+    needs=(">=0.5.16",), beyond_upstream=True,
     must_preserve=True,
     expect="A rebootstrap with output tokens (decode reserves prompt + emitted tokens, prefill recomputes them all) is committed.",
 )
@@ -482,7 +486,8 @@ def rebootstrap_output_tokens_committed(ctx) -> Outcome:
     return _commit(obs, "The rebootstrap (100 prompt + 5 output tokens)")
 
 
-@case(beyond_upstream=True, 
+@case(
+    needs=(">=0.5.16",), beyond_upstream=True,
     must_preserve=True,
     expect="A request that was retracted (its KV state reset by reset_for_retract) and handed off again is committed.",
 )
@@ -502,7 +507,7 @@ def retracted_request_committed(ctx) -> Outcome:
     return _commit(obs, "The retracted request's new handoff")
 
 
-@case(beyond_upstream=True, 
+@case(beyond_upstream=True,
     must_preserve=True,
     expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, is committed.",
 )

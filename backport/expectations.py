@@ -20,6 +20,8 @@ says what the rule already derives is refused, so every exception stays news.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache as memoize
@@ -28,6 +30,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from backport import resources
 from backport.errors import BadInput
 
 APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
@@ -68,24 +71,44 @@ class Expected:
 @memoize
 def case_rules() -> tuple[CaseRule, ...]:
     """Every registered case, in registration order. Probe modules import only the standard
-    library at module level, so this reads the registry without the probe environment."""
-    import probes
-
+    library at module level, so the registry is read here without the probe environment."""
     rules = []
-    for probe in probes.PROBE_NAMES:
-        for c in probes.cases_of(probe):
-            key = f"{c.probe}/{c.name}"
-            ranges, fixes = [], []
-            for need in c.needs:
-                if need[:1] in "<>=!~":
-                    try:
-                        ranges.append(SpecifierSet(need))
-                    except InvalidSpecifier:
-                        raise BadInput(f"probe case {key}: needs {need!r} is not a PEP 440 range") from None
-                else:
-                    fixes.append(need)
-            rules.append(CaseRule(key, c.must_preserve, tuple(c.proves), tuple(fixes), tuple(ranges)))
+    for c in _registered_cases(resources.probes_dir()):
+        key = f"{c.probe}/{c.name}"
+        ranges, fixes = [], []
+        for need in c.needs:
+            if need[:1] in "<>=!~":
+                try:
+                    ranges.append(SpecifierSet(need))
+                except InvalidSpecifier:
+                    raise BadInput(f"probe case {key}: needs {need!r} is not a PEP 440 range") from None
+            else:
+                fixes.append(need)
+        rules.append(CaseRule(key, c.must_preserve, tuple(c.proves), tuple(fixes), tuple(ranges)))
     return tuple(rules)
+
+
+def _registered_cases(directory: Path) -> list:
+    """The cases of the probe package in `directory`. Its modules import each other as `probes.*`;
+    when this process has not imported that very package (installed, it ships under another
+    name), it is loaded under that name for the read and taken out of sys.modules again."""
+    current = sys.modules.get("probes")
+    if current is not None and Path(current.__file__).resolve().parent == directory.resolve():
+        return [c for name in current.PROBE_NAMES for c in current.cases_of(name)]
+    saved = {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location("probes", directory / "__init__.py",
+                                                      submodule_search_locations=[str(directory)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["probes"] = module
+        spec.loader.exec_module(module)
+        return [c for name in module.PROBE_NAMES for c in module.cases_of(name)]
+    finally:
+        for name in [k for k in sys.modules if k == "probes" or k.startswith("probes.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def check_rules(series: Sequence[str], rules: Sequence[CaseRule] | None = None) -> list[str]:

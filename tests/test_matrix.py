@@ -191,3 +191,18 @@ def test_patched_tree_warns_when_deferral_is_asked_of_an_incapable_backend(versi
     doc = matrix_doc(version, "patched")
     [case] = [c for c in doc["cases"] if c["case"] == "explicit_deferral_on_incapable_backend_is_reported"]
     assert case["verdict"] == "safe" and case["details"]["warnings_naming_the_variable"], case
+
+
+def test_the_case_registry_reads_the_same_where_probes_is_not_imported():
+    """Installed, the probe package ships as `sglang_backport_probes`: the matrix reads it under
+    its own name for a moment and leaves sys.modules as it was."""
+    import sys
+
+    before = {k: v for k, v in sys.modules.items() if k.startswith("probes")}
+    del sys.modules["probes"]
+    try:
+        cases = expectations._registered_cases(REPO / "probes")
+    finally:
+        sys.modules["probes"] = before["probes"]
+    assert [f"{c.probe}/{c.name}" for c in cases] == CASE_KEYS
+    assert {k: v for k, v in sys.modules.items() if k.startswith("probes")} == before

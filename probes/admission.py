@@ -40,24 +40,20 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    MetadataBuffersStandIn,
-    TransportManagerStandIn,
     construct_with,
     describe_finish,
     has_method,
     has_retraction_backup_slot,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
-    patch_transport,
     pin_runtime,
     reject_at_intake,
     set_retraction_backup,
     sg,
-    wrap_beam_coordinator,
 )
+from probes.standins_memory import CountingTokenToKVPoolAllocator, MetadataBuffersStandIn, patch_cache_helpers
+from probes.standins_scheduler import make_scheduler_shell, wrap_beam_coordinator
+from probes.standins_transport import KVManagerStandIn, patch_transport
 
 NUM_KV_HEADS = 8
 PREFILL_POOL_TOKENS = 4096
@@ -107,7 +103,7 @@ class DoorRig:
             queue=[],
             max_total_num_tokens=PREFILL_POOL_TOKENS,
             transfer_backend=self._backend(),
-            kv_manager=TransportManagerStandIn(),
+            kv_manager=KVManagerStandIn(),
             tp_rank=0,
             pp_rank=0,
             pp_size=1,
@@ -127,8 +123,8 @@ class DoorRig:
             retracted_queue=[],
             pending_reqs=[],
             transfer_backend=self._backend(),
-            kv_manager=TransportManagerStandIn(),
-            token_to_kv_pool_allocator=CountingPageAllocator(self.ledger, "decode", 4096, 16),
+            kv_manager=KVManagerStandIn(),
+            token_to_kv_pool_allocator=CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096, 16),
             max_total_num_tokens=1 << 20,
             req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator,
             metadata_buffers=MetadataBuffersStandIn(),

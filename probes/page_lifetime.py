@@ -26,7 +26,7 @@ instances built without their network constructors. Stand-ins: the transport
 poll (reports ``KVPoll.Failed`` for the room, in place of the all-reduced
 poll), the prefill peers' sockets (record the ABORT each rank is sent), the
 drain ACKs (delivered by calling ``note_abort_ack`` as the receiver thread
-would), the page pool (CountingPageAllocator, fed by the ``release_kv_cache``
+would), the page pool (CountingTokenToKVPoolAllocator, fed by the ``release_kv_cache``
 recorder) and the metadata allocator. ``enable_host_receive`` is forced off
 (host-staged receive is a different path). The capable backend is a
 ``CommonKVManager`` subclass that opts in (``supports_deferred_decode_kv_release
@@ -64,21 +64,14 @@ from collections import defaultdict
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
-from probes.standins import (
-    CountingPageAllocator,
-    InertCollaborator,
-    Ledger,
+from probes.standins import Ledger, construct_with, give_kv_row, make_req, pin_runtime, sg, sg_attr
+from probes.standins_memory import (
+    CountingTokenToKVPoolAllocator,
     MetadataBuffersStandIn,
-    RecordingMetadataAllocator,
-    construct_with,
-    give_kv_row,
-    make_req,
-    make_scheduler_shell,
+    RecordingReqToMetadataIdxAllocator,
     patch_cache_helpers,
-    pin_runtime,
-    sg,
-    sg_attr,
 )
+from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 PAGE_SIZE = 16
@@ -206,9 +199,9 @@ class TransferRig:
         pin_runtime(ctx)
         ctx.setenv(DEFERRED_ENV, deferred_env)  # None: the release's default
         self.ledger = Ledger()
-        self.pages = CountingPageAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
+        self.pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.pages)
-        self.metadata = RecordingMetadataAllocator(self.ledger)
+        self.metadata = RecordingReqToMetadataIdxAllocator(self.ledger)
         self.shell = make_scheduler_shell(self.ledger, token_to_kv_pool_allocator=self.pages)
         self.queue = construct_with(
             DecodeTransferQueue,

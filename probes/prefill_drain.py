@@ -70,11 +70,7 @@ from probes.mooncake_rig import (
     deliver_to_bootstrap_thread,
     kv_indices,
 )
-from probes.standins import (
-    Ledger,
-    pin_runtime,
-    sg,
-)
+from probes.standins import Ledger, pin_runtime, sg
 
 
 def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Outcome:
@@ -453,7 +449,7 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     tree's real ``send_kvcache`` (its per-layer futures on a real thread pool) over a stand-in engine."""
     import concurrent.futures
 
-    from probes.standins import PerLayerEngineStandIn
+    from probes.standins_transfer_engine import PerLayerEngineStandIn
 
     pin_runtime(ctx)
     ctx.setenv(DEFERRED_ENV, "true")

@@ -16,8 +16,8 @@ How it is driven: the tree's real ``process_batch_result_disagg_prefill``
 ``handle_bootstrap_failure``) runs on a scheduler shell, with a real
 ``GenerationBatchResult`` and real ``Req`` objects. Stand-ins: the KV sender
 (RecordingKVSender), the metadata allocator, the page pool
-(CountingPageAllocator, fed back by the ``release_kv_cache`` recorder), the
-radix cache (RecordingTreeCache plus recorders for the module's
+(CountingTokenToKVPoolAllocator, fed back by the ``release_kv_cache`` recorder), the
+radix cache (RecordingRadixCache plus recorders for the module's
 ``maybe_cache_unfinished_req``/``checkpoint_kv_cache``), ``send_kv_chunk``
 (which would gather GPU page indices), the output streamer, and a grammar
 object that rejects the sampled token. ``grammar_rejected_result_sends_no_kv``
@@ -32,20 +32,18 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    deliver_prefill_result,
     describe_finish,
     give_kv_row,
     has_method,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
     pin_runtime,
-    recording_sender_class,
     reject_at_intake,
     sg,
 )
+from probes.standins_memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
+from probes.standins_scheduler import deliver_prefill_result, make_scheduler_shell
+from probes.standins_transport import recording_sender_class
 
 PAGE_SIZE = 16
 SAMPLED_TOKEN = 7
@@ -59,7 +57,7 @@ class RetireRig:
 
         pin_runtime(ctx)
         self.ledger = Ledger()
-        self.pages = CountingPageAllocator(self.ledger, "prefill", 256, PAGE_SIZE)
+        self.pages = CountingTokenToKVPoolAllocator(self.ledger, "prefill", 256, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.pages)
         self.sender_cls = recording_sender_class(self.ledger, abort_raises=abort_raises)
         self.shell = make_scheduler_shell(

@@ -19,7 +19,7 @@ transport poll (``KVPoll.Success``: the transfer completed), the gloo
 all-reduce (two threads meeting at a barrier take the MIN), decode's
 preallocation (the reservation is the tree's own ``_pre_alloc_fill_len``,
 recorded in ``kv_committed_len`` as ``_pre_alloc`` does), the page pools
-(CountingPageAllocator) and the output streamer.
+(CountingTokenToKVPoolAllocator) and the output streamer.
 
 The refusal cases are unsafe on every release without the fix (a short
 handoff is committed and decoded: HTTP 200 over stale pages). The
@@ -38,20 +38,22 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    RecordingMetadataAllocator,
     construct_with,
     describe_finish,
     drop_kv_row,
     give_kv_row,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
     pin_runtime,
-    recording_sender_class,
     sg,
 )
+from probes.standins_memory import (
+    CountingTokenToKVPoolAllocator,
+    RecordingReqToMetadataIdxAllocator,
+    patch_cache_helpers,
+)
+from probes.standins_scheduler import make_scheduler_shell
+from probes.standins_transport import recording_sender_class
 
 CHECK_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
 COVERAGE_SLOT = 7  # the spare cached_tokens slot the fix uses
@@ -105,7 +107,7 @@ def tree_fill_len(req) -> int:
     return int(fill(req))
 
 
-class PagePoolStandIn(CountingPageAllocator):
+class PagePoolStandIn(CountingTokenToKVPoolAllocator):
     """Prefill's page pool as ``send_kv_chunk`` reads it (identity translation:
     no unified-memory virtual ids)."""
 
@@ -138,7 +140,7 @@ class PrefillSide:
             ),
         )
         self.sender_cls = recording_sender_class(ledger)
-        self.metadata = RecordingMetadataAllocator(ledger)
+        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
 
     def handoff(self, rid: str, prompt_tokens: int, room: int, *, chunk_ends=(), decode_prefix: int = 0,
                 cached_prefix: int = 0, spec: bool = False) -> Any:
@@ -249,8 +251,8 @@ class DecodeSide:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         self.ledger, self.rank = ledger, rank
-        self.pages = pages if pages is not None else CountingPageAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
-        self.metadata = RecordingMetadataAllocator(ledger)
+        self.pages = pages if pages is not None else CountingTokenToKVPoolAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
+        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
         self.buffers = metadata_buffers()
         extra = {}
         if spec:

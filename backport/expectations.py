@@ -189,3 +189,25 @@ def pack_at(root: Path):
     from backport.pack import load_pack
 
     return load_pack(root)
+
+
+def epochs(pack, releases: Mapping[str, object]) -> list[list[str]]:
+    """The measured releases grouped into code epochs, oldest first: releases that get the same
+    variant of every fix (or the same outcome where none applies) and whose derived table is the
+    same. The suite runs the matrix tests on every release and the other real-tree tests on one
+    representative per epoch (`representatives`): within an epoch the pack's code and what the
+    cases must show do not change."""
+    groups: dict[tuple, list[str]] = {}
+    for version, release in releases.items():
+        if not release.measured:
+            continue
+        variants = tuple((fid, status, getattr(pack.variant_for(fid, version), "name", None)
+                          if status == APPLIED else None) for fid, status in release.apply.items())
+        table = tuple(sorted(release.derived.verdicts.items()))
+        groups.setdefault((variants, table), []).append(version)
+    return sorted(groups.values(), key=lambda versions: Version(versions[0]))
+
+
+def representatives(pack, releases: Mapping[str, object]) -> list[str]:
+    """The newest release of each code epoch (see `epochs`)."""
+    return [versions[-1] for versions in epochs(pack, releases)]

@@ -116,6 +116,23 @@ def test_the_rule_derives_from_fixed_in_scope_and_the_cases():
         assert got.verdicts[(role, "admission/prefill_door_valid_admitted")] == "safe"
 
 
+def test_epochs_split_where_the_code_or_the_expectations_change():
+    """One representative per code epoch runs the real-tree tests beyond the matrix; an epoch is
+    a run of releases with the same variants and the same derived table (README, "Which tests
+    run on every release")."""
+    pack = load_pack(REPO / "patches")
+    groups = expectations.epochs(pack, RELEASES)
+    assert sorted(v for g in groups for v in g) == sorted(MEASURED)
+    for group in groups:
+        first = RELEASES[group[0]]
+        for version in group[1:]:
+            assert RELEASES[version].derived.verdicts == first.derived.verdicts, version
+            assert all(pack.variant_for(f, version) == pack.variant_for(f, group[0])
+                       for f, s in first.apply.items() if s == "applied"), version
+    reps = expectations.representatives(pack, RELEASES)
+    assert reps == [g[-1] for g in groups] and "0.5.19" in reps and "0.5.22" in reps
+
+
 def test_readme_release_table_is_the_matrix():
     readme = (REPO / "README.md").read_text()
     assert f"Cases ({len(CASE_KEYS)}, same names and order on every release)" in readme

@@ -27,8 +27,8 @@ import pytest
 from backport.cli import main
 from backport.engine import apply_series, detect
 from backport.errors import BadInput
-from backport.pack import load_pack
 from backport.expectations import representatives
+from backport.pack import load_pack
 from backport.releases import load_releases
 from tests.conftest import REPO
 from tests.engine_helpers import FIX_COMMIT

@@ -1,10 +1,12 @@
 """The release matrix (`patches/releases.toml`): every known release, its pin, what it should show.
 
-One row per release holds the facts that used to be spread over pins, tests and README: the
-wheel's file name and sha256, the upstream tag's commit, what the engine does with each fix of
-the series, and which probe cases are not `safe` on the pristine and on the patched tree. The
-fetcher reads the pins from here; tests, nox sessions and README's per-release table are
-generated from the rows or checked against them.
+One row per release holds its facts: the wheel's file name and sha256, the upstream tag's commit,
+a one-line note, whether it was measured, and the exceptions to the rule. What a measured release
+is expected to show (the engine's outcome per fix, every case's verdict on the pristine and the
+patched tree) is derived from the pack and the cases' declarations (backport/expectations.py)
+plus those exceptions; `Release.apply`, `.pristine`, `.patched` and `.expected()` give the
+derived result. The fetcher reads the pins from here; tests, nox sessions and README's
+per-release table are generated from the rows or checked against them.
 """
 
 from __future__ import annotations
@@ -15,19 +17,21 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache as memoize
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 
 from packaging.version import InvalidVersion, Version
 
-from backport import resources
+from backport import expectations, resources
 from backport.errors import BadInput
+from backport.expectations import StatedException
 
 RELEASES_ENV = "SGLANG_BACKPORT_RELEASES"
 APPLY_OUTCOMES = ("applied", "already-present", "not-applicable")
 TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
-ROW_KEYS = {"version": str, "wheel": dict, "tag": str, "apply": dict, "pristine": dict, "patched": dict,
-            "note": str}
+ROW_KEYS = {"version": str, "wheel": dict, "tag": str, "measured": bool, "note": str, "exceptions": list}
+EXCEPTION_KEYS = {"case", "fix", "pristine", "patched", "apply", "reason"}
 REQUIRED = ("version", "wheel")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -54,20 +58,45 @@ class Release:
     version: str
     pin: WheelPin
     tag: str | None = None
-    # None: a pin without expectations (a fixture, or a release not yet measured)
-    apply: Mapping[str, str] | None = None
-    pristine: Mapping[str, str] = field(default_factory=dict)
-    patched: Mapping[str, str] = field(default_factory=dict)
+    # False: a pin without expectations (a fixture, or a release not yet measured)
+    measured: bool = False
     note: str = ""
+    exceptions: tuple[StatedException, ...] = ()
+    pack_root: Path | None = field(default=None, compare=False)  # the pack the expectations derive from
+
+    @cached_property
+    def derived(self) -> expectations.Expected | None:
+        if not self.measured:
+            return None
+        pack = expectations.pack_at(self.pack_root or resources.pack_dir())
+        return expectations.derive(pack, self.version, self.exceptions, where=f"release {self.version}")
 
     @property
-    def measured(self) -> bool:
-        return self.apply is not None
+    def apply(self) -> Mapping[str, str] | None:
+        """Per fix of the series: what the engine is expected to do on the pristine tree."""
+        return None if self.derived is None else MappingProxyType(dict(self.derived.apply))
+
+    def _not_safe(self, role: str) -> Mapping[str, str]:
+        if self.derived is None:
+            return MappingProxyType({})
+        return MappingProxyType({key: verdict for (r, key), verdict in self.derived.verdicts.items()
+                                 if r == role and verdict != "safe"})
+
+    @property
+    def pristine(self) -> Mapping[str, str]:
+        """The cases not expected `safe` on the pristine tree."""
+        return self._not_safe("pristine")
+
+    @property
+    def patched(self) -> Mapping[str, str]:
+        """The cases not expected `safe` on the patched tree."""
+        return self._not_safe("patched")
 
     def expected(self, role: str, case: str) -> str:
         """The verdict the matrix expects for `probe/case` on the pristine or patched tree."""
-        table = self.pristine if role == "pristine" else self.patched
-        return table.get(case, "safe")
+        if self.derived is None:
+            return "safe"
+        return self.derived.verdicts.get((role, case), "safe")
 
     @property
     def applies_anything(self) -> bool:
@@ -88,6 +117,9 @@ def _row(path: Path, index: int, row: object) -> Release:
         if key not in row:
             raise _fail(path, where, f"missing key {key!r}")
     for key, value in row.items():
+        if key in ("apply", "pristine", "patched"):
+            raise _fail(path, where, f"{key!r}: expectations are derived now (backport/expectations.py); "
+                        "a row states only its exceptions")
         if key not in ROW_KEYS:
             raise _fail(path, where, f"unknown key {key!r} (known: {', '.join(ROW_KEYS)})")
         if not isinstance(value, ROW_KEYS[key]):
@@ -103,21 +135,37 @@ def _row(path: Path, index: int, row: object) -> Release:
         raise _fail(path, where, f"wheel pin {wheel['file']!r} / {wheel['sha256']!r} is not a .whl and a sha256")
     if "tag" in row and not _COMMIT.fullmatch(row["tag"]):
         raise _fail(path, where, f"tag {row['tag']!r} is not a 40-hex commit id")
-    for key, allowed in (("apply", APPLY_OUTCOMES), ("pristine", TREE_VERDICTS), ("patched", TREE_VERDICTS)):
-        for name, value in row.get(key, {}).items():
-            if value not in allowed:
-                raise _fail(path, where, f"{key}.{name} = {value!r}; expected one of {', '.join(allowed)}")
-            if key != "apply" and name.count("/") != 1:
-                raise _fail(path, where, f"{key}: {name!r} is not a probe/case name")
-    if ("pristine" in row or "patched" in row) and "apply" not in row:
-        raise _fail(path, where, "expectations without `apply`: a measured row states all three")
-
-    def frozen(key: str) -> Mapping[str, str]:
-        return MappingProxyType(dict(row.get(key, {})))
-
+    if "exceptions" in row and not row.get("measured"):
+        raise _fail(path, where, "exceptions on a row that is not measured: an exception is a measured fact")
+    stated = tuple(_exception(path, where, i, entry) for i, entry in enumerate(row.get("exceptions", [])))
+    pack_root = path.parent if (path.parent / "series").is_file() else None
     return Release(version, WheelPin(version, wheel["file"], wheel["sha256"]), row.get("tag"),
-                   frozen("apply") if "apply" in row else None, frozen("pristine"), frozen("patched"),
-                   row.get("note", ""))
+                   bool(row.get("measured")), row.get("note", ""), stated, pack_root)
+
+
+def _exception(path: Path, where: str, index: int, entry: object) -> StatedException:
+    """One exception: { case = "probe/case", pristine and/or patched = VERDICT, reason = "..." } or
+    { fix = "ID", apply = OUTCOME, reason = "..." }."""
+    where = f"{where}: exception #{index + 1}"
+    if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+        raise _fail(path, where, "is not a table of strings")
+    unknown = set(entry) - EXCEPTION_KEYS
+    if unknown:
+        raise _fail(path, where, f"unknown key {min(unknown)!r} (known: {', '.join(sorted(EXCEPTION_KEYS))})")
+    if not entry.get("reason", "").strip():
+        raise _fail(path, where, "has no reason: every exception says why in one line")
+    if ("case" in entry) == ("fix" in entry):
+        raise _fail(path, where, "names exactly one of `case` or `fix`")
+    if "case" in entry:
+        if entry["case"].count("/") != 1 or "apply" in entry or not ({"pristine", "patched"} & set(entry)):
+            raise _fail(path, where, "a case exception is { case = \"probe/case\", pristine/patched = VERDICT }")
+        for role in ("pristine", "patched"):
+            if role in entry and entry[role] not in TREE_VERDICTS:
+                raise _fail(path, where, f"{role} = {entry[role]!r}; expected one of {', '.join(TREE_VERDICTS)}")
+    elif entry.get("apply") not in APPLY_OUTCOMES or {"pristine", "patched"} & set(entry):
+        raise _fail(path, where, f"a fix exception is {{ fix = ID, apply = one of {', '.join(APPLY_OUTCOMES)} }}")
+    return StatedException(entry["reason"], entry.get("case"), entry.get("fix"), entry.get("pristine"),
+                           entry.get("patched"), entry.get("apply"))
 
 
 @memoize

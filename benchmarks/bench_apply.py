@@ -14,6 +14,11 @@ in the same run:
 * ``git apply --index`` + ``git commit`` per patch: the same work the
   engine does.
 
+Then one more engine run on a fresh clone under cProfile prints where the engine's time goes
+(loading the pack, the symlink checks, the decision loop, waiting for git's status/ls-tree/
+ls-files, fast-import, the journal, whole-file replacement, the index built in a copy, the ref
+transaction): cProfile's overhead inflates the Python parts, so read it as shares, not as times.
+
 Each clone is settled first (one ``git status`` a second after the clone,
 as in any checkout that is not brand new: otherwise the engine's dirty check
 pays for git's racy-index re-hash of every file, which ``git apply``, reading
@@ -24,7 +29,9 @@ never asserts.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import random
 import shutil
 import statistics
@@ -98,6 +105,39 @@ def make_pack(tree: Path, work: Path, n_fixes: int, n_files: int) -> Path:
     (pack / "series").write_text("\n".join(series) + "\n")
     (pack / "fixes.toml").write_text("\n".join(toml))
     return pack
+
+
+# (label, module path suffix, function name) of the stages the breakdown reports
+STAGES = (
+    ("load the pack (parse variants)", "pack/load.py", "load_pack"),
+    ("symlink checks", "engine/apply.py", "_check_symlinks"),
+    ("decision loop (placement in memory)", "engine/decide.py", "decide"),
+    ("wait for status / ls-tree / ls-files", "backport/gitops.py", "result"),
+    ("git fast-import (objects, pending ref)", "backport/gitops.py", "fast_import"),
+    ("journal (create, files phase)", "engine/journal.py", "create"),
+    ("journal save", "engine/journal.py", "save"),
+    ("whole-file replacement (put_file)", "engine/journal.py", "put_file"),
+    ("index copy", "shutil.py", "copyfile"),
+    ("git update-index on the copy", "backport/gitops.py", "update_index"),
+    ("git update-ref (HEAD, the commit point)", "backport/gitops.py", "move_refs"),
+)
+
+
+def breakdown(clone: Path, pack_dir: Path, version: str) -> None:
+    """One engine run under cProfile: cumulative time per stage (see the module docstring)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    rep = apply_series(clone, load_pack(pack_dir), version, package_prefix=prefix_of(clone))
+    prof.disable()
+    assert rep.status == "applied", rep.to_json()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = max(ct for (_, _, name), (_, _, _, ct, _) in stats.items() if name == "apply_series")
+    total += sum(ct for (f, _, name), (_, _, _, ct, _) in stats.items() if name == "load_pack")
+    print(f"where the engine's time goes (one run under cProfile, {total * 1000:.0f} ms):")
+    for label, where, func in STAGES:
+        ms = sum(ct for (f, _, name), (_, _, _, ct, _) in stats.items()
+                 if name == func and f.endswith(where)) * 1000
+        print(f"  {label:42s} {ms:7.1f} ms  {ms / (total * 1000):4.0%}")
 
 
 def prefix_of(tree: Path) -> str:
@@ -178,6 +218,11 @@ def main() -> None:
         print(f"ratio engine / git apply:                {me / ma:5.2f}x   (goal <= 2x; "
               f"median of per-run ratios {paired:.2f}x)")
         print(f"ratio engine / git apply --index+commit: {me / mc:5.2f}x")
+        c = work / "breakdown"
+        subprocess.run(["git", "clone", "-q", "--local", str(tree), str(c)], check=True)
+        time.sleep(1.0)
+        git(c, "status", "--porcelain")
+        breakdown(c, pack_dir, version)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

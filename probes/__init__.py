@@ -60,26 +60,39 @@ class Case:
     # a case of this pack's own fix, which no release (the reference included) has: the patched
     # tree is not expected to agree with the reference on it
     beyond_upstream: bool = False
+    # What the release matrix derives this case's expected verdict from (backport/expectations.py):
+    # `proves`, the fixes (ids of patches/fixes.toml) that must all be in a tree for the case to be
+    # safe there; `needs`, what the case's code needs to exist, each a PEP 440 range of releases
+    # (">=0.5.13") or a fix id whose code the case drives (present once shipped or applied).
+    # Without the code: not-applicable; without a proven fix: unsafe; else safe.
+    proves: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
 
 
 # probe name -> its cases in definition order; filled by @case as each probe module is imported.
 REGISTRY: dict[str, list[Case]] = {}
 
 
-def case(*, must_preserve: bool, expect: str,
-         beyond_upstream: bool = False) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
+def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, proves: tuple[str, ...] = (),
+         needs: tuple[str, ...] = ()) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
     """Register the decorated function as a case of the probe whose module defines it.
 
     The case's name is the function's name; `expect` states the safe behaviour; a
-    must-preserve case is one that a fix must not break (safe on every tree).
+    must-preserve case is one that a fix must not break (safe on every tree) and proves no fix.
+    `proves` and `needs` (see `Case`) are plain strings, checked against the pack by the toolkit.
     """
+    for what, value in (("proves", proves), ("needs", needs)):
+        if not isinstance(value, tuple) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ValueError(f"{what} must be a tuple of non-empty strings, not {value!r}")
+    if must_preserve and proves:
+        raise ValueError("a must-preserve case proves no fix: it is safe on every tree that has its code")
 
     def register(run: Callable[..., Outcome]) -> Callable[..., Outcome]:
         probe = run.__module__.rsplit(".", 1)[-1]
         cases = REGISTRY.setdefault(probe, [])
         if any(c.name == run.__name__ for c in cases):
             raise ValueError(f"probe {probe} registers case {run.__name__} twice")
-        cases.append(Case(probe, run.__name__, must_preserve, expect, run, beyond_upstream))
+        cases.append(Case(probe, run.__name__, must_preserve, expect, run, beyond_upstream, proves, needs))
         return run
 
     return register

@@ -40,24 +40,20 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    MetadataBuffersStandIn,
-    TransportManagerStandIn,
     construct_with,
     describe_finish,
     has_method,
     has_retraction_backup_slot,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
-    patch_transport,
     pin_runtime,
     reject_at_intake,
     set_retraction_backup,
     sg,
-    wrap_beam_coordinator,
 )
+from probes.standins_memory import CountingTokenToKVPoolAllocator, MetadataBuffersStandIn, patch_cache_helpers
+from probes.standins_scheduler import make_scheduler_shell, wrap_beam_coordinator
+from probes.standins_transport import KVManagerStandIn, patch_transport
 
 NUM_KV_HEADS = 8
 PREFILL_POOL_TOKENS = 4096
@@ -107,7 +103,7 @@ class DoorRig:
             queue=[],
             max_total_num_tokens=PREFILL_POOL_TOKENS,
             transfer_backend=self._backend(),
-            kv_manager=TransportManagerStandIn(),
+            kv_manager=KVManagerStandIn(),
             tp_rank=0,
             pp_rank=0,
             pp_size=1,
@@ -127,8 +123,8 @@ class DoorRig:
             retracted_queue=[],
             pending_reqs=[],
             transfer_backend=self._backend(),
-            kv_manager=TransportManagerStandIn(),
-            token_to_kv_pool_allocator=CountingPageAllocator(self.ledger, "decode", 4096, 16),
+            kv_manager=KVManagerStandIn(),
+            token_to_kv_pool_allocator=CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096, 16),
             max_total_num_tokens=1 << 20,
             req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator,
             metadata_buffers=MetadataBuffersStandIn(),
@@ -211,6 +207,7 @@ def _finish_abort(message: str):
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect='A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.',
 )
@@ -230,6 +227,7 @@ def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect='A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: no KV receiver, no prealloc queue entry, its 400 streamed once.',
 )
@@ -265,6 +263,7 @@ class _ClientStream:
 
 
 @case(
+    proves=("pr38935",),
     must_preserve=False,
     expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
 )
@@ -330,6 +329,7 @@ def _streaming_session():
 
 
 @case(
+    proves=("pr38935",), needs=(">=0.5.11",),
     must_preserve=False,
     expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no handoff, its "
     "400 streamed once, its session no longer in flight (the session's next request is accepted), and the "
@@ -436,6 +436,7 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.18",),
     must_preserve=True,
     expect='A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.',
 )
@@ -487,6 +488,7 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.16",),
     must_preserve=True,
     expect='A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.',
 )

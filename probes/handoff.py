@@ -28,7 +28,7 @@ Driven code is the tree's: ``validate_input_length``,
 ``PrefillBootstrapQueue.add``/``finalize_bootstrap``,
 ``DecodePreallocQueue.add`` and ``process_batch_result_disagg_prefill``.
 Stand-ins: decode's page reservation and prefill's forward allocation
-(CountingPageAllocator), the transport (RecordingKVSender/Receiver),
+(CountingTokenToKVPoolAllocator), the transport (RecordingKVSender/Receiver),
 ``send_kv_chunk`` (counts the tokens it would hand over, then runs the tree's
 real ``send_kv_chunk`` on the collaborators of ``probes.transfer_coverage``),
 cache helpers, and the output streamer. Decode's side after the transfer is
@@ -42,15 +42,9 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, Outcome, case
 from probes.admission import DoorRig
-from probes.standins import (
-    CountingPageAllocator,
-    deliver_prefill_result,
-    describe_finish,
-    give_kv_row,
-    make_req,
-    patch_cache_helpers,
-    sg,
-)
+from probes.standins import describe_finish, give_kv_row, make_req, sg
+from probes.standins_memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
+from probes.standins_scheduler import deliver_prefill_result
 from probes.transfer_coverage import (
     DecodeSide,
     PrefillSide,
@@ -79,10 +73,10 @@ class HandoffRig(DoorRig):
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         super().__init__(ctx)
-        self.prefill_pages = CountingPageAllocator(
+        self.prefill_pages = CountingTokenToKVPoolAllocator(
             self.ledger, "prefill", PREFILL_POOL_TOKENS // PAGE_SIZE, PAGE_SIZE
         )
-        self.decode_pages = CountingPageAllocator(self.ledger, "decode", 4096, PAGE_SIZE)
+        self.decode_pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL
@@ -183,7 +177,10 @@ class HandoffRig(DoorRig):
 
 
 
+# #38935 at the door and the pack's coverage check each make it safe too, but every tree that has
+# either also has #36988 (a dependency of one, applied with the other), so #36988 is what it proves.
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect='A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled complete with fewer tokens than decode reserved.',
 )

@@ -40,7 +40,6 @@ from typing import Any
 
 from probes import NotApplicable
 from probes.standins import (
-    DecodePeerWire,
     Ledger,
     ParallelStandIn,
     PipelineGroupStandIn,
@@ -48,6 +47,7 @@ from probes.standins import (
     release_disagg_defaults,
     sg,
 )
+from probes.standins_transfer_engine import DecodePeerWire
 
 LOCALHOST = "127.0.0.1"
 

@@ -16,16 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable
-from probes.standins import (
-    DecodePeerWire,
-    Ledger,
-    TransferEngineStandIn,
-    WorkerStopped,
-    abort_frames,
-    pin_runtime,
-    sg,
-    sg_attr,
-)
+from probes.standins import Ledger, pin_runtime, sg, sg_attr
+from probes.standins_transfer_engine import DecodePeerWire, TransferEngineStandIn, WorkerStopped, abort_frames
 
 
 def kv_indices(count: int):

@@ -21,16 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable
-from probes.standins import (
-    DecodePeerWire,
-    Ledger,
-    WorkerStopped,
-    abort_frames,
-    construct_with,
-    pin_runtime,
-    sg,
-    sg_attr,
-)
+from probes.standins import Ledger, construct_with, pin_runtime, sg, sg_attr
+from probes.standins_transfer_engine import DecodePeerWire, WorkerStopped, abort_frames
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 ROOM = 801

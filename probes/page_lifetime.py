@@ -26,7 +26,7 @@ instances built without their network constructors. Stand-ins: the transport
 poll (reports ``KVPoll.Failed`` for the room, in place of the all-reduced
 poll), the prefill peers' sockets (record the ABORT each rank is sent), the
 drain ACKs (delivered by calling ``note_abort_ack`` as the receiver thread
-would), the page pool (CountingPageAllocator, fed by the ``release_kv_cache``
+would), the page pool (CountingTokenToKVPoolAllocator, fed by the ``release_kv_cache``
 recorder) and the metadata allocator. ``enable_host_receive`` is forced off
 (host-staged receive is a different path). The capable backend is a
 ``CommonKVManager`` subclass that opts in (``supports_deferred_decode_kv_release
@@ -64,21 +64,14 @@ from collections import defaultdict
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
-from probes.standins import (
-    CountingPageAllocator,
-    InertCollaborator,
-    Ledger,
+from probes.standins import Ledger, construct_with, give_kv_row, make_req, pin_runtime, sg, sg_attr
+from probes.standins_memory import (
+    CountingTokenToKVPoolAllocator,
     MetadataBuffersStandIn,
-    RecordingMetadataAllocator,
-    construct_with,
-    give_kv_row,
-    make_req,
-    make_scheduler_shell,
+    RecordingReqToMetadataIdxAllocator,
     patch_cache_helpers,
-    pin_runtime,
-    sg,
-    sg_attr,
 )
+from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 PAGE_SIZE = 16
@@ -206,9 +199,9 @@ class TransferRig:
         pin_runtime(ctx)
         ctx.setenv(DEFERRED_ENV, deferred_env)  # None: the release's default
         self.ledger = Ledger()
-        self.pages = CountingPageAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
+        self.pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.pages)
-        self.metadata = RecordingMetadataAllocator(self.ledger)
+        self.metadata = RecordingReqToMetadataIdxAllocator(self.ledger)
         self.shell = make_scheduler_shell(self.ledger, token_to_kv_pool_allocator=self.pages)
         self.queue = construct_with(
             DecodeTransferQueue,
@@ -271,6 +264,7 @@ class TransferRig:
 
 
 @case(
+    proves=("pr35049", "pr41023", "pr41404"),
     must_preserve=False,
     expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
 )
@@ -342,6 +336,7 @@ def _tracker_or_skip():
 
 
 @case(
+    proves=("pr35049",), needs=("pr35049",),
     must_preserve=False,
     expect='A drain ACK that arrives before the room is registered does not count toward its release.',
 )
@@ -368,6 +363,7 @@ def ack_before_registration_not_counted(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049",), needs=("pr35049",),
     must_preserve=False,
     expect="A drain ACK that arrives after the room was released does not count for the room's next request.",
 )
@@ -460,6 +456,7 @@ class _WarningRecorder(logging.Handler):
 
 
 @case(
+    needs=("pr35049",),
     must_preserve=True,
     expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, a transfer decode aborted on a backend without the drain-ACK capability either keeps its pages held (the deferral asked for) or releases them exactly once; whether a warning named the variable is reported.",
 )
@@ -505,6 +502,7 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
 
 
 @case(
+    needs=("pr35049",),
     must_preserve=True,
     expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, two aborted transfers on a backend without "
     "the drain-ACK capability, one on a backend with it, and one failed before any prefill rank learned its pages "
@@ -563,6 +561,7 @@ def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049", "pr41404"), needs=(">=0.5.13",),
     must_preserve=False,
     expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one ABORT at "
     "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and releases "
@@ -631,6 +630,7 @@ class _QuiescentPrefillSocket(_PrefillPeerSocket):
 
 
 @case(
+    proves=("pr40645",), needs=("pr35049",),
     must_preserve=False,
     expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
     "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "

@@ -70,11 +70,7 @@ from probes.mooncake_rig import (
     deliver_to_bootstrap_thread,
     kv_indices,
 )
-from probes.standins import (
-    Ledger,
-    pin_runtime,
-    sg,
-)
+from probes.standins import Ledger, pin_runtime, sg
 
 
 def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Outcome:
@@ -91,6 +87,7 @@ def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Out
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="After a send that timed out with its write still running, no drain ACK leaves (during the transfer, "
     "after the failure, after clear(), or for a late ABORT) while the write is still running.",
@@ -124,6 +121,7 @@ def failed_send_withholds_ack_while_writes_in_flight(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr40645",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="When ABORTs from both decode peers arrive while a write is in flight and the write then completes, "
     "each peer gets its drain ACK, after the write landed.",
@@ -144,6 +142,7 @@ def abort_during_transfer_acks_each_peer_once_after_drain(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049-ack",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="ABORTs that arrive before the chunk is sent are ACKed to each decode peer and nothing is written "
     "after the ACK.",
@@ -166,6 +165,7 @@ def abort_before_transfer_acks_each_peer_once(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049-ack",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="ABORTs for a room whose transfer already succeeded are ACKed to each decode peer, with nothing in flight.",
 )
@@ -186,6 +186,7 @@ def abort_after_transfer_acks_each_peer_once(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr35049-ack",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="When the transfer worker dies with a write posted, no drain ACK leaves for the room while it runs "
     "(ABORTs, clear()).",
@@ -207,6 +208,7 @@ def worker_crash_withholds_ack(ctx) -> Outcome:
 
 
 @case(
+    needs=("pr35049-ack",),
     must_preserve=True,
     expect="A transfer whose writes all complete reaches Success, tells each decode peer once, and sends no ACK.",
 )
@@ -234,6 +236,7 @@ def successful_transfer_untouched(ctx) -> Outcome:
 
 
 @case(
+    needs=("pr35049-ack",),
     must_preserve=True,
     expect="Without the drain-ACK capability (deferred release off) an ABORT after a failed send is answered at "
     "once, as before: decode releases immediately and waits for nothing.",
@@ -252,6 +255,7 @@ def without_capability_keeps_immediate_ack(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="After a Mooncake aux (metadata slot) or state write fails with the write still running, no drain ACK "
     "leaves for the room while it runs (ABORTs from both decode peers, clear(), a late ABORT).",
@@ -287,6 +291,7 @@ def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-nixl",),
     must_preserve=False,
     expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes holds decode's "
     "pages (the backend defers release) and no drain ACK leaves while the sibling runs: not for a later chunk of "
@@ -336,6 +341,7 @@ def _writes_after_first_ack(ledger) -> int:
 
 
 @case(
+    proves=("pr35049-nixl",), needs=("pr35049-nixl",),
     must_preserve=False,
     expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room stays Failed "
     "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
@@ -374,7 +380,10 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
                    "(into pages decode may have freed).", details)
 
 
+# 0.5.20 shipped the sticky-Failed rule without a fix record; the pack carries it in #41402's
+# variants for 0.5.17 - 0.5.19, so that is what the case proves (0.5.20/0.5.21: exceptions).
 @case(
+    proves=("pr41402",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="When one decode rank ABORTs a room before the other rank's transfer info arrived, the room stays Failed "
     "when that info arrives: the scheduler's next chunk is refused and nothing is written after the drain ACK.",
@@ -428,6 +437,7 @@ DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
 
 
 @case(
+    proves=("pr35049-inflight",),
     must_preserve=False,
     expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's write is "
     "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write finished.",
@@ -439,7 +449,7 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     tree's real ``send_kvcache`` (its per-layer futures on a real thread pool) over a stand-in engine."""
     import concurrent.futures
 
-    from probes.standins import PerLayerEngineStandIn
+    from probes.standins_transfer_engine import PerLayerEngineStandIn
 
     pin_runtime(ctx)
     ctx.setenv(DEFERRED_ENV, "true")
@@ -525,6 +535,7 @@ def _constructed_details(rig) -> dict[str, Any]:
 
 
 @case(
+    proves=("pr40645",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a chunk "
     "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets its ACK "
@@ -567,6 +578,7 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr41402",),
     must_preserve=False,
     expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held ACK "
     "targets, a later ABORT for it is neither held nor ACKed, and the room's next request clears the poison "
@@ -625,6 +637,7 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
 
 
 @case(
+    proves=("pr35049-ack",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="On a prefill manager built by its constructor (no transfer backend's write count added), clearing an "
     "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where the "

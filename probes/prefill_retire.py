@@ -16,8 +16,8 @@ How it is driven: the tree's real ``process_batch_result_disagg_prefill``
 ``handle_bootstrap_failure``) runs on a scheduler shell, with a real
 ``GenerationBatchResult`` and real ``Req`` objects. Stand-ins: the KV sender
 (RecordingKVSender), the metadata allocator, the page pool
-(CountingPageAllocator, fed back by the ``release_kv_cache`` recorder), the
-radix cache (RecordingTreeCache plus recorders for the module's
+(CountingTokenToKVPoolAllocator, fed back by the ``release_kv_cache`` recorder), the
+radix cache (RecordingRadixCache plus recorders for the module's
 ``maybe_cache_unfinished_req``/``checkpoint_kv_cache``), ``send_kv_chunk``
 (which would gather GPU page indices), the output streamer, and a grammar
 object that rejects the sampled token. ``grammar_rejected_result_sends_no_kv``
@@ -32,20 +32,18 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    deliver_prefill_result,
     describe_finish,
     give_kv_row,
     has_method,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
     pin_runtime,
-    recording_sender_class,
     reject_at_intake,
     sg,
 )
+from probes.standins_memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
+from probes.standins_scheduler import deliver_prefill_result, make_scheduler_shell
+from probes.standins_transport import recording_sender_class
 
 PAGE_SIZE = 16
 SAMPLED_TOKEN = 7
@@ -59,7 +57,7 @@ class RetireRig:
 
         pin_runtime(ctx)
         self.ledger = Ledger()
-        self.pages = CountingPageAllocator(self.ledger, "prefill", 256, PAGE_SIZE)
+        self.pages = CountingTokenToKVPoolAllocator(self.ledger, "prefill", 256, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.pages)
         self.sender_cls = recording_sender_class(self.ledger, abort_raises=abort_raises)
         self.shell = make_scheduler_shell(
@@ -147,6 +145,7 @@ def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcom
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, its HiCache storage state released once, release_kv_cache without insert once, abort streamed once.",
 )
@@ -182,6 +181,7 @@ def final_aborted_result_retired(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",), needs=(">=0.5.13",),
     must_preserve=False,
     expect='A result arriving after the request was retired by bootstrap-failure cleanup has no effect.',
 )
@@ -214,6 +214,7 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="When the sender's abort() raises, the request is still retired once with all local cleanup.",
 )
@@ -234,6 +235,7 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect='An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.',
 )
@@ -271,6 +273,7 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="An aborted request's middle-chunk result, with no later chunk of it launched, retires the request once: no KV chunk sent, not requeued, metadata buffer freed, KV released without insert once, abort streamed once.",
 )
@@ -310,6 +313,7 @@ class _RejectingGrammar:
 
 
 @case(
+    proves=("pr36988",),
     must_preserve=False,
     expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
 )
@@ -367,6 +371,7 @@ def valid_finished_request_sends_kv(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.5.13",),
     must_preserve=True,
     expect="A valid request whose optimistic bootstrap is still pending, whose middle-chunk result comes back with no later chunk launched, is released and requeued for a retry: no KV chunk sent, nothing retired or streamed.",
 )

@@ -19,7 +19,7 @@ transport poll (``KVPoll.Success``: the transfer completed), the gloo
 all-reduce (two threads meeting at a barrier take the MIN), decode's
 preallocation (the reservation is the tree's own ``_pre_alloc_fill_len``,
 recorded in ``kv_committed_len`` as ``_pre_alloc`` does), the page pools
-(CountingPageAllocator) and the output streamer.
+(CountingTokenToKVPoolAllocator) and the output streamer.
 
 The refusal cases are unsafe on every release without the fix (a short
 handoff is committed and decoded: HTTP 200 over stale pages). The
@@ -38,20 +38,22 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.standins import (
-    CountingPageAllocator,
     Ledger,
-    RecordingMetadataAllocator,
     construct_with,
     describe_finish,
     drop_kv_row,
     give_kv_row,
     make_req,
-    make_scheduler_shell,
-    patch_cache_helpers,
     pin_runtime,
-    recording_sender_class,
     sg,
 )
+from probes.standins_memory import (
+    CountingTokenToKVPoolAllocator,
+    RecordingReqToMetadataIdxAllocator,
+    patch_cache_helpers,
+)
+from probes.standins_scheduler import make_scheduler_shell
+from probes.standins_transport import recording_sender_class
 
 CHECK_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
 COVERAGE_SLOT = 7  # the spare cached_tokens slot the fix uses
@@ -105,7 +107,7 @@ def tree_fill_len(req) -> int:
     return int(fill(req))
 
 
-class PagePoolStandIn(CountingPageAllocator):
+class PagePoolStandIn(CountingTokenToKVPoolAllocator):
     """Prefill's page pool as ``send_kv_chunk`` reads it (identity translation:
     no unified-memory virtual ids)."""
 
@@ -138,7 +140,7 @@ class PrefillSide:
             ),
         )
         self.sender_cls = recording_sender_class(ledger)
-        self.metadata = RecordingMetadataAllocator(ledger)
+        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
 
     def handoff(self, rid: str, prompt_tokens: int, room: int, *, chunk_ends=(), decode_prefix: int = 0,
                 cached_prefix: int = 0, spec: bool = False) -> Any:
@@ -249,8 +251,8 @@ class DecodeSide:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         self.ledger, self.rank = ledger, rank
-        self.pages = pages if pages is not None else CountingPageAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
-        self.metadata = RecordingMetadataAllocator(ledger)
+        self.pages = pages if pages is not None else CountingTokenToKVPoolAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
+        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
         self.buffers = metadata_buffers()
         extra = {}
         if spec:
@@ -411,7 +413,8 @@ def _commit(obs: dict[str, Any], what: str) -> Outcome:
 # ---------------------------------------------------------------------------
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP 500, never committed, pages released once, counted.",
 )
@@ -422,7 +425,8 @@ def short_coverage_refused(ctx) -> Outcome:
     return _refusal(obs, "The short handoff (1 of 640 tokens)", "short of the reservation")
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported as such, never silently committed.",
 )
@@ -432,7 +436,8 @@ def unpatched_peer_refused(ctx) -> Outcome:
     return _refusal(obs, "The handoff without recorded coverage", "no transferred KV coverage")
 
 
-@case(beyond_upstream=True, 
+@case(
+    proves=("sbp-transfer-coverage",), beyond_upstream=True,
     must_preserve=False,
     expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none commits it alone.",
 )
@@ -447,7 +452,7 @@ def full_coverage_committed(ctx) -> Outcome:
     return _commit(obs, "The complete handoff")
 
 
-@case(beyond_upstream=True, 
+@case(beyond_upstream=True,
     must_preserve=True,
     expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, so prefill sends only the rest) is committed.",
 )
@@ -471,7 +476,8 @@ def _rebootstrap_or_skip():
         raise NotApplicable("decode has no PD rebootstrap in this release")
 
 
-@case(beyond_upstream=True, 
+@case(
+    needs=(">=0.5.16",), beyond_upstream=True,
     must_preserve=True,
     expect="A rebootstrap with output tokens (decode reserves prompt + emitted tokens, prefill recomputes them all) is committed.",
 )
@@ -482,7 +488,8 @@ def rebootstrap_output_tokens_committed(ctx) -> Outcome:
     return _commit(obs, "The rebootstrap (100 prompt + 5 output tokens)")
 
 
-@case(beyond_upstream=True, 
+@case(
+    needs=(">=0.5.16",), beyond_upstream=True,
     must_preserve=True,
     expect="A request that was retracted (its KV state reset by reset_for_retract) and handed off again is committed.",
 )
@@ -502,7 +509,7 @@ def retracted_request_committed(ctx) -> Outcome:
     return _commit(obs, "The retracted request's new handoff")
 
 
-@case(beyond_upstream=True, 
+@case(beyond_upstream=True,
     must_preserve=True,
     expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, is committed.",
 )

@@ -139,8 +139,13 @@ MALFORMED_MATRIX = {
     "extra-key": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\ncolour = "red"\n' % ("0" * 64),
     "wrong-type": '[[release]]\nversion = 9\nwheel = { file = "a.whl", sha256 = "%s" }\n' % ("0" * 64),
     "bad-sha": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "xyz" }\n',
-    "bad-verdict": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
-                    'apply = {}\npristine = { "handoff/x" = "maybe" }\n' % ("0" * 64)),
+    "bad-verdict": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\nmeasured = true\n'
+                    'exceptions = [{ case = "handoff/x", pristine = "maybe", reason = "r" }]\n' % ("0" * 64)),
+    "exception-without-reason": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
+                                 'measured = true\nexceptions = [{ case = "handoff/x", pristine = "safe" }]\n'
+                                 % ("0" * 64)),
+    "enumerated-expectations": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
+                                'apply = {}\npristine = { "handoff/x" = "unsafe" }\n' % ("0" * 64)),
     "not-toml": "[[release]\n",
     "not-utf8": b"\xff\xfe[[release]]\n",
     "twice": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n' % ("0" * 64)) * 2,

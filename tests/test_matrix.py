@@ -1,6 +1,7 @@
 """The release matrix (`patches/releases.toml`) against the real releases, and against README.
 
-Every measured row is checked for real: the pinned wheel is fetched and verified, the pristine
+A row holds a pin, a note and exceptions; what it expects is derived (backport/expectations.py)
+from the pack and the cases' declarations. Every measured row is checked for real: the pinned wheel is fetched and verified, the pristine
 tree is probed, the whole pack is applied to a fresh clone by the engine, and the patched tree
 is probed; the apply outcome per fix and every case's verdict on both trees must be what the row
 says. Adding a release is its row (and its variants): these tests pick it up with no change here.
@@ -13,10 +14,12 @@ import re
 import pytest
 
 import probes
-from backport import evidence
+from backport import evidence, expectations
+from backport.errors import BadInput
 from backport.pack import load_pack
 from backport.releases import load_releases
 from tests.conftest import REPO
+from tests.synthetic import write_pins
 
 RELEASES = load_releases()
 MEASURED = [v for v, r in RELEASES.items() if r.measured]
@@ -62,6 +65,72 @@ def test_rows_name_the_series_and_registered_cases():
         for role in ("pristine", "patched"):
             unknown = set(getattr(release, role)) - set(CASE_KEYS)
             assert not unknown, f"{version}: {role} names cases no probe registers: {sorted(unknown)}"
+
+
+def test_rows_are_short_and_state_only_news():
+    """A reviewer reads a row on one screen: no line over 200 characters, a row without
+    exceptions at most 6 lines, and every exception has a reason and changes what is derived
+    (`derive` refuses one that repeats the rule)."""
+    text = (REPO / "patches" / "releases.toml").read_text()
+    assert max(len(line) for line in text.splitlines()) <= 200
+    rows = text.split("\n[[release]]\n")[1:]
+    assert len(rows) == len(RELEASES)
+    for row in rows:
+        body = [line for line in row.strip().splitlines() if line.strip() and not line.startswith("#")]
+        if "exceptions" not in row:
+            assert len(body) + 1 <= 6, body[0]
+    for version in MEASURED:
+        for exc in RELEASES[version].exceptions:
+            assert exc.reason.strip(), (version, exc)
+
+
+def test_case_declarations_name_fixes_of_the_series():
+    pack = load_pack(REPO / "patches")
+    assert expectations.check_rules(pack.series) == []
+    rules = expectations.case_rules()
+    assert [r.key for r in rules] == CASE_KEYS
+    for rule in rules:
+        # a case that can fail proves a fix; a must-preserve case proves none (safe wherever it runs)
+        assert bool(rule.proves) != rule.must_preserve, rule.key
+
+
+def test_an_exception_the_rule_already_derives_is_refused(tmp_path):
+    path = write_pins(tmp_path / "releases.toml", {"0.5.19": (RELEASES["0.5.19"].pin.filename, "1" * 64)})
+    path.write_text(path.read_text() + 'measured = true\nexceptions = [{ case = "handoff/'
+                    'fitting_prompt_covers_reservation", pristine = "safe", reason = "repeats the rule" }]\n')
+    [release] = load_releases(path).values()
+    with pytest.raises(BadInput, match="is what the rule derives"):
+        release.expected("pristine", "handoff/fitting_prompt_covers_reservation")
+
+
+def test_the_rule_derives_from_fixed_in_scope_and_the_cases():
+    """On a release the pack backports nothing to (no variant, outside every scope), a case
+    proving a fix the release lacks is unsafe on both trees, and one whose code is newer is
+    not-applicable."""
+    pack = load_pack(REPO / "patches")
+    got = expectations.derive(pack, "0.5.9")
+    assert set(got.apply.values()) == {"not-applicable"} | ({"failed"} & set(got.apply.values()))
+    for role in ("pristine", "patched"):
+        assert got.verdicts[(role, "prefill_drain/per_layer_send_reports_failure_after_every_write")] == "unsafe"
+        assert got.verdicts[(role, "admission/decode_door_rebootstrap_not_retired")] == "not-applicable"
+        assert got.verdicts[(role, "admission/prefill_door_valid_admitted")] == "safe"
+
+
+def test_epochs_split_where_the_code_or_the_expectations_change():
+    """One representative per code epoch runs the real-tree tests beyond the matrix; an epoch is
+    a run of releases with the same variants and the same derived table (README, "Which tests
+    run on every release")."""
+    pack = load_pack(REPO / "patches")
+    groups = expectations.epochs(pack, RELEASES)
+    assert sorted(v for g in groups for v in g) == sorted(MEASURED)
+    for group in groups:
+        first = RELEASES[group[0]]
+        for version in group[1:]:
+            assert RELEASES[version].derived.verdicts == first.derived.verdicts, version
+            assert all(pack.variant_for(f, version) == pack.variant_for(f, group[0])
+                       for f, s in first.apply.items() if s == "applied"), version
+    reps = expectations.representatives(pack, RELEASES)
+    assert reps == [g[-1] for g in groups] and "0.5.19" in reps and "0.5.22" in reps
 
 
 def test_readme_release_table_is_the_matrix():
@@ -139,3 +208,18 @@ def test_patched_tree_warns_when_deferral_is_asked_of_an_incapable_backend(versi
     doc = matrix_doc(version, "patched")
     [case] = [c for c in doc["cases"] if c["case"] == "explicit_deferral_on_incapable_backend_is_reported"]
     assert case["verdict"] == "safe" and case["details"]["warnings_naming_the_variable"], case
+
+
+def test_the_case_registry_reads_the_same_where_probes_is_not_imported():
+    """Installed, the probe package ships as `sglang_backport_probes`: the matrix reads it under
+    its own name for a moment and leaves sys.modules as it was."""
+    import sys
+
+    before = {k: v for k, v in sys.modules.items() if k.startswith("probes")}
+    del sys.modules["probes"]
+    try:
+        cases = expectations._registered_cases(REPO / "probes")
+    finally:
+        sys.modules["probes"] = before["probes"]
+    assert [f"{c.probe}/{c.name}" for c in cases] == CASE_KEYS
+    assert {k: v for k, v in sys.modules.items() if k.startswith("probes")} == before

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,19 +61,32 @@ def _norm_prefix(prefix: str) -> str:
     return check_rel_path(prefix, "package_prefix") + "/"
 
 
-def _check_symlinks(repo: Path, prefix: str, variant: PatchVariant) -> None:
-    root = repo.resolve()
+def _check_symlinks(repo: Path, prefix: str, variant: PatchVariant, seen: dict[str, bool]) -> None:
+    """Refuse a variant path that goes through a symlink. ``seen``: {repo path: exists} of the
+    components already checked in this run (variants share most directories)."""
     for fp in variant.files:
-        cur = repo
+        rel = ""
         for part in (prefix + fp.path).split("/"):
-            cur = cur / part
-            if cur.is_symlink():
-                target = os.readlink(cur)
-                where = "inside" if cur.resolve().is_relative_to(root) else "outside"
-                raise BadInput(f"{variant.path}: {fp.path} goes through the symlink {cur.relative_to(repo)} -> "
-                               f"{target} ({where} the tree)")
-            if not cur.exists():
+            rel = f"{rel}/{part}" if rel else part
+            exists = seen.get(rel)
+            if exists is None:
+                try:
+                    exists = not stat.S_ISLNK(os.lstat(repo / rel).st_mode)
+                except FileNotFoundError:
+                    exists = False
+                else:
+                    if not exists:
+                        _refuse_symlink(repo, variant, fp.path, repo / rel)
+                seen[rel] = exists
+            if not exists:
                 break
+
+
+def _refuse_symlink(repo: Path, variant: PatchVariant, path: str, link: Path) -> None:
+    target = os.readlink(link)
+    where = "inside" if link.resolve().is_relative_to(repo.resolve()) else "outside"
+    raise BadInput(f"{variant.path}: {path} goes through the symlink {link.relative_to(repo)} -> "
+                   f"{target} ({where} the tree)")
 
 
 def interrupted(repo: Path, git_dir: Path) -> bool:
@@ -130,9 +144,10 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
              gitops.Background(repo, *gitops.ls_tree_args(base, touched)),
              gitops.Background(repo, *gitops.flags_args(touched))]
     try:
+        seen: dict[str, bool] = {}
         for fid in selected:  # security, before anything else
             for pv in pack.variants.get(fid, ()):
-                _check_symlinks(repo, prefix, pv)
+                _check_symlinks(repo, prefix, pv, seen)
         decision = decide(repo, prefix, pack, v, selected, {}, None)
         try:
             base_entries = gitops.ls_tree(procs[1].result())

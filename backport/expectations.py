@@ -1,0 +1,213 @@
+"""What a release is expected to show, derived from three facts instead of written out per release.
+
+1. What the engine does with each fix (`apply`), from the pack alone, in the engine's own order
+   (backport/engine/decide.py): `not-applicable` when the release is in the fix's `fixed_in`
+   (shipped) or outside its `scope` (no backport: the release stays exposed); `failed` when a
+   dependency in the series has no backport there or no variant's Applies-To covers the release;
+   else `applied`. Only a tree can say `already-present` (a fingerprint that matches a release
+   outside `fixed_in`): that is an exception.
+2. Which fixes a tree has: on the pristine tree those shipped (`fixed_in`); on the patched tree
+   those too, plus every fix the engine applied or found present.
+3. What each probe case needs and proves (`@case(proves=..., needs=...)` where the case is
+   registered): a case whose code is missing (a `needs` range the release is outside, or a
+   `needs` fix the tree lacks) is `not-applicable`; else a case missing a fix it proves is
+   `unsafe`; else `safe`.
+
+A release row then states only what differs from that rule (`exceptions`, each with its reason):
+a case upstream itself fails, code a release shipped outside any fix record. An exception that
+says what the rule already derives is refused, so every exception stays news.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache as memoize
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from backport import resources
+from backport.errors import BadInput
+
+APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
+SAFE, UNSAFE = "safe", "unsafe"
+ROLES = ("pristine", "patched")
+
+
+@dataclass(frozen=True)
+class CaseRule:
+    """One registered probe case as the matrix sees it (probes/__init__.py `Case`)."""
+
+    key: str  # "probe/case"
+    must_preserve: bool
+    proves: tuple[str, ...]
+    needs_fixes: tuple[str, ...]
+    needs_releases: tuple[SpecifierSet, ...]
+
+
+@dataclass(frozen=True)
+class StatedException:
+    """One stated exception of a release row: a case's verdict on one or both trees, or a fix's
+    apply outcome, that the rule does not derive."""
+
+    reason: str
+    case: str | None = None
+    fix: str | None = None
+    pristine: str | None = None
+    patched: str | None = None
+    apply: str | None = None
+
+
+@dataclass(frozen=True)
+class Expected:
+    apply: Mapping[str, str]  # fix -> outcome, in series order
+    verdicts: Mapping[tuple[str, str], str]  # (role, probe/case) -> verdict, every case
+
+
+@memoize
+def case_rules() -> tuple[CaseRule, ...]:
+    """Every registered case, in registration order. Probe modules import only the standard
+    library at module level, so the registry is read here without the probe environment."""
+    rules = []
+    for c in _registered_cases(resources.probes_dir()):
+        key = f"{c.probe}/{c.name}"
+        ranges, fixes = [], []
+        for need in c.needs:
+            if need[:1] in "<>=!~":
+                try:
+                    ranges.append(SpecifierSet(need))
+                except InvalidSpecifier:
+                    raise BadInput(f"probe case {key}: needs {need!r} is not a PEP 440 range") from None
+            else:
+                fixes.append(need)
+        rules.append(CaseRule(key, c.must_preserve, tuple(c.proves), tuple(fixes), tuple(ranges)))
+    return tuple(rules)
+
+
+def _registered_cases(directory: Path) -> list:
+    """The cases of the probe package in `directory`. Its modules import each other as `probes.*`;
+    when this process has not imported that very package (installed, it ships under another
+    name), it is loaded under that name for the read and taken out of sys.modules again."""
+    current = sys.modules.get("probes")
+    if current is not None and Path(current.__file__).resolve().parent == directory.resolve():
+        return [c for name in current.PROBE_NAMES for c in current.cases_of(name)]
+    saved = {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location("probes", directory / "__init__.py",
+                                                      submodule_search_locations=[str(directory)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["probes"] = module
+        spec.loader.exec_module(module)
+        return [c for name in module.PROBE_NAMES for c in module.cases_of(name)]
+    finally:
+        for name in [k for k in sys.modules if k == "probes" or k.startswith("probes.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def check_rules(series: Sequence[str], rules: Sequence[CaseRule] | None = None) -> list[str]:
+    """Problems with the cases' declarations against a pack's series (none: [])."""
+    problems = []
+    for rule in case_rules() if rules is None else rules:
+        for fix in rule.proves + rule.needs_fixes:
+            if fix not in series:
+                problems.append(f"{rule.key}: names {fix!r}, which is not a fix of the series")
+    return problems
+
+
+def planned_apply(pack, version: str) -> dict[str, str]:
+    """What the engine does with each fix of the series on this release's pristine tree, as far
+    as the pack alone says (decide.py's order, without the fingerprint a tree would add)."""
+    v = Version(version)
+    state: dict[str, str] = {}
+    out_of_scope: set[str] = set()
+    for fid in pack.series:
+        fix = pack.fixes[fid]
+        if fix.is_fixed_in(v):
+            state[fid] = NOT_APPLICABLE
+        elif not fix.in_scope(v):
+            state[fid] = NOT_APPLICABLE
+            out_of_scope.add(fid)
+        else:
+            variant = pack.variant_for(fid, v)
+            deps = fix.depends_on + (variant.depends_on if variant else ())
+            broken = any(d in out_of_scope or state.get(d) == FAILED for d in deps)
+            state[fid] = FAILED if variant is None or broken else APPLIED
+    return state
+
+
+def derive(pack, version: str, exceptions: Sequence[StatedException] = (),
+           rules: Sequence[CaseRule] | None = None, where: str = "") -> Expected:
+    """The expected apply outcome and every case's verdict on both trees of `version`."""
+    rules = case_rules() if rules is None else rules
+    v = Version(version)
+    apply = planned_apply(pack, version)
+    by_key = {r.key: r for r in rules}
+    for exc in exceptions:
+        if exc.fix is not None:
+            if exc.fix not in apply:
+                raise BadInput(f"{where}: exception for {exc.fix!r}, which is not a fix of the series")
+            if apply[exc.fix] == exc.apply:
+                raise BadInput(f"{where}: exception {exc.fix} = {exc.apply!r} is what the rule derives")
+            apply[exc.fix] = exc.apply
+    shipped = {fid for fid in pack.series if pack.fixes[fid].is_fixed_in(v)}
+    has = {"pristine": shipped, "patched": shipped | {f for f, s in apply.items() if s in (APPLIED, PRESENT)}}
+    verdicts: dict[tuple[str, str], str] = {}
+    for rule in rules:
+        for role in ROLES:
+            tree = has[role]
+            if not all(v in spec for spec in rule.needs_releases) or not set(rule.needs_fixes) <= tree:
+                verdict = NOT_APPLICABLE
+            elif not set(rule.proves) <= tree:
+                verdict = UNSAFE
+            else:
+                verdict = SAFE
+            verdicts[(role, rule.key)] = verdict
+    for exc in exceptions:
+        if exc.case is None:
+            continue
+        if exc.case not in by_key:
+            raise BadInput(f"{where}: exception for {exc.case!r}, which no probe registers")
+        for role in ROLES:
+            stated = getattr(exc, role)
+            if stated is None:
+                continue
+            if verdicts[(role, exc.case)] == stated:
+                raise BadInput(f"{where}: exception {exc.case} {role} = {stated!r} is what the rule derives")
+            verdicts[(role, exc.case)] = stated
+    return Expected(apply, verdicts)
+
+
+@memoize
+def pack_at(root: Path):
+    from backport.pack import load_pack
+
+    return load_pack(root)
+
+
+def epochs(pack, releases: Mapping[str, object]) -> list[list[str]]:
+    """The measured releases grouped into code epochs, oldest first: releases that get the same
+    variant of every fix (or the same outcome where none applies) and whose derived table is the
+    same. The suite runs the matrix tests on every release and the other real-tree tests on one
+    representative per epoch (`representatives`): within an epoch the pack's code and what the
+    cases must show do not change."""
+    groups: dict[tuple, list[str]] = {}
+    for version, release in releases.items():
+        if not release.measured:
+            continue
+        variants = tuple((fid, status, getattr(pack.variant_for(fid, version), "name", None)
+                          if status == APPLIED else None) for fid, status in release.apply.items())
+        table = tuple(sorted(release.derived.verdicts.items()))
+        groups.setdefault((variants, table), []).append(version)
+    return sorted(groups.values(), key=lambda versions: Version(versions[0]))
+
+
+def representatives(pack, releases: Mapping[str, object]) -> list[str]:
+    """The newest release of each code epoch (see `epochs`)."""
+    return [versions[-1] for versions in epochs(pack, releases)]

@@ -1,0 +1,150 @@
+"""Stand-ins for memory a CPU probe cannot have: metadata buffer slots, the token-to-KV page
+pool (pages owned by request ids, with counters), the radix cache, and the module-level cache
+helpers that return a request's pages.
+"""
+
+from __future__ import annotations
+
+from probes.standins import Ledger, drop_kv_row
+
+
+class RecordingReqToMetadataIdxAllocator:
+    """Stands for ``ReqToMetadataIdxAllocator``: metadata buffer slots, with counters."""
+
+    def __init__(self, ledger: Ledger, size: int = 8) -> None:
+        self.ledger = ledger
+        self.free_slots = list(range(size))
+        self.size = size
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self):
+        idx = self.free_slots.pop(0)
+        self.ledger.record("metadata_alloc", idx=idx)
+        return idx
+
+    def free(self, idx, *args, **kwargs) -> None:
+        idx = int(idx)
+        if idx in self.free_slots:
+            self.ledger.record("metadata_double_free", idx=idx)
+            return
+        self.ledger.record("metadata_free", idx=idx)
+        self.free_slots.append(idx)
+
+
+class MetadataBuffersStandIn:
+    """Stands for ``MetadataBuffers``: only the room column the queues reset."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.bootstrap_room = [0] * size
+
+
+class CountingTokenToKVPoolAllocator:
+    """Stands for a token-to-KV page pool. Pages are owned by request ids; the
+    counters tell how many pages were reserved, returned, and returned twice."""
+
+    def __init__(self, ledger: Ledger, name: str, num_pages: int, page_size: int):
+        self.ledger = ledger
+        self.name = name
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.free_pages = list(range(num_pages))
+        self.owned: dict[str, list[int]] = {}
+        self.released_owners: set = set()
+
+    @property
+    def size(self) -> int:
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, owner: str, num_tokens: int) -> list[int]:
+        n = self.pages_for(num_tokens)
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        self.owned.setdefault(owner, []).extend(pages)
+        self.ledger.record("pages_reserved", pool=self.name, owner=owner, pages=n)
+        return pages
+
+    def release(self, owner: str) -> int:
+        pages = self.owned.pop(owner, None)
+        if pages is None:
+            if owner in self.released_owners:
+                self.ledger.record("pages_double_release", pool=self.name, owner=owner)
+            return 0
+        self.released_owners.add(owner)
+        self.free_pages.extend(pages)
+        self.ledger.record("pages_released", pool=self.name, owner=owner, pages=len(pages))
+        return len(pages)
+
+    def held_by(self, owner: str) -> int:
+        return len(self.owned.get(owner, ()))
+
+
+class RecordingRadixCache:
+    """Stands for the radix cache: records prefix inserts and abort bookkeeping."""
+
+    cache_controller = None
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def cache_unfinished_req(self, req, *args, **kwargs):
+        self.ledger.record("cache_unfinished", rid=req.rid, via="tree_cache")
+
+    def checkpoint(self, req, *args, **kwargs):
+        self.ledger.record("cache_unfinished", rid=req.rid, via="tree_cache.checkpoint")
+
+    def advance_unpublished_req(self, req, *args, **kwargs):
+        self.ledger.record("cache_unfinished", rid=req.rid, via="advance_unpublished")
+
+    def finish(self, handle, outcome=None, *args, **kwargs):
+        self.ledger.record("tree_finish", outcome=getattr(outcome, "name", str(outcome)))
+
+    def release_aborted_request(self, rid):
+        self.ledger.record("tree_release_aborted", rid=rid)
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def inc_lock_ref(self, *args, **kwargs):
+        return None
+
+    def dec_lock_ref(self, *args, **kwargs):
+        return None
+
+    def unlock(self, *args, **kwargs):
+        return None
+
+
+def patch_cache_helpers(ctx, ledger: Ledger, module, pages: CountingTokenToKVPoolAllocator | None):
+    """Swap the module-level cache helpers ``module`` calls for recorders.
+
+    ``release_kv_cache`` returns the request's pages to ``pages`` and records
+    whether the prefix was inserted into the tree (``is_insert`` up to 0.5.21,
+    ``checkpoint`` from 0.5.22; both default to inserting).
+    """
+
+    def release_kv_cache(req, tree_cache, *args, **kwargs):
+        insert = kwargs.get("is_insert", kwargs.get("checkpoint", args[0] if args else True))
+        freed = pages.release(req.rid) if pages is not None else 0
+        drop_kv_row(req)
+        ledger.record("release_kv_cache", rid=req.rid, insert=bool(insert), pages=freed)
+
+    def maybe_cache_unfinished_req(req, tree_cache, *args, **kwargs):
+        ledger.record("cache_unfinished", rid=req.rid, via="maybe_cache_unfinished_req")
+
+    def checkpoint_kv_cache(req, tree_cache, *args, **kwargs):
+        ledger.record("cache_unfinished", rid=req.rid, via="checkpoint_kv_cache")
+
+    def discard_kv_cache_backup(req, *args, **kwargs):
+        ledger.record("discard_backup", rid=req.rid)
+
+    ctx.patch_if_present(module, "release_kv_cache", release_kv_cache)
+    ctx.patch_if_present(module, "maybe_cache_unfinished_req", maybe_cache_unfinished_req)
+    ctx.patch_if_present(module, "checkpoint_kv_cache", checkpoint_kv_cache)
+    ctx.patch_if_present(module, "discard_kv_cache_backup", discard_kv_cache_backup)

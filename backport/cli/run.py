@@ -42,6 +42,25 @@ def render_summary(bundle: evidence.Bundle, written: Path) -> str:
     return "\n".join(lines)
 
 
+def vuln_aliases(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """`--vuln-alias CLASS=ID` pairs, checked against the shipped pack's classes before anything runs."""
+    from backport import resources
+    from backport.evidence.vulnerabilities import add_aliases, load_classes
+
+    pairs = []
+    for value in values or []:
+        key, sep, alias = value.partition("=")
+        if not sep or not key or not alias:
+            raise BadInput(f"--vuln-alias {value!r}: expected CLASS=ID (e.g. SBP-2026-0001=CVE-2026-12345)")
+        pairs.append((key, alias))
+    if pairs:
+        grouped: dict[str, list[str]] = {}
+        for key, alias in pairs:
+            grouped.setdefault(key, []).append(alias)
+        add_aliases(load_classes(resources.pack_dir()), grouped)
+    return tuple(pairs)
+
+
 def options_from(args) -> list:
     """One RunOptions per spec; with several specs --out is the folder their bundles go in."""
     from backport.job import RunOptions
@@ -55,7 +74,7 @@ def options_from(args) -> list:
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
-                       export=args.export)
+                       export=args.export, vuln_aliases=vuln_aliases(args.vuln_alias))
             for spec in args.spec]
 
 
@@ -138,6 +157,9 @@ def register(sub) -> None:
     p.add_argument("--export", action="store_true",
                    help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
                         "series (export/patches/) in the bundle, as its subjects (sglang==X targets)")
+    p.add_argument("--vuln-alias", action="append", metavar="CLASS=ID",
+                   help="name a CVE or GHSA id for a vulnerability class (its SBP-... id or name, "
+                        "patches/vulnerabilities.toml) in the bundle's VEX documents; repeatable")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
 

@@ -38,6 +38,7 @@ class RunOptions:
     bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
     min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
     export: bool = False               # put the patched wheel and the patch series in the bundle
+    vuln_aliases: tuple[tuple[str, str], ...] = ()  # (class id or name, CVE/GHSA id): more VEX aliases
 
 
 @dataclass(frozen=True)

@@ -117,20 +117,17 @@ def add_aliases(classes: list[dict], aliases: dict[str, list[str]]) -> list[dict
                                     | set(aliases.get(c["name"], [])))} for c in classes]
 
 
-def pack_classes(series_dir: Path, releases_path: Path | None = None,
-                 aliases=()) -> list[dict] | None:
-    """The classes of a pack, checked against its fixes, with the release facts derived and the
-    extra aliases ((class, id) pairs) added; None for a pack without a classes file (no VEX)."""
-    from backport.pack import load_pack
+def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[dict] | None:
+    """The classes of a loaded pack, checked against its fixes, with the release facts derived and
+    the extra aliases ((class, id) pairs) added; None for a pack without a classes file (no VEX)."""
     from backport.releases import load_releases
 
-    if not (Path(series_dir) / FILE).is_file():
+    if not (Path(pack.root) / FILE).is_file():
         return None
     grouped: dict[str, list[str]] = {}
     for key, alias in aliases:
         grouped.setdefault(key, []).append(alias)
-    pack = load_pack(series_dir)
-    classes = load_classes(series_dir, list(pack.fixes))
+    classes = load_classes(pack.root, list(pack.fixes))
     classes = with_releases(classes, dict(pack.fixes), list(load_releases(releases_path)))
     return add_aliases(classes, grouped)
 

@@ -270,7 +270,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             reference_choice=the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
             coverage=coverage, export=exported,
-            vulnerabilities=pack_classes(the_plan.series_dir, the_plan.matrix, options.vuln_aliases))
+            vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases))
         written = evidence.write_bundle(run.out, bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
     return RunOutcome(bundle, written, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest())

@@ -110,8 +110,14 @@ def schema_errors(document: object) -> str | None:
     errors = sorted(_validator().iter_errors(document), key=lambda e: [str(x) for x in e.absolute_path])
     if not errors:
         return None
-    where = "/".join(str(part) for part in errors[0].absolute_path) or "(top)"
-    return f"does not match the OpenVEX 0.2.0 schema at {where}: {errors[0].message}"
+    error = errors[0]
+    where = "/".join(str(part) for part in error.absolute_path) or "(top)"
+    if error.validator in ("anyOf", "oneOf", "not", "if"):  # the status rules: name the rule, not the instance
+        rule = "/".join(str(part) for part in error.schema_path)
+        return f"does not match the OpenVEX 0.2.0 schema at {where}: breaks the status rule {rule} " \
+               f"(not_affected needs a justification or impact_statement, affected an action_statement, " \
+               f"and no other status has them)"
+    return f"does not match the OpenVEX 0.2.0 schema at {where}: {error.message[:200]}"
 
 
 def standards_document(classes: list[dict], git_trees: dict[str, str | None]) -> dict:

@@ -77,7 +77,7 @@ def test_sign_writes_the_attestations_and_verify_key_checks_them(bundle, keys, c
         assert len(subject["digest"]["gitTree"]) == 40
         assert statement["predicate"]["configuration"][0]["name"] == f"probes/{role}.json"
     assert statements[1]["predicate"]["result"] == "FAILED"   # the pristine tree is unsafe on the fixed cases
-    assert statements[2]["predicate"]["result"] == "PASSED"
+    assert statements[2]["predicate"]["result"] in ("PASSED", "WARNED") and not statements[2]["predicate"]["failedTests"]
     assert statements[4]["predicate"] == json.loads((bundle / "vex.openvex.json").read_text())
     # the patched tree subject is the tree the wheel installs
     assert read_wheel((bundle / wheel["file"]).read_bytes())[0] == statements[2]["subject"][0]["digest"]["dirHash1"]

@@ -23,6 +23,7 @@ import json
 
 from backport import gitops
 from backport.evidence.layout import probe_file, sha256_bytes
+from backport.evidence.verdicts import ROLES
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -110,7 +111,7 @@ def test_results(statement: dict, standards: dict) -> list[dict]:
     """One Test Result v0.1 per probed tree, in role order."""
     p = statement["predicate"]
     found = []
-    for role in p["probes"]:
+    for role in [r for r in ROLES if r in p["probes"]]:
         tests: dict[str, list[str]] = {"passedTests": [], "warnedTests": [], "failedTests": []}
         for row in p["cases"]:
             verdict = row["verdicts"].get(role)

@@ -176,9 +176,9 @@ def action_statement(row: dict, status: ClassStatus, version: str, apply_report:
     parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]
     if lacking:
         parts[0] += f": it carries no backport of {', '.join(lacking)} for this release"
-    parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the patched tree, first {status.unsafe[0]})."
+    parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the patched tree, first {status.unsafe[0]})"
     if row.get("pack_reach"):
-        parts.append(f"Move to sglang {row['pack_reach']} or later and install its backport wheel "
+        parts.append(f"move to sglang {row['pack_reach']} or later and install its backport wheel "
                      f"(sglang-backport run sglang==X --export)")
     if row.get("upstream_fixed_in"):
         parts.append(f"or upgrade to upstream sglang {row['upstream_fixed_in']} or later, which ships every fix "

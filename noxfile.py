@@ -8,6 +8,8 @@ changes, against its backport); upstream's own before/after pairs from patches/p
     nox -s "pair(name='0.5.19')"      one evidence bundle: sglang 0.5.19 against its backport
     nox -s pair -- --no-upstream-tests   every pair; arguments after -- go to `sglang-backport run`
     nox -s matrix                     every release at once, one probe matrix (the fast way)
+    nox -s fanout -- 3                the CI workflow's steps locally: shard 3 of `matrix --json`, signed
+                                      with a throwaway key, then the fan-in (verify, merge)
 
 Pair sessions with git targets need the upstream repository (`{upstream}` in pairs.toml,
 overridden by SGLANG_BACKPORT_UPSTREAM_GIT); when it cannot be reached they skip and say why.
@@ -16,6 +18,7 @@ overridden by SGLANG_BACKPORT_UPSTREAM_GIT); when it cannot be reached they skip
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -120,3 +123,31 @@ def pair(session: nox.Session, name: str) -> None:
         command += ["--out", str(ROOT / entry["out"]), "--force"]
     session.chdir(ROOT)
     session.run(*command, *session.posargs, external=False)
+
+
+@nox.session
+def fanout(session: nox.Session) -> None:
+    """One shard of .github/workflows/backport-matrix.yml and its fan-in, locally: `matrix --json`,
+    `run SPECS --export`, `sign` (a throwaway ed25519 key), `verify --key` over every bundle,
+    `merge`. Arguments: the shard number (default 1) and the shard size (default 4)."""
+    import json as _json
+
+    number = int(session.posargs[0]) if session.posargs else 1
+    size = session.posargs[1] if len(session.posargs) > 1 else "4"
+    session.install("-e", ".")
+    work = Path(session.create_tmp()) / "fanout"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "keys").mkdir(parents=True)
+    shards = _json.loads(session.run("sglang-backport", "matrix", "--json", "--shard-size", size, silent=True))
+    shard = shards["include"][number - 1]
+    out = work / "all" / f"bundles-{shard['shard']}"
+    session.run("sglang-backport", "run", *shard["specs"].split(), "--export", "--no-upstream-tests",
+                "--out", str(out), success_codes=[0, 1])
+    key, public = work / "keys" / "key.pem", work / "keys" / "key.pub"
+    session.run("openssl", "genpkey", "-algorithm", "ed25519", "-out", str(key), external=True)
+    session.run("openssl", "pkey", "-in", str(key), "-pubout", "-out", str(public), external=True)
+    bundles = sorted(str(p.parent) for p in (work / "all").rglob("receipt.json"))
+    for bundle in bundles:
+        session.run("sglang-backport", "sign", bundle, "--key", str(key))
+    session.run("sglang-backport", "verify", *bundles, "--key", str(public))
+    session.run("sglang-backport", "merge", str(work / "all"), "--out", str(work / "merged"))

@@ -24,7 +24,7 @@ setup(
     },
     package_data={
         "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
-        "sglang_backport_data": ["receipt.schema.json"],
+        "sglang_backport_data": ["receipt.schema.json", "openvex.schema.json"],
         "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],
     },
 )

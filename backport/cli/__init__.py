@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "backport.cli.export",
     "backport.cli.refresh",
     "backport.audit.command",
+    "backport.cli.fanout",
 )
 DEBUG_ENV = "SGLANG_BACKPORT_DEBUG"
 

@@ -44,6 +44,25 @@ def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None
     return "\n".join(lines)
 
 
+def vuln_aliases(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """`--vuln-alias CLASS=ID` pairs, checked against the shipped pack's classes before anything runs."""
+    from backport import resources
+    from backport.evidence.vulnerabilities import add_aliases, load_classes
+
+    pairs = []
+    for value in values or []:
+        key, sep, alias = value.partition("=")
+        if not sep or not key or not alias:
+            raise BadInput(f"--vuln-alias {value!r}: expected CLASS=ID (e.g. SBP-2026-0001=CVE-2026-12345)")
+        pairs.append((key, alias))
+    if pairs:
+        grouped: dict[str, list[str]] = {}
+        for key, alias in pairs:
+            grouped.setdefault(key, []).append(alias)
+        add_aliases(load_classes(resources.pack_dir()), grouped)
+    return tuple(pairs)
+
+
 def options_from(args) -> list:
     """One RunOptions per spec; with several specs --out is the folder their bundles go in."""
     from backport.job import RunOptions
@@ -57,7 +76,7 @@ def options_from(args) -> list:
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
-                       export=args.export, force=args.force)
+                       export=args.export, force=args.force, vuln_aliases=vuln_aliases(args.vuln_alias))
             for spec in args.spec]
 
 
@@ -88,29 +107,51 @@ def cmd_run(args) -> int:
     return code
 
 
-def cmd_verify(args) -> int:
+def _verify_one(path: Path, key) -> tuple:
     from backport.evidence import sign
 
-    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
-    result = evidence.verify(Path(args.bundle))
-    state = sign.signature_state(Path(args.bundle))
+    result = evidence.verify(path)
+    state = sign.signature_state(path)
     if result.ok and key is not None:
-        problems = sign.envelope_problems(Path(args.bundle), key)
+        problems = sign.envelope_problems(path, key)
         result = dataclasses.replace(result, problems=tuple(problems), summary=None if problems else result.summary)
         state = "signature verified" if not problems else state
     elif state == "signed":
         state = "signed, signature not checked (give --key PUB)"
-    if args.json:
-        print(json.dumps({**result.to_json(), "signature": state}, indent=2, sort_keys=True))
-    elif result.ok:
+    return result, state
+
+
+def _line(path, result, state) -> str:
+    if result.ok:
         s = result.summary or {}
-        print(f"OK {args.bundle}: {len(result.files)} files match SHA256SUMS and the receipt; receipt consistent "
-              f"(run result: {s.get('result')}, {s.get('cases')} cases); {state}")
+        return (f"OK {path}: {len(result.files)} files match SHA256SUMS and the receipt; receipt consistent "
+                f"(run result: {s.get('result')}, {s.get('cases')} cases); {state}")
+    first = result.first
+    more = f" (+{len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
+    return f"FAIL {first.file}: {first.kind}: {first.detail}{more}"
+
+
+def cmd_verify(args) -> int:
+    """One bundle: its verdict as before. Several (CI fan-in): one JSON verdict over all of them,
+    exit 1 when any fails; every bundle is checked, none stops the others."""
+    from backport.evidence import sign
+
+    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
+    paths = [Path(b) for b in args.bundle]
+    for path in paths:
+        if not path.is_dir():
+            raise BadInput(f"{path}: not a directory")
+    verdicts = [(path, *_verify_one(path, key)) for path in paths]
+    ok = all(result.ok for _, result, _ in verdicts)
+    if args.json:
+        documents = [{**result.to_json(), "signature": state} for _, result, state in verdicts]
+        document = documents[0] if len(paths) == 1 else {
+            "ok": ok, "bundles": documents, "failed": [d["bundle"] for d in documents if not d["ok"]]}
+        print(json.dumps(document, indent=2, sort_keys=True))
     else:
-        first = result.first
-        more = f" (+{len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
-        print(f"FAIL {first.file}: {first.kind}: {first.detail}{more}")
-    return 0 if result.ok else 1
+        for path, result, state in verdicts:
+            print(_line(path, result, state) if len(paths) == 1 or result.ok else f"{path}: " + _line(path, result, state))
+    return 0 if ok else 1
 
 
 def register(sub) -> None:
@@ -145,12 +186,16 @@ def register(sub) -> None:
     p.add_argument("--export", action="store_true",
                    help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
                         "series (export/patches/) in the bundle, as its subjects (sglang==X targets)")
+    p.add_argument("--vuln-alias", action="append", metavar="CLASS=ID",
+                   help="name a CVE or GHSA id for a vulnerability class (its SBP-... id or name, "
+                        "patches/vulnerabilities.toml) in the bundle's VEX documents; repeatable")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("verify", help="recompute every digest of an evidence bundle and re-check its receipt")
-    p.add_argument("bundle", metavar="BUNDLE")
-    p.add_argument("--key", metavar="PUB", help="also check the bundle's signature (receipt.dsse.json) with "
-                                                "this PEM public key")
+    p.add_argument("bundle", metavar="BUNDLE", nargs="+", help="one or more bundles (several: one JSON verdict, "
+                                                           "exit 1 if any fails)")
+    p.add_argument("--key", metavar="PUB", help="also check the bundle's signature (receipt.dsse.json) and its "
+                                                "attestations (*.intoto.jsonl) with this PEM public key")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

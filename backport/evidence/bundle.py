@@ -8,6 +8,8 @@ Layout (users and scripts depend on it)::
     apply-report.json     the engine's report, normalised (absent when nothing was applied)
     probes/<role>.json    one tree's probe results, normalised
     upstream-tests.json   upstream's unit tests per tree, normalised
+    standards.json, vex.openvex.json, sbom.cdx.json
+                          the VEX documents and what they add to the receipt (vex.py, cyclonedx.py)
     export/               with `run --export`: the patched wheel and export/patches/NNNN-*.patch
     .sglang-backport-bundle   the marker: with receipt.json, what makes a directory a bundle
     SHA256SUMS            `sha256sum -c` form over every other file
@@ -30,7 +32,9 @@ from pathlib import Path
 
 from backport import cache
 from backport.errors import BadInput
+from backport.evidence import vex
 from backport.evidence.artifacts import Exported
+from backport.evidence.attestations import git_trees
 from backport.evidence.layout import (
     APPLY_REPORT,
     MARKER,
@@ -74,7 +78,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
              apply_report: dict | None, patches: list[dict], series_files: list[dict],
              upstream_tests: dict | None, environment: dict, toolkit: dict, timestamps: dict,
              reference_choice: str | None = None, extra_paths: Iterable[tuple[str | Path, str]] = (),
-             coverage: dict | None = None, export: Exported | None = None) -> Bundle:
+             coverage: dict | None = None, export: Exported | None = None,
+             vulnerabilities: list[dict] | None = None) -> Bundle:
     """Normalise the raw outputs of a run and lay out every file of its bundle (in memory).
 
     Each tree's package root becomes its role name and its top directory `<role>-tree`; the
@@ -137,6 +142,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
             files=digests, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage,
             export=None if export is None else export.record)
 
+    if vulnerabilities is not None:  # the VEX documents (vex.py): a function of the statement, which they do not change
+        files.update(vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees))))
     # REPORT.md is rendered from the statement (which does not depend on its digest), then listed.
     report = render_report(statement_for(None)).encode()
     files[REPORT] = report

@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from backport.evidence.layout import ENVELOPE, RECEIPT, SUMS, parse_sums, sha256_file
+from backport.evidence.layout import ATTESTATION_SUFFIX, ENVELOPE, RECEIPT, SUMS, parse_sums, sha256_file
 from backport.evidence.problem import Problem
 
 
 def bundle_files(bundle: Path) -> dict[str, Path]:
-    """Every file and symbolic link of the bundle but SHA256SUMS and the signature envelope (which
-    its own signature covers), by its name inside the bundle."""
+    """Every file and symbolic link of the bundle but SHA256SUMS and the signed envelopes (the
+    receipt's and the attestations' `*.intoto.jsonl`, which their own signatures cover), by its
+    name inside the bundle."""
     found = {}
     for path in sorted(bundle.rglob("*")):
         if path.is_file() or path.is_symlink():
             name = path.relative_to(bundle).as_posix()
-            if name not in (SUMS, ENVELOPE):
+            if name not in (SUMS, ENVELOPE) and not name.endswith(ATTESTATION_SUFFIX):
                 found[name] = path
     return found
 

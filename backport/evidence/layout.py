@@ -15,6 +15,8 @@ RECEIPT = "receipt.json"
 SUMS = "SHA256SUMS"
 # The signature over receipt.json (evidence/sign.py): written after SHA256SUMS, so not listed in it.
 ENVELOPE = "receipt.dsse.json"
+# Signed attestations (attestations.py), one DSSE envelope a line: also written by `sign`, so not listed.
+ATTESTATION_SUFFIX = ".intoto.jsonl"
 REPORT = "REPORT.md"
 APPLY_REPORT = "apply-report.json"
 UPSTREAM_TESTS = "upstream-tests.json"

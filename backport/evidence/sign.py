@@ -2,7 +2,10 @@
 
 `receipt.dsse.json` sits beside SHA256SUMS and is not listed in it: it is written after the
 bundle is sealed, and its own signature covers what it says (the exact bytes of receipt.json,
-which in turn names every other file by digest). Keys are PEM files, as `openssl genpkey
+which in turn names every other file by digest). The same signer writes the standard
+attestations (attestations.py) as JSON Lines, one envelope a line: `receipt.intoto.jsonl` (the
+receipt) and, with an exported wheel, `<wheel>.intoto.jsonl` beside it (SLSA provenance, a
+test result per probed tree, the OpenVEX document). Keys are PEM files, as `openssl genpkey
 -algorithm ed25519` (an unencrypted PKCS#8 private key) and `openssl pkey -pubout` write
 them; securesystemslib signs and verifies (ed25519, and the RSA/ECDSA keys it supports).
 """
@@ -75,11 +78,41 @@ def sign_bundle(bundle: Path, key: Path) -> Signed:
     result = verify(bundle)
     if not result.ok:
         raise Finding(f"{bundle}: does not verify ({result.first}); not signed")
-    envelope = Envelope((Path(bundle) / RECEIPT).read_bytes(), PAYLOAD_TYPE, {})
+    receipt = (Path(bundle) / RECEIPT).read_bytes()
+    envelope = Envelope(receipt, PAYLOAD_TYPE, {})
     signature = envelope.sign(signer)
+    for name, payloads in attestation_payloads(Path(bundle)).items():
+        lines = b"".join(_line(Envelope(payload, PAYLOAD_TYPE, {}), signer) for payload in payloads)
+        cache.write_file_atomic(Path(bundle) / name, lines)
     path = Path(bundle) / ENVELOPE
     cache.write_file_atomic(path, canonical_json(envelope.to_dict()))
     return Signed(path, signature.keyid)
+
+
+def _line(envelope, signer) -> bytes:
+    envelope.sign(signer)
+    return _compact(envelope.to_dict()) + b"\n"
+
+
+def _compact(document: dict) -> bytes:
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def attestation_payloads(bundle: Path) -> dict[str, list[bytes]]:
+    """Each `*.intoto.jsonl` file of a bundle and the statements it carries, in line order, as
+    the receipt, standards.json and vex.openvex.json give them."""
+    from backport.evidence import attestations as att
+    from backport.evidence import vex
+
+    receipt = (bundle / RECEIPT).read_bytes()
+    found = {att.RECEIPT_LINES: [receipt]}
+    statement = json.loads(receipt)
+    name = att.wheel_lines_name(statement)
+    if name is not None and (bundle / vex.STANDARDS).is_file():
+        standards = json.loads((bundle / vex.STANDARDS).read_bytes())
+        document = json.loads((bundle / vex.VEX).read_bytes())
+        found[name] = [att.payload_bytes(s) for s in att.wheel_statements(statement, standards, document)]
+    return found
 
 
 def signature_state(bundle: Path) -> str:
@@ -112,4 +145,60 @@ def envelope_problems(bundle: Path, key) -> list[Problem]:
         return [Problem(ENVELOPE, "modified", f"no signature verifies with key {key.keyid[:16]}")]
     if envelope.payload != (Path(bundle) / RECEIPT).read_bytes():
         return [Problem(ENVELOPE, "inconsistent", f"signs another receipt than this bundle's {RECEIPT}")]
-    return []
+    return attestation_problems(Path(bundle), key)
+
+
+def _envelope_line(name: str, number: int, raw: bytes, key):
+    """(the envelope of one JSON Lines entry, None) or (None, the problem)."""
+    from securesystemslib.dsse import Envelope
+    from securesystemslib.exceptions import VerificationError
+
+    where = f"{name} line {number}"
+    try:
+        envelope = Envelope.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, Problem(name, "inconsistent", f"{where}: not a DSSE envelope ({type(exc).__name__})")
+    if raw != _compact(envelope.to_dict()):
+        return None, Problem(name, "modified", f"{where}: not the bytes the signer wrote")
+    if envelope.payload_type != PAYLOAD_TYPE:
+        return None, Problem(name, "inconsistent", f"{where}: payload type {envelope.payload_type!r}")
+    try:
+        envelope.verify([key], 1)
+    except VerificationError:
+        return None, Problem(name, "modified", f"{where}: no signature verifies with key {key.keyid[:16]}")
+    return envelope, None
+
+
+def attestation_problems(bundle: Path, key) -> list[Problem]:
+    """Every `*.intoto.jsonl` envelope: signed by `key`, carrying exactly the statements the bundle
+    gives, each a valid in-toto statement whose subjects' digests match (subject_problems)."""
+    from backport.evidence import attestations as att
+    from backport.evidence.layout import ATTESTATION_SUFFIX
+
+    expected = attestation_payloads(bundle)
+    problems = [Problem(path.relative_to(bundle).as_posix(), "unexpected", "no statement of this bundle goes here")
+                for path in sorted(bundle.rglob("*" + ATTESTATION_SUFFIX))
+                if path.relative_to(bundle).as_posix() not in expected]
+    for name, payloads in expected.items():
+        path = bundle / name
+        if not path.is_file():
+            problems.append(Problem(name, "missing", "the bundle is signed, its attestations are not (sign again)"))
+            continue
+        raw = path.read_bytes()
+        lines = raw.split(b"\n")
+        if lines[-1] != b"" or len(lines) - 1 != len(payloads):
+            problems.append(Problem(name, "inconsistent", f"holds {len(lines) - 1} line(s), the bundle gives "
+                                                          f"{len(payloads)} statement(s)"))
+            continue
+        for number, (line, payload) in enumerate(zip(lines[:-1], payloads), 1):
+            envelope, problem = _envelope_line(name, number, line, key)
+            if problem is None and envelope.payload != payload:
+                problem = Problem(name, "inconsistent", f"line {number}: its statement is not the one the receipt gives")
+            if problem is None:
+                document = json.loads(payload)
+                messages = att.model_problems(document) + att.subject_problems(bundle, document)
+                if messages:
+                    problem = Problem(name, "inconsistent", f"line {number}: {messages[0]}")
+            if problem is not None:
+                problems.append(problem)
+    return problems

@@ -6,7 +6,9 @@ Problems come in a fixed order, and each stage runs only when the one before fou
 2. the files against the receipt's list of them (predicate.files);
 3. the receipt against the receipt schema and against itself (statement.check_statement);
 4. the files against the receipt's copies of them, and REPORT.md against the receipt's
-   rendering (agreement.py), so that a file edited and resealed is named.
+   rendering (agreement.py), so that a file edited and resealed is named;
+5. the VEX documents against the receipt: the OpenVEX schema, strict CycloneDX 1.6, and each
+   one what the receipt and standards.json give (vex.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backport.errors import BadInput
+from backport.evidence import vex
 from backport.evidence.agreement import agreement_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import MARKER, RECEIPT
@@ -37,7 +40,10 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     problems += [Problem(RECEIPT, "inconsistent", message) for message in check_statement(statement)]
     if problems:
         return problems, statement
-    return agreement_problems(bundle, statement, set(actual)), statement
+    problems = agreement_problems(bundle, statement, set(actual))
+    if problems:
+        return problems, statement
+    return vex.problems(bundle, statement, set(actual)), statement
 
 
 def verify(bundle: Path | str) -> VerifyResult:

@@ -39,6 +39,7 @@ class RunOptions:
     min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
     export: bool = False               # put the patched wheel and the patch series in the bundle
     force: bool = False                # `out` may hold a bundle already: replace it (evidence/bundle.py)
+    vuln_aliases: tuple[tuple[str, str], ...] = ()  # (class id or name, CVE/GHSA id): more VEX aliases
 
     @property
     def replace_bundle(self) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 from backport import cache, evidence
 from backport.engine import ApplyReport, apply_series
 from backport.errors import BadInput, Finding
+from backport.evidence.vulnerabilities import pack_classes
 from backport.gitops import uncommitted_paths
 from backport.job.coverage import measure, touched_files
 from backport.job.plan import Plan, RunOptions, bundle_dir, plan
@@ -269,7 +270,8 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             },
             reference_choice=the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
-            coverage=coverage, export=exported)
+            coverage=coverage, export=exported,
+            vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases))
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
     return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),

@@ -8,11 +8,18 @@ Depends-On, Last-Update (YYYY-MM-DD); optional: Backport-Notes, Bug.
 
 ``fixes.toml`` is the one source of a fix's metadata. The header restates
 some of it for people reading the patch alone; when it does, it must say the
-same thing: the URLs in Origin and Bug are the fix's ``url`` (or, in Origin, a
-commit URL of its ``upstream_commit``), the ``commit X`` in Origin is its
-``upstream_commit`` (abbreviated or not), and Depends-On names exactly its
-``depends_on``; Origin's first word (``upstream`` or ``vendor``) is its ``origin``.
-Anything else is bad input naming both values.
+same thing: the URLs in Origin are the fix's ``url`` (or a commit URL of its
+``upstream_commit``), Bug is its ``bug`` (the report; the ``url`` when
+fixes.toml names no report), the ``commit X`` in Origin or Applied-Upstream is
+its ``upstream_commit`` (abbreviated or not), Applied-Upstream's release is the
+first release of its ``fixed_in``, and Depends-On names exactly its
+``depends_on``. Anything else is bad input naming both values.
+
+Origin's first word says what the variant is (DEP-3): ``backport`` for an
+upstream fix whose added lines are this project's own, written for the release
+(the pack's variants, with Backport-Notes of the differences), ``upstream``
+for upstream's patch as is, ``vendor`` for this pack's own fix (no release has
+it, so no Applied-Upstream).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from ..errors import BadInput
 from .model import FIX_ID, Fix
 
 REQUIRED_FIELDS = ("Description", "Origin", "Applies-To", "Depends-On", "Last-Update")
-OPTIONAL_FIELDS = ("Backport-Notes", "Bug")
+OPTIONAL_FIELDS = ("Backport-Notes", "Bug", "Applied-Upstream")
+UPSTREAM_KINDS = ("backport", "upstream")
 _FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9-]*):(.*)$")
 _URL = re.compile(r"https?://[^\s,;]+")
 _COMMIT_WORD = re.compile(r"\bcommit\s+([0-9A-Za-z]+)")
@@ -93,9 +101,12 @@ def _same_commit(a: str, b: str) -> bool:
 def check_agreement(header: Mapping[str, str], depends_on: tuple[str, ...], fix: Fix, where: str) -> None:
     """Raise BadInput when the header restates the fix's metadata differently."""
     origin = header.get("Origin", "")
-    kind = "vendor" if origin.strip().lower().startswith("vendor") else "upstream"
+    first = origin.strip().split(",", 1)[0].strip().lower()
+    if first != "vendor" and first not in UPSTREAM_KINDS:
+        raise BadInput(f"{where}: Origin starts with {first!r}, not backport, upstream or vendor")
+    kind = "vendor" if first == "vendor" else "upstream"
     if kind != fix.origin:
-        raise BadInput(f"{where}: Origin says {kind}, fixes.toml [{fix.id}] origin is {fix.origin}")
+        raise BadInput(f"{where}: Origin says {first}, fixes.toml [{fix.id}] origin is {fix.origin}")
     for url in _URL.findall(origin):
         url = url.rstrip(".)")
         commit_url = _COMMIT_URL.search(url)
@@ -108,9 +119,29 @@ def check_agreement(header: Mapping[str, str], depends_on: tuple[str, ...], fix:
         raise BadInput(f"{where}: Origin names commit {word.group(1)}, "
                        f"fixes.toml [{fix.id}] upstream_commit is {fix.upstream_commit}")
     bug = header.get("Bug", "").strip()
-    if bug and bug != fix.url:
-        raise BadInput(f"{where}: Bug is {bug}, fixes.toml [{fix.id}] url is {fix.url}")
+    report = fix.bug or fix.url
+    if bug and bug != report:
+        raise BadInput(f"{where}: Bug is {bug}, fixes.toml [{fix.id}] {'bug' if fix.bug else 'url'} is {report}")
+    _check_applied_upstream(header.get("Applied-Upstream", "").strip(), fix, where)
     if set(depends_on) != set(fix.depends_on):
         said = ", ".join(depends_on) or "none"
         toml = ", ".join(fix.depends_on) or "none"
         raise BadInput(f"{where}: Depends-On is {said}, fixes.toml [{fix.id}] depends_on is {toml}")
+
+
+def _check_applied_upstream(value: str, fix: Fix, where: str) -> None:
+    """`Applied-Upstream: <release>, commit <sha>`: the first release of fixed_in and the upstream commit."""
+    if not value:
+        return
+    if fix.is_vendor:
+        raise BadInput(f"{where}: Applied-Upstream on this pack's own fix [{fix.id}], which no release has")
+    release = value.split(",", 1)[0].strip()
+    if release != fix.first_release:
+        raise BadInput(f"{where}: Applied-Upstream names release {release}, fixes.toml [{fix.id}] fixed_in "
+                       f"{fix.fixed_in} starts at {fix.first_release}")
+    word = _COMMIT_WORD.search(value)
+    if word is None:
+        raise BadInput(f"{where}: Applied-Upstream {value!r} is not '<release>, commit <sha>'")
+    if not _same_commit(word.group(1), fix.upstream_commit):
+        raise BadInput(f"{where}: Applied-Upstream names commit {word.group(1)}, "
+                       f"fixes.toml [{fix.id}] upstream_commit is {fix.upstream_commit}")

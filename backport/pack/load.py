@@ -48,7 +48,7 @@ from .model import (
     parse_spec,
 )
 
-FIX_KEYS = frozenset({"id", "title", "pr", "url", "upstream_commit", "commit", "merge_commit", "fixed_in",
+FIX_KEYS = frozenset({"id", "title", "pr", "url", "bug", "upstream_commit", "commit", "merge_commit", "fixed_in",
                       "scope", "depends_on", "fingerprint", "upstream_tests", "origin", "coverage_exclude"})
 ORIGINS = ("upstream", "vendor")
 RULE_KEYS = frozenset({"file", "pattern", "absent"})
@@ -192,7 +192,16 @@ def _fix(fid: str, e: dict, where: str) -> Fix:
         scope=parse_spec(_str(e, "scope", where, ""), where, "scope"),
         origin=origin,
         coverage_exclude=_exclusions(e.get("coverage_exclude", []), where),
+        bug=_bug(e, where),
     )
+
+
+def _bug(e: dict, where: str) -> str:
+    """The report the fix answers (a DEP-3 `Bug:`): an https URL, or "" when fixes.toml names none."""
+    bug = _str(e, "bug", where, "")
+    if bug and not bug.startswith("https://"):
+        raise BadInput(f"{where}: bug {bug!r} is not an https URL of the report")
+    return bug
 
 
 def _check_test_pin(test: object, where: str) -> None:

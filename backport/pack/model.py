@@ -62,6 +62,13 @@ class Fix:
     origin: str = "upstream"  # "vendor": this pack's own fix; url is its design reference
     # added lines no CPU probe can run (a GPU kernel call, a transport library), each with its reason
     coverage_exclude: tuple[CoverageExclusion, ...] = ()
+    bug: str = ""  # the report the fix answers (DEP-3 Bug:); "" -> the fix's url stands for it
+
+    @property
+    def first_release(self) -> str | None:
+        """The first release `fixed_in` names (its `>=` bound; None: no release has the fix)."""
+        bounds = [s.version for s in self.fixed_in if s.operator in (">=", "==")]
+        return min(bounds, key=Version) if bounds else None
 
     @property
     def is_vendor(self) -> bool:

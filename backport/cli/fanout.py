@@ -1,0 +1,64 @@
+"""`sglang-backport matrix` (CI fan-out: shards of the release matrix) and `merge` (fan-in).
+
+matrix --json prints `{"include": [{"shard", "specs", "releases"}]}` on one line, the form a
+GitHub Actions `strategy.matrix` reads with `fromJSON`; `specs` is the space-separated list a
+job hands to `sglang-backport run`. merge DIR... verifies every bundle at or under the given
+folders and writes the aggregate OpenVEX document, every attestation line and the summary
+table (backport/evidence/merge.py); a bundle that does not verify stops it (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backport.errors import Finding
+
+
+def cmd_matrix(args) -> int:
+    from backport.evidence.merge import shards
+    from backport.releases import load_releases
+
+    releases = load_releases(Path(args.releases) if args.releases else None)
+    include = shards(list(releases), args.shard_size)
+    if args.json:
+        print(json.dumps({"include": include}, sort_keys=True, separators=(",", ":")))
+    else:
+        for item in include:
+            print(f"{item['shard']}: {item['specs']}")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from backport import evidence
+    from backport.evidence.merge import find_bundles, merge
+
+    bundles = find_bundles([Path(d) for d in args.dirs])
+    failed = [(b, r) for b in bundles if not (r := evidence.verify(b)).ok]
+    if failed:
+        bundle, result = failed[0]
+        exc = Finding(f"{bundle}: does not verify ({result.first}); nothing merged")
+        exc.document = {"merged": None, "failed": [{"bundle": str(b), "first": r.first.to_json()} for b, r in failed]}
+        raise exc
+    summary = merge(bundles, Path(args.out))
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print((Path(args.out) / "summary.md").read_text(), end="")
+        print(f"merged {summary['bundles']} bundles into {args.out}: {summary['vex_statements']} VEX statements, "
+              f"{summary['attestations']} attestations")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("matrix", help="CI fan-out: the pinned releases in shards, as a GitHub Actions matrix")
+    p.add_argument("--shard-size", type=int, default=4, metavar="K", help="releases per job (default 4)")
+    p.add_argument("--releases", metavar="TOML", help="the release matrix (default: the one in force)")
+    p.add_argument("--json", action="store_true", help='print {"include": [{"shard", "specs", "releases"}]}')
+    p.set_defaults(func=cmd_matrix)
+
+    p = sub.add_parser("merge", help="CI fan-in: verify many bundles, write one aggregate VEX, attestations, summary")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="bundles, or folders holding bundles (CI artifacts)")
+    p.add_argument("--out", default="merged", metavar="DIR", help="where the merged files go (default ./merged)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_merge)

@@ -1,0 +1,165 @@
+"""The bundle's CycloneDX 1.6 document (`sbom.cdx.json`): the patched build as a component with
+its pedigree, and the vulnerability classes with their analysis, built and strictly validated
+offline with cyclonedx-python-lib.
+
+- the component: the exported wheel (purl with the full local version, sha-256), or without
+  `--export` the patched tree (no purl: a release's purl would speak for upstream's build);
+  its `dirHash1` and `gitTree` are properties;
+- ``pedigree.ancestors``: the upstream release it was made from (its purl and wheel sha-256);
+- ``pedigree.patches``: one of type `backport` per applied patch, resolving its fix (a defect,
+  with the upstream PR) and its vulnerability class (a security issue);
+- ``vulnerabilities``: one per class, ``analysis.state`` from the same case-derived status as
+  the OpenVEX statement (vulnerabilities.py): `fixed` -> `resolved_with_pedigree`, `affected`
+  -> `exploitable` (response `update`), `under_investigation` -> `in_triage`.
+
+The serial number is a UUID5 of the OpenVEX document's id and the timestamp the receipt's, so
+the document is a function of the bundle; the tools entry that the library adds (its own
+version) is left out of the comparison in `verify`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import uuid
+
+from backport.evidence.layout import canonical_json
+from backport.evidence.problem import Problem
+from backport.evidence.vulnerabilities import action_statement, class_status
+
+SBOM = "sbom.cdx.json"
+_STATES = {"fixed": "resolved_with_pedigree", "affected": "exploitable", "under_investigation": "in_triage"}
+
+
+def _component(statement: dict, standards: dict):
+    from cyclonedx.model import HashAlgorithm, HashType, Property, XsUri
+    from cyclonedx.model.component import Component, ComponentType, Patch, PatchClassification, Pedigree
+    from cyclonedx.model.issue import IssueClassification, IssueType
+    from packageurl import PackageURL
+
+    from backport.evidence import vex
+
+    p = statement["predicate"]
+    patched = p["inputs"]["trees"]["patched"]
+    pristine = p["inputs"]["trees"].get("pristine") or {}
+    wheel = (p.get("export") or {}).get("wheel")
+    class_of = {fix: row for row in standards["classes"] for fix in row["fixes"]}
+    patches = []
+    for item in p["inputs"]["patches"]:
+        if item.get("status") != "applied":
+            continue
+        row = class_of.get(item["fix"])
+        resolves = [IssueType(type=IssueClassification.DEFECT, id=item["fix"], name=item["variant"],
+                              references=[XsUri(u) for u in (row or {}).get("fix_urls", {}).get(item["fix"], [])])]
+        if row is not None:
+            resolves.append(IssueType(type=IssueClassification.SECURITY, id=row["id"], name=row["name"],
+                                      description=row["title"], references=[XsUri(u) for u in row["references"]]))
+        patches.append(Patch(type=PatchClassification.BACKPORT, resolves=resolves))
+    ancestors = []
+    if pristine.get("version"):
+        ancestors.append(Component(
+            name="sglang", version=pristine["version"], type=ComponentType.LIBRARY,
+            purl=PackageURL(type="pypi", name="sglang", version=pristine["version"]),
+            hashes=[HashType(alg=HashAlgorithm.SHA_256, content=pristine["artifact_sha256"])]
+            if pristine.get("artifact_sha256") else None))
+    git_tree = standards.get("git_trees", {}).get("patched")
+    properties = [Property(name="sglang-backport:dirHash1", value=patched["tree_digest"])]
+    if git_tree:
+        properties.append(Property(name="sglang-backport:gitTree", value=git_tree))
+    version = vex.product_version(statement)
+    ref = vex.wheel_purl(version) if wheel else vex.tree_iri(patched["tree_digest"])
+    return Component(
+        name="sglang", version=version, type=ComponentType.LIBRARY, bom_ref=ref,
+        purl=PackageURL(type="pypi", name="sglang", version=version) if wheel else None,
+        hashes=[HashType(alg=HashAlgorithm.SHA_256, content=wheel["sha256"])] if wheel else None,
+        pedigree=Pedigree(ancestors=ancestors, patches=patches,
+                          notes="the upstream release with this pack's backports applied (sglang-backport)"),
+        properties=properties), ref
+
+
+def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
+    from cyclonedx.model import XsUri
+    from cyclonedx.model.impact_analysis import ImpactAnalysisResponse, ImpactAnalysisState
+    from cyclonedx.model.vulnerability import (
+        BomTarget,
+        Vulnerability,
+        VulnerabilityAdvisory,
+        VulnerabilityAnalysis,
+        VulnerabilityReference,
+        VulnerabilitySource,
+    )
+
+    from backport.evidence import vex
+
+    p = statement["predicate"]
+    found = []
+    for row in standards["classes"]:
+        status = class_status(row, p["cases"])
+        own = VulnerabilitySource(name="sglang-backport", url=XsUri(vex.vulnerability_iri(row["id"])))
+        references = [VulnerabilityReference(id=alias, source=VulnerabilitySource(
+            name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD")) for alias in row["aliases"]]
+        detail = status.notes
+        recommendation = None
+        if status.status == "affected":
+            recommendation = action_statement(row, status, p["inputs"]["trees"]["patched"]["version"], p["apply"])
+        found.append(Vulnerability(
+            bom_ref=f"vulnerability:{row['id']}", id=row["id"], source=own, references=references,
+            description=row["title"], detail=row["description"], recommendation=recommendation,
+            advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row["references"]],
+            analysis=VulnerabilityAnalysis(
+                state=ImpactAnalysisState(_STATES[status.status]), detail=detail,
+                responses=[ImpactAnalysisResponse.UPDATE] if status.status == "affected" else None),
+            affects=[BomTarget(ref=ref)]))
+    return found
+
+
+def build(statement: dict, standards: dict) -> str:
+    """The CycloneDX 1.6 JSON text of one bundle (not yet validated)."""
+    from cyclonedx.model.bom import Bom, BomMetaData
+    from cyclonedx.output.json import JsonV1Dot6
+
+    from backport.evidence import vex
+
+    component, ref = _component(statement, standards)
+    started = _dt.datetime.fromisoformat(statement["predicate"]["timestamps"]["started"])
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, vex.document_id(statement)),
+              metadata=BomMetaData(component=component, timestamp=started),
+              vulnerabilities=_vulnerabilities(statement, standards, ref))
+    return JsonV1Dot6(bom).output_as_string(indent=2)
+
+
+def validation_error(text: str | bytes) -> str | None:
+    """The strict CycloneDX 1.6 JSON schema's complaint about a document (None: valid)."""
+    from cyclonedx.schema import SchemaVersion
+    from cyclonedx.validation.json import JsonStrictValidator
+
+    error = JsonStrictValidator(SchemaVersion.V1_6).validate_str(
+        text.decode() if isinstance(text, bytes) else text)
+    return None if error is None else str(error)[:300]
+
+
+def _comparable(document: dict) -> dict:
+    """The document without the tools entry the library adds (its own name and version)."""
+    document = json.loads(json.dumps(document))
+    document.get("metadata", {}).pop("tools", None)
+    return document
+
+
+def build_bytes(statement: dict, standards: dict) -> bytes:
+    """The bundle file: validated strictly, in the bundle's canonical JSON form."""
+    from backport.errors import Finding
+
+    text = build(statement, standards)
+    error = validation_error(text)
+    if error:
+        raise Finding(f"{SBOM}: not valid CycloneDX 1.6 ({error}); a toolkit bug: nothing written")
+    return canonical_json(json.loads(text))
+
+
+def same_document(a: bytes, b: bytes) -> bool:
+    return _comparable(json.loads(a)) == _comparable(json.loads(b))
+
+
+def validation_problems(data: bytes) -> list[Problem]:
+    error = validation_error(data)
+    return [Problem(SBOM, "inconsistent", f"not valid CycloneDX 1.6: {error}")] if error else []

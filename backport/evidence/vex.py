@@ -1,0 +1,168 @@
+"""The bundle's VEX: what a scanner reads about the patched build (OpenVEX 0.2.0, and CycloneDX
+1.6 in cyclonedx.py), built from the receipt and the bundle's `standards.json`.
+
+`standards.json` holds what the standard documents say beyond the receipt: the vulnerability
+classes the run was judged with (vulnerabilities.py, with their aliases) and each probed
+tree's git tree id (`gitTree`, read from the work tree while it exists). Everything else comes
+from the receipt, so `verify` rebuilds `vex.openvex.json` and `sbom.cdx.json` and compares.
+
+Products of every statement:
+
+- with `run --export`, the exported wheel by its purl with the full local version
+  (``pkg:pypi/sglang@0.5.19%2Bbackport.N``; a version-less or upstream purl would hand the
+  status to every build of the release) and its sha-256;
+- the patched `sglang/` tree by its `dirHash1` (the receipt's tree digest: README, "Tree
+  digests"), as ``urn:sglang-backport:tree:dirHash1:<hex>``.
+
+The upstream wheel is never a product: its status is upstream's to state.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+from packageurl import PackageURL
+
+from backport import resources
+from backport.errors import Finding
+from backport.evidence.layout import canonical_json
+from backport.evidence.problem import Problem
+from backport.evidence.vulnerabilities import action_statement, class_status
+
+VEX = "vex.openvex.json"
+STANDARDS = "standards.json"
+CONTEXT = "https://openvex.dev/ns/v0.2.0"
+SITE = "https://sglang-backport.dev"
+AUTHOR = "sglang-backport (the patch pack's maintainers; statements generated from this bundle's probe cases)"
+
+
+def wheel_purl(version: str) -> str:
+    return PackageURL(type="pypi", name="sglang", version=version).to_string()
+
+
+def tree_iri(digest: str) -> str:
+    return f"urn:sglang-backport:tree:dirHash1:{digest}"
+
+
+def vulnerability_iri(class_id: str) -> str:
+    return f"{SITE}/vulnerabilities/{class_id}"
+
+
+def products(statement: dict) -> list[dict]:
+    p = statement["predicate"]
+    found = []
+    wheel = (p.get("export") or {}).get("wheel")
+    if wheel:
+        purl = wheel_purl(wheel["version"])
+        found.append({"@id": purl, "identifiers": {"purl": purl}, "hashes": {"sha-256": wheel["sha256"]}})
+    found.append({"@id": tree_iri(p["inputs"]["trees"]["patched"]["tree_digest"])})
+    return found
+
+
+def product_version(statement: dict) -> str:
+    p = statement["predicate"]
+    wheel = (p.get("export") or {}).get("wheel")
+    return wheel["version"] if wheel else p["inputs"]["trees"]["patched"]["version"]
+
+
+def document_id(statement: dict) -> str:
+    p = statement["predicate"]
+    wheel = (p.get("export") or {}).get("wheel")
+    key = wheel["sha256"] if wheel else p["inputs"]["trees"]["patched"]["tree_digest"]
+    return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"
+
+
+def build_vex(statement: dict, standards: dict) -> dict:
+    """The OpenVEX document of one bundle: one statement per vulnerability class."""
+    p = statement["predicate"]
+    version = p["inputs"]["trees"]["patched"]["version"]
+    toolkit = p["toolkit"]
+    statements = []
+    for row in standards["classes"]:
+        status = class_status(row, p["cases"])
+        vulnerability = {"@id": vulnerability_iri(row["id"]), "name": row["id"], "description": row["title"]}
+        if row["aliases"]:
+            vulnerability["aliases"] = list(row["aliases"])
+        item = {"vulnerability": vulnerability, "products": products(statement), "status": status.status,
+                "status_notes": f"{status.notes}. Fixes of the class: {', '.join(row['fixes'])}. "
+                                f"References: {' '.join(row['references'])}"}
+        if status.status == "affected":
+            item["action_statement"] = action_statement(row, status, version, p["apply"])
+        statements.append(item)
+    return {"@context": CONTEXT, "@id": document_id(statement), "author": AUTHOR, "role": "backport maintainer",
+            "timestamp": p["timestamps"]["started"], "version": 1,
+            "tooling": f"sglang-backport {toolkit.get('version')} (commit {toolkit.get('git_commit')})",
+            "statements": statements}
+
+
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    path = resources.openvex_schema()
+    schema = json.loads(path.read_text())
+    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+def schema_errors(document: object) -> str | None:
+    """The first place where a document departs from the OpenVEX schema (None: it matches)."""
+    errors = sorted(_validator().iter_errors(document), key=lambda e: [str(x) for x in e.absolute_path])
+    if not errors:
+        return None
+    error = errors[0]
+    where = "/".join(str(part) for part in error.absolute_path) or "(top)"
+    if error.validator in ("anyOf", "oneOf", "not", "if"):  # the status rules: name the rule, not the instance
+        rule = "/".join(str(part) for part in error.schema_path)
+        return f"does not match the OpenVEX 0.2.0 schema at {where}: breaks the status rule {rule} " \
+               f"(not_affected needs a justification or impact_statement, affected an action_statement, " \
+               f"and no other status has them)"
+    return f"does not match the OpenVEX 0.2.0 schema at {where}: {error.message[:200]}"
+
+
+def standards_document(classes: list[dict], git_trees: dict[str, str | None]) -> dict:
+    return {"classes": classes, "git_trees": dict(sorted(git_trees.items()))}
+
+
+def bundle_files(statement: dict, standards: dict) -> dict[str, bytes]:
+    """standards.json, vex.openvex.json and sbom.cdx.json, each validated before it is written."""
+    from backport.evidence import cyclonedx
+
+    vex = build_vex(statement, standards)
+    error = schema_errors(vex)
+    if error:
+        raise Finding(f"{VEX}: {error} (a toolkit bug: nothing written)")
+    return {STANDARDS: canonical_json(standards), VEX: canonical_json(vex),
+            cyclonedx.SBOM: cyclonedx.build_bytes(statement, standards)}
+
+
+def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
+    """The VEX files against the receipt: each one is what the receipt and standards.json give."""
+    from backport.evidence import cyclonedx
+
+    names = {STANDARDS, VEX, cyclonedx.SBOM}
+    if not names & present:
+        return []  # a bundle from before VEX (the receipt lists no such file, or the earlier checks said so)
+    missing = sorted(names - present)
+    if missing:
+        return [Problem(name, "missing", "the bundle holds VEX files but not this one") for name in missing]
+    try:
+        standards = json.loads((bundle / STANDARDS).read_bytes())
+        expected = bundle_files(statement, standards)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [Problem(STANDARDS, "inconsistent", f"not the standards document of a bundle ({type(exc).__name__}: {exc})")]
+    except Finding as exc:
+        return [Problem(VEX, "inconsistent", str(exc))]
+    found = []
+    document = json.loads((bundle / VEX).read_bytes())
+    error = schema_errors(document)
+    if error:
+        found.append(Problem(VEX, "inconsistent", error))
+    same = {VEX: (bundle / VEX).read_bytes() == expected[VEX],
+            cyclonedx.SBOM: cyclonedx.same_document((bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM])}
+    for name, ok in same.items():
+        if not ok:
+            found.append(Problem(name, "inconsistent", "differs from what the receipt and standards.json give "
+                                                       "(its statuses follow from the receipt's cases)"))
+    found += cyclonedx.validation_problems((bundle / cyclonedx.SBOM).read_bytes())
+    return found

@@ -1,0 +1,186 @@
+"""The vulnerability classes this pack addresses (`patches/vulnerabilities.toml`) and the status
+a bundle's cases support for each of them.
+
+The classes file is the one place that says which fixes and which probe modules belong to
+which class. A bundle carries the classes it was judged with in `vulnerabilities.json`
+(under SHA256SUMS and the receipt), with two facts derived from the pack and the release
+matrix: the first pinned upstream release that ships every fix of the class, and the first
+pinned release this pack's backports reach. The VEX documents (vex.py, cyclonedx.py) are a
+function of that file and the receipt, so `verify` rebuilds them and compares.
+
+The status of a class on the patched tree, from the pair verdicts of the class's cases:
+
+- ``under_investigation``: a case errored (the probe could not judge the tree), or only a
+  must-preserve case regressed (the exposure is closed, something the fix must keep broke),
+  or no case of the class ran at all (every one `not-applicable`);
+- ``affected``: a case outside the must-preserve set is unsafe on the patched tree;
+- ``fixed``: every case is fixed, held or added (or not-applicable), and at least one ran.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from backport.errors import BadInput
+
+FILE = "vulnerabilities.toml"
+BUNDLE_FILE = "vulnerabilities.json"
+CLASS_ID = re.compile(r"^SBP-\d{4}-\d{4}$")
+ALIAS = re.compile(r"^(CVE-\d{4}-\d{4,}|GHSA(-[23456789cfghjmpqrvwx]{4}){3})$")
+_KEYS = {"id": str, "name": str, "title": str, "description": str, "fixes": list, "probes": list,
+         "references": list, "aliases": list}
+_CLEAN = {"fixed", "held", "added", "not-applicable"}
+
+
+def _fail(path: Path, where: str, what: str) -> BadInput:
+    return BadInput(f"{path}: {where}: {what}")
+
+
+def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dict]:
+    """The classes of `series_dir/vulnerabilities.toml`, checked (bad input names the row)."""
+    path = Path(series_dir) / FILE
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path}: missing (a pack names the vulnerability classes it addresses)") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise BadInput(f"{path}: cannot read ({exc})") from None
+    rows = data.get("class")
+    if set(data) != {"class"} or not isinstance(rows, list) or not rows:
+        raise BadInput(f"{path}: expected [[class]] tables only")
+    seen_fixes: dict[str, str] = {}
+    seen_probes: dict[str, str] = {}
+    classes = []
+    for index, row in enumerate(rows):
+        where = f"class #{index + 1}"
+        if not isinstance(row, dict) or set(row) != set(_KEYS):
+            raise _fail(path, where, f"needs exactly the keys {', '.join(_KEYS)}")
+        for key, kind in _KEYS.items():
+            if not isinstance(row[key], kind) or (kind is list and not all(isinstance(x, str) for x in row[key])):
+                raise _fail(path, where, f"{key} must be a {kind.__name__} of strings" if kind is list
+                            else f"{key} must be a string")
+        where = f"class {row['id']}"
+        if not CLASS_ID.fullmatch(row["id"]):
+            raise _fail(path, where, "id must look like SBP-YYYY-NNNN (this project's own id)")
+        for alias in row["aliases"]:
+            if not ALIAS.fullmatch(alias):
+                raise _fail(path, where, f"alias {alias!r} is not a CVE-... or GHSA-... id")
+        if not row["references"] or not all(r.startswith("https://") for r in row["references"]):
+            raise _fail(path, where, "references must be https URLs (at least one)")
+        for key, seen in (("fixes", seen_fixes), ("probes", seen_probes)):
+            for item in row[key]:
+                if item in seen:
+                    raise _fail(path, where, f"{key[:-1]} {item!r} already belongs to {seen[item]}")
+                seen[item] = row["id"]
+            if fix_ids is not None and key == "fixes":
+                unknown = [f for f in row[key] if f not in fix_ids]
+                if unknown:
+                    raise _fail(path, where, f"fix {unknown[0]!r} is not in fixes.toml")
+        classes.append(dict(row))
+    if fix_ids is not None:
+        missing = [f for f in fix_ids if f not in seen_fixes]
+        if missing:
+            raise BadInput(f"{path}: fix {missing[0]!r} belongs to no vulnerability class")
+    return classes
+
+
+def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list[dict]:
+    """Each class with `upstream_fixed_in` (the first of `versions` that ships every fix of the
+    class; None: none does) and `pack_reach` (the first that ships or gets a backport of each)."""
+    ordered = sorted(versions, key=Version)
+    done = []
+    for row in classes:
+        own = [fixes[f] for f in row["fixes"] if f in fixes]
+        upstream = [v for v in ordered if own and all(f.is_fixed_in(v) for f in own)]
+        reach = [v for v in ordered if own and all(f.is_fixed_in(v) or f.in_scope(v) for f in own)]
+        done.append({**row, "upstream_fixed_in": upstream[0] if upstream else None,
+                     "pack_reach": reach[0] if reach else None,
+                     "fix_urls": {f.id: [f.url] for f in own if f.url}})
+    return done
+
+
+def add_aliases(classes: list[dict], aliases: dict[str, list[str]]) -> list[dict]:
+    """Classes with more aliases (`run --vuln-alias CLASS=ID`), by class id or name."""
+    known = {c["id"] for c in classes} | {c["name"] for c in classes}
+    for key, ids in aliases.items():
+        if key not in known:
+            raise BadInput(f"--vuln-alias {key}=...: no vulnerability class {key!r} (known: {', '.join(sorted(known))})")
+        for alias in ids:
+            if not ALIAS.fullmatch(alias):
+                raise BadInput(f"--vuln-alias {key}={alias}: not a CVE-... or GHSA-... id")
+    return [{**c, "aliases": sorted(set(c["aliases"]) | set(aliases.get(c["id"], []))
+                                    | set(aliases.get(c["name"], [])))} for c in classes]
+
+
+def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[dict] | None:
+    """The classes of a loaded pack, checked against its fixes, with the release facts derived and
+    the extra aliases ((class, id) pairs) added; None for a pack without a classes file (no VEX)."""
+    from backport.releases import load_releases
+
+    if not (Path(pack.root) / FILE).is_file():
+        return None
+    grouped: dict[str, list[str]] = {}
+    for key, alias in aliases:
+        grouped.setdefault(key, []).append(alias)
+    classes = load_classes(pack.root, list(pack.fixes))
+    classes = with_releases(classes, dict(pack.fixes), list(load_releases(releases_path)))
+    return add_aliases(classes, grouped)
+
+
+@dataclass(frozen=True)
+class ClassStatus:
+    status: str                 # an OpenVEX status
+    cases: tuple[str, ...]      # probe/case of the class, in receipt order
+    notes: str                  # how the status follows from the cases
+    unsafe: tuple[str, ...] = ()
+
+
+def class_status(row: dict, cases: list[dict]) -> ClassStatus:
+    """The status the receipt's case rows support for one class (module docstring)."""
+    own = [c for c in cases if c["probe"] in row["probes"]]
+    names = tuple(f"{c['probe']}/{c['case']}" for c in own)
+    by_pair: dict[str, list[str]] = {}
+    for c in own:
+        by_pair.setdefault(c["pair"], []).append(f"{c['probe']}/{c['case']}")
+    counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_pair.items()))
+    errored = [f"{c['probe']}/{c['case']}" for c in own if c["pair"] == "error"]
+    exposed = [f"{c['probe']}/{c['case']}" for c in own
+               if not c["must_preserve"] and c["verdicts"].get("patched") == "unsafe"]
+    broken = [f"{c['probe']}/{c['case']}" for c in own if c["must_preserve"] and c["pair"] not in _CLEAN]
+    ran = [c for c in own if c["pair"] != "not-applicable"]
+    if errored:
+        return ClassStatus("under_investigation", names, f"{len(errored)} case(s) could not be judged "
+                           f"(first: {errored[0]}); cases: {counts}")
+    if exposed:
+        return ClassStatus("affected", names, f"{len(exposed)} case(s) unsafe on the patched tree "
+                           f"(first: {exposed[0]}); cases: {counts}", tuple(exposed))
+    if broken:
+        return ClassStatus("under_investigation", names, f"must-preserve case(s) regressed (first: "
+                           f"{broken[0]}); cases: {counts}")
+    if not ran:
+        return ClassStatus("under_investigation", names, "no case of this class ran on these trees "
+                           f"({len(own)} not-applicable)")
+    return ClassStatus("fixed", names, f"every case of the class is fixed or held on the patched tree: {counts}")
+
+
+def action_statement(row: dict, status: ClassStatus, version: str, apply_report: dict | None) -> str:
+    """What an operator of this exposed release does (an `affected` statement must say)."""
+    lacking = [p["fix"] for p in (apply_report or {}).get("patches", [])
+               if p.get("fix") in row["fixes"] and p.get("status") == "not-applicable"
+               and "fixed_in" not in (p.get("reason") or "")]
+    parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]
+    if lacking:
+        parts[0] += f": it carries no backport of {', '.join(lacking)} for this release"
+    parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the patched tree, first {status.unsafe[0]})"
+    if row.get("pack_reach"):
+        parts.append(f"move to sglang {row['pack_reach']} or later and install its backport wheel "
+                     f"(sglang-backport run sglang==X --export)")
+    if row.get("upstream_fixed_in"):
+        parts.append(f"or upgrade to upstream sglang {row['upstream_fixed_in']} or later, which ships every fix "
+                     f"of the class ({', '.join(row['fixes'])})")
+    return "; ".join(parts) + "."

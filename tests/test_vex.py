@@ -1,0 +1,230 @@
+"""VEX per bundle: the vulnerability classes (patches/vulnerabilities.toml), the status each class's
+cases support, the OpenVEX 0.2.0 document against the schema this project wrote from the spec,
+the CycloneDX 1.6 document validated strictly by cyclonedx-python-lib, and `verify` on both."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from backport import cli, evidence, resources
+from backport.errors import BadInput
+from backport.evidence import cyclonedx, vex
+from backport.evidence.vulnerabilities import add_aliases, class_status, load_classes, pack_classes
+from backport.pack import load_pack
+from tests.test_evidence import _files, _receipt, fixture_run
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def classes() -> list[dict]:
+    return pack_classes(load_pack(resources.pack_dir()))
+
+
+def vex_run(tmp: Path, classes, **kwargs) -> evidence.Bundle:
+    """The evidence fixture run, with the pack's classes (as the main job passes them)."""
+    import backport.evidence.bundle as bundle_module
+
+    original = bundle_module.assemble
+
+    def with_classes(**kw):
+        return original(**kw, vulnerabilities=classes)
+
+    bundle_module.assemble, evidence.assemble = with_classes, with_classes
+    try:
+        return fixture_run(tmp, **kwargs)
+    finally:
+        bundle_module.assemble, evidence.assemble = original, original
+
+
+@pytest.fixture
+def bundle(tmp_path, classes) -> Path:
+    return evidence.write_bundle(tmp_path / "bundle", vex_run(tmp_path / "run", classes))
+
+
+def _row(probe, case, pristine, patched, *, must_preserve=False, pair=None):
+    from backport.evidence.verdicts import pair_verdict
+
+    return {"probe": probe, "case": case, "must_preserve": must_preserve,
+            "verdicts": {"pristine": pristine, "patched": patched},
+            "pair": pair or pair_verdict(pristine, patched)}
+
+
+# ---- the classes --------------------------------------------------------------------------------
+
+
+def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
+    pack = load_pack(resources.pack_dir())
+    fixes = [f for c in classes for f in c["fixes"]]
+    assert sorted(fixes) == sorted(pack.fixes)
+    probe_modules = sorted(p.stem for p in (REPO / "probes").glob("*.py") if "\n@case(" in p.read_text())
+    assert sorted(p for c in classes for p in c["probes"]) == probe_modules
+    for c in classes:  # each fix's report (its patches' Bug:) is one of its class's references
+        assert {pack.fixes[f].bug for f in c["fixes"]} <= set(c["references"]), c["id"]
+    by_name = {c["name"]: c for c in classes}
+    assert by_name["page-lifetime-release-race"]["upstream_fixed_in"] == "0.5.22"
+    assert by_name["page-lifetime-release-race"]["pack_reach"] == "0.5.17"
+    assert by_name["rejected-request-handoff"]["upstream_fixed_in"] is None  # the coverage check is ours
+
+
+def test_a_bad_classes_file_is_bad_input(tmp_path):
+    good = (resources.pack_dir() / "vulnerabilities.toml").read_text()
+    for bad, message in [
+        (good.replace('id = "SBP-2026-0002"', 'id = "X-1"'), "SBP-YYYY-NNNN"),
+        (good.replace('"prefill_drain"]', '"prefill_drain", "handoff"]'), "already belongs to SBP-2026-0001"),
+        (good.replace('aliases = []', 'aliases = ["not-a-cve"]', 1), "not a CVE"),
+        (good.replace('"pr41404"]', '"pr41404", "pr99999"]'), "not in fixes.toml"),
+        (good.replace('"pr41023", "pr41402", "pr41404"]', '"pr41023", "pr41402"]'), "belongs to no"),
+    ]:
+        (tmp_path / "vulnerabilities.toml").write_text(bad)
+        with pytest.raises(BadInput, match=message):
+            load_classes(tmp_path, list(load_pack(resources.pack_dir()).fixes))
+
+
+def test_aliases_are_added_by_class_id_or_name_and_checked(classes):
+    more = add_aliases(classes, {"SBP-2026-0001": ["CVE-2026-12345"], "page-lifetime-release-race": ["GHSA-c3g4-8h2j-mpqr"]})
+    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"]]
+    with pytest.raises(BadInput, match="no vulnerability class 'nope'"):
+        add_aliases(classes, {"nope": ["CVE-2026-1"]})
+    with pytest.raises(BadInput, match="not a CVE"):
+        add_aliases(classes, {"SBP-2026-0001": ["CVE-26"]})
+
+
+def test_run_checks_vuln_alias_before_anything_runs(capsys):
+    code = cli.main(["run", "sglang==0.5.19", "--vuln-alias", "SBP-2026-0009=CVE-2026-12345", "--json"])
+    assert code == 2 and "no vulnerability class 'SBP-2026-0009'" in json.loads(capsys.readouterr().out)["error"]["message"]
+    code = cli.main(["run", "sglang==0.5.19", "--vuln-alias", "SBP-2026-0001", "--json"])
+    assert code == 2 and "expected CLASS=ID" in capsys.readouterr().out
+
+
+# ---- status from the cases -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, status", [
+    ([_row("page_lifetime", "a", "unsafe", "safe"), _row("page_lifetime", "b", "safe", "safe", must_preserve=True)],
+     "fixed"),
+    ([_row("page_lifetime", "a", "not-applicable", "safe"), _row("prefill_drain", "b", "safe", "safe")], "fixed"),
+    # 0.5.16: the pack carries no page-lifetime backport; the failed transfer still frees pages at once
+    ([_row("page_lifetime", "a", "unsafe", "unsafe"), _row("page_lifetime", "b", "not-applicable", "not-applicable")],
+     "affected"),
+    ([_row("page_lifetime", "a", "unsafe", "safe"), _row("prefill_drain", "b", "safe", "error")], "under_investigation"),
+    ([_row("page_lifetime", "a", "unsafe", "safe"),
+      _row("page_lifetime", "b", "safe", "unsafe", must_preserve=True)], "under_investigation"),
+    ([_row("page_lifetime", "a", "not-applicable", "not-applicable")], "under_investigation"),
+    ([_row("admission", "a", "unsafe", "unsafe")], "under_investigation"),  # another class's case only
+])
+def test_class_status_follows_from_the_cases(classes, rows, status):
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    assert class_status(page, rows).status == status
+
+
+def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
+    apply_report = {"patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.16 is outside scope"}]}
+    rows = [_row("page_lifetime", "failed_transfer_holds_pages_until_drain", "unsafe", "unsafe")]
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    from backport.evidence.vulnerabilities import action_statement
+
+    text = action_statement(page, class_status(page, rows), "0.5.16", apply_report)
+    assert "sglang 0.5.16 stays exposed" in text and "no backport of pr35049" in text
+    assert "sglang 0.5.17 or later" in text and "upstream sglang 0.5.22" in text
+
+
+# ---- the documents in a bundle -------------------------------------------------------------------
+
+
+def test_a_bundle_holds_valid_openvex_and_cyclonedx(bundle):
+    assert {"standards.json", "vex.openvex.json", "sbom.cdx.json"} <= set(_files(bundle))
+    receipt = _receipt(bundle)
+    assert {"standards.json", "vex.openvex.json", "sbom.cdx.json"} <= set(receipt["predicate"]["files"])
+    sums = (bundle / "SHA256SUMS").read_text()
+    assert "  vex.openvex.json\n" in sums and "  sbom.cdx.json\n" in sums
+    document = json.loads((bundle / "vex.openvex.json").read_text())
+    assert vex.schema_errors(document) is None
+    assert document["@context"] == "https://openvex.dev/ns/v0.2.0"
+    assert document["timestamp"] == receipt["predicate"]["timestamps"]["started"]
+    statuses = {s["vulnerability"]["name"]: s["status"] for s in document["statements"]}
+    # the fixture's admission cases are fixed or held; its one page-lifetime case ran on no tree
+    assert statuses == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation"}
+    tree = receipt["predicate"]["inputs"]["trees"]["patched"]["tree_digest"]
+    for statement in document["statements"]:
+        # no export: the patched tree is the only product, and no purl speaks for upstream's build
+        assert statement["products"] == [{"@id": f"urn:sglang-backport:tree:dirHash1:{tree}"}]
+        assert "https://github.com/sgl-project/sglang/issues/" in statement["status_notes"]
+    sbom = (bundle / "sbom.cdx.json").read_bytes()
+    assert cyclonedx.validation_error(sbom) is None
+    bom = json.loads(sbom)
+    assert bom["specVersion"] == "1.6"
+    component = bom["metadata"]["component"]
+    assert component["pedigree"]["ancestors"][0]["purl"] == "pkg:pypi/sglang@0.5.19"
+    assert {p["type"] for p in component["pedigree"]["patches"]} == {"backport"}
+    resolved = {i["id"] for p in component["pedigree"]["patches"] for i in p["resolves"]}
+    assert resolved == {"pr36988", "pr38935", "SBP-2026-0001"}
+    states = {v["id"]: v["analysis"]["state"] for v in bom["vulnerabilities"]}
+    assert states == {"SBP-2026-0001": "resolved_with_pedigree", "SBP-2026-0002": "in_triage"}
+    assert evidence.verify(bundle).ok
+
+
+def test_the_documents_are_a_function_of_the_inputs(tmp_path, classes):
+    one = vex_run(tmp_path / "a", classes)
+    two = vex_run(tmp_path / "b", classes)
+    for name in ("standards.json", "vex.openvex.json", "sbom.cdx.json"):
+        assert one.files[name] == two.files[name], name
+
+
+def test_a_status_the_cases_do_not_support_is_named(bundle):
+    """Someone turns the page-lifetime statement into `fixed` and reseals every digest."""
+    from tests.test_evidence import _reseal
+
+    path = bundle / "vex.openvex.json"
+    document = json.loads(path.read_text())
+    document["statements"][1]["status"] = "fixed"
+    path.write_bytes(evidence.canonical_json(document))
+    receipt = _receipt(bundle)
+    receipt["predicate"]["files"]["vex.openvex.json"] = evidence.sha256_file(path)
+    _reseal(bundle, receipt)
+    result = evidence.verify(bundle)
+    assert not result.ok and "vex.openvex.json" in {p.file for p in result.problems} | {result.first.file} \
+        or "vex.openvex.json" in result.first.detail
+
+
+def test_an_edited_standards_file_is_named(bundle):
+    from tests.test_evidence import _reseal
+
+    path = bundle / "standards.json"
+    standards = json.loads(path.read_text())
+    standards["classes"][1]["probes"] = ["admission"]  # claim the admission cases prove page lifetime
+    path.write_bytes(evidence.canonical_json(standards))
+    receipt = _receipt(bundle)
+    receipt["predicate"]["files"]["standards.json"] = evidence.sha256_file(path)
+    _reseal(bundle, receipt)
+    result = evidence.verify(bundle)
+    assert not result.ok
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(status="affected"), "action_statement"),
+    (lambda s: s.update(status="not_affected"), "status rule .*justification"),
+    (lambda s: s.update(status="not_affected", justification="vulnerable_code_not_present"), None),
+    (lambda s: s.update(status="not_affected", justification="it is fine"), "is not one of"),
+    (lambda s: s.update(action_statement="upgrade"), "status rule"),
+    (lambda s: s.update(status="patched"), "is not one of"),
+    (lambda s: s.pop("products"), "products"),
+    (lambda s: s["vulnerability"].pop("name"), "name"),
+    (lambda s: s["products"][0].update(hashes={"sha256": "ab"}), "sha256"),
+])
+def test_the_schema_holds_the_specs_status_rules(bundle, edit, message):
+    document = json.loads((bundle / "vex.openvex.json").read_text())
+    broken = copy.deepcopy(document)
+    edit(broken["statements"][0])
+    error = vex.schema_errors(broken)
+    if message is None:
+        assert error is None
+    else:
+        assert error is not None and re.search(message, error), error
+    assert vex.schema_errors({**document, "@context": "https://openvex.dev/ns/v0.1.0"}) is not None
+    assert vex.schema_errors({k: v for k, v in document.items() if k != "timestamp"}) is not None

@@ -121,7 +121,7 @@ def render(document: dict) -> str:
 def print_pins(args, roots: list[tuple[str, Path]], refs: list[upstream.TestRef], base_url: str) -> int:
     """`--print-pins`: each file's sha256 as served now, as toml lines to paste into fixes.toml."""
     measured = upstream.measure_pins(roots, refs, base_url=base_url)
-    bad = [m.error or m.unavailable for m in measured if m.error or m.unavailable]
+    bad = [m.error or m.refused or m.unavailable for m in measured if m.error or m.refused or m.unavailable]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise BadInput(f"--print-pins: {bad[0]}{more}")

@@ -28,7 +28,16 @@ from backport.evidence import upstream_section
 from backport.evidence.upstream_verdicts import evidence_summary, file_rows
 from backport.upstream import load_refs, run_upstream_tests
 from tests import test_upstream_tests as shared
-from tests.test_upstream_tests import BEHAVIOUR, PATCH, PYTHON, REV, UNIT, UTILS_PATCHED, UTILS_PRISTINE, cache_files
+from tests.test_upstream_tests import (
+    BEHAVIOUR,
+    PATCH,
+    PYTHON,
+    REV,
+    UNIT,
+    UTILS_PATCHED,
+    UTILS_PRISTINE,
+    cache_files,
+)
 
 server, cache_dir = shared.server, shared.cache_dir
 
@@ -199,7 +208,7 @@ def test_one_missing_file_leaves_the_others_results_intact(table, server, tmp_pa
 
 
 def test_the_verdict_joins_them_per_fix(table):
-    _, trees, document = table
+    _, _, document = table
     as_run = {**document, "trees": [t for t in document["trees"] if t["tree"] in ("pristine", "patched")]}
     applied = {"patches": [{"fix": "pr38935", "status": "applied"}, {"fix": "pr36988", "status": "applied"}]}
     rows = {r["file"].rsplit("/", 1)[-1]: r for r in file_rows(as_run, applied)}

@@ -76,3 +76,14 @@ def namespace_double(source: str, package_root: Path, site: str | None) -> Doubl
     scored = sorted(((len(kw & reads), name) for name, kw in builders.items()), reverse=True)
     helper = scored[0][1] if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[0][0] > scored[1][0]) else None
     return Double(helper, stands_for)
+
+
+def bare_instances(source: str) -> frozenset[str]:
+    """Classes the test builds with `C.__new__(C)` and then fills by hand (no `__init__` ran)."""
+    try:
+        module = ast.parse(source)
+    except SyntaxError:
+        return frozenset()
+    return frozenset(ast.unparse(node.func.value).rsplit(".", 1)[-1] for node in ast.walk(module)
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                     and node.func.attr == "__new__")

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from backport.engine.detect import fingerprint_match, fs_reader
 from backport.errors import BadInput
 from backport.probing.harness import probe_environ
 from backport.upstream.classify import scrub
@@ -75,7 +76,8 @@ def file_key(ref: TestRef) -> str:
 
 def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNames | None = None,
              timeout: float = PYTEST_TIMEOUT, coverage: list[str] | None = None,
-             executed: dict[str, set[int]] | None = None, subtests: dict[str, dict] | None = None) -> list[dict]:
+             executed: dict[str, set[int]] | None = None, subtests: dict[str, dict] | None = None,
+             has_fix: bool | None = None) -> list[dict]:
     """Run one fetched test file with pytest against one tree; per-test entries.
 
     With `coverage` (files relative to the package root), pytest runs under coverage.py and the
@@ -122,11 +124,19 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
         counted = subtest_counts(proc.stdout)
         if counted and subtests is not None:
             subtests[file_key(fetched.ref)] = counted
-        results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp)
+        results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp,
+                              has_fix=has_fix)
         if not results:
             return [entry(fetched, fetched.ref.path, "error",
                           f"no tests collected (pytest exit {proc.returncode})")]
         return results
+
+
+def tree_has_fix(package_root: Path, ref: TestRef) -> bool | None:
+    """Whether the tree has the fix the file is listed for, by its fingerprint (None: not known)."""
+    if ref.fix_record is None or not ref.fix_record.fingerprint:
+        return None
+    return fingerprint_match(ref.fix_record, fs_reader(package_root))[0]
 
 
 def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, python: str,
@@ -181,7 +191,7 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
                 try:
                     tests.extend(run_file(python, root, item, names=names, timeout=timeout,
                                           coverage=measure if measurable else None, executed=executed,
-                                          subtests=subtests))
+                                          subtests=subtests, has_fix=tree_has_fix(root, item.ref)))
                 except (OSError, subprocess.SubprocessError) as exc:  # this file's outcome, not the run's
                     tests.append(entry(item, item.ref.path, "error", f"could not run pytest: {exc}"))
         result: dict = {"tree": label, "tests": tests}

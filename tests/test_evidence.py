@@ -435,7 +435,8 @@ def test_report_md(bundle_dir):
     assert ("| page_lifetime / prefill_source_pages_held | not-applicable | not-applicable | unsafe "
             "| not-applicable | **no** |") in report
     assert ("| `test/registered/unit/disaggregation/test_admission_abort_not_enqueued.py::T::test_rejected` "
-            "| failed | passed | passed |") in report
+            f"| `{C[5][:12]}` | failed | passed | passed |") in report
+    assert "| pr38935 | `test_admission_abort_not_enqueued.py` @ " in report and "| fixed |" in report
     assert report == evidence.render_report(_receipt(bundle_dir))
 
 
@@ -732,11 +733,12 @@ TAMPER_CASES = [
      [RECEIPT]),
     ("upstream-outcome-report-md", REPORT, ("| failed | passed | passed |", "| passed | passed | passed |"),
      [REPORT]),
-    ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM, RECEIPT]),
+    # (REPORT.md shows every reason, so the receipt and the report outvote the file)
+    ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM]),
     # upstream test pins (null: unpinned)
     ("upstream-pin-file", UPSTREAM, _set("files[0].pin", D[8]), [UPSTREAM]),
     ("upstream-pin-receipt", RECEIPT, _restated(upstream=_set("files.0.pin", D[8])), [RECEIPT]),
-    ("upstream-pin-report-md", REPORT, ("`, unpinned).", "`, pinned)."), [REPORT]),
+    ("upstream-pin-report-md", REPORT, ("`: unpinned (sha256 `", "`: pinned (sha256 `"), [REPORT]),
     # coverage: lines upstream's tests ran (the receipt's counts against upstream-tests.json's lines)
     ("coverage-upstream-count-receipt", RECEIPT, _set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
      [RECEIPT]),

@@ -17,7 +17,7 @@ from backport.errors import BadInput
 from backport.pack import load_pack
 from backport.upstream import Fetcher, TestRef, load_refs, run_upstream_tests
 from tests import test_upstream_tests as shared
-from tests.test_upstream_tests import BEHAVIOUR, PATCH, PYTHON, REV, UNIT, cache_files, run_cli
+from tests.test_upstream_tests import BEHAVIOUR, PATCH, PYTHON, REV, UNIT, cache_files
 
 # the local raw-file server, the synthetic trees and a fresh cache per test (never the shared one)
 server, trees, cache_dir, closed_port_url = shared.server, shared.trees, shared.cache_dir, shared.closed_port_url
@@ -45,10 +45,14 @@ def pinned_series(root, pin: str | None = GOOD, extra: str = ""):
     return root
 
 
-def test_the_shipped_pack_leaves_every_test_unpinned_until_measured():
-    # The real files cannot be reached from here: no pin is invented.
+def test_the_shipped_pack_pins_every_listed_test_file():
+    # Each pin was measured from the file's bytes at its revision (README, "Upstream tests"): a
+    # file whose bytes could not be read is not listed at all, never listed with an invented pin.
     refs = load_refs()
-    assert refs and all(ref.sha256 is None and not ref.pinned for ref in refs)
+    assert refs and all(ref.pinned and len(ref.sha256) == 64 and len(ref.rev) == 40 for ref in refs)
+    admission = next(r for r in refs if r.path.endswith("test_admission_abort_not_enqueued.py"))
+    assert (admission.rev, admission.sha256) == ("8f3d6944b76c428d884582cb6c82a39db1465360",
+                                                 "3c7e68c2d72229f575720b4045d5f9d22d63721d2d271ee7d34522bf7ff53fcc")
 
 
 @pytest.mark.parametrize("pin, message", [
@@ -104,14 +108,17 @@ def test_a_wrong_servers_download_is_refused(server, trees, tmp_path, cache_dir)
     got = hashlib.sha256(WRONG.encode()).hexdigest()
     assert fetched.data is None
     for part in (PATH, REV, GOOD, got, server.url, "refusing"):
-        assert part in fetched.error, part
+        assert part in fetched.refused, part
+    assert fetched.sha256 == got and not fetched.pinned  # what was received, never called pinned
     assert cache_files(cache_dir) == []  # nothing of it kept
     document = run_upstream_tests([("patched", trees["patched"])], [ref], python=PYTHON, base_url=server.url)
     (test,) = document["trees"][0]["tests"]
-    assert test["outcome"] == "error" and "does not match the pin" in test["reason"]
-    with pytest.raises(BadInput, match="does not match the pin"):
-        run_cli(["upstream-tests", str(trees["patched"]), "--series", str(series), "--base-url", server.url,
-                 "--python", PYTHON])
+    assert test["outcome"] == "refused" and "does not match the pin" in test["reason"]
+    assert document["files"][0]["pinned"] is False and document["files"][0]["sha256"] == got
+    # Refused on first use: a finding (exit 1), and the file never ran.
+    assert cli.main(["upstream-tests", str(trees["patched"]), "--series", str(series), "--base-url", server.url,
+                     "--python", PYTHON]) == 1
+    assert cache_files(cache_dir) == []
 
 
 def test_a_cache_hit_that_does_not_match_its_pin_is_refused(server, tmp_path, cache_dir, closed_port_url):
@@ -123,12 +130,12 @@ def test_a_cache_hit_that_does_not_match_its_pin_is_refused(server, tmp_path, ca
     file.write_text(WRONG)
     sidecar.write_text(f"{hashlib.sha256(WRONG.encode()).hexdigest()}  {file.name}\n")
     offline = Fetcher(closed_port_url).fetch(ref)
-    assert offline.data is None and "not the pin" in offline.error and GOOD in offline.error
-    assert "unreachable" in offline.error
+    assert offline.data is None and "not the pin" in offline.refused and GOOD in offline.refused
+    assert "unreachable" in offline.refused
     # Online, the genuine file replaces it.
     server.put(PATH, BEHAVIOUR)
     online = Fetcher(server.url).fetch(ref)
-    assert online.error is None and online.data == BEHAVIOUR.encode()
+    assert online.refused is None and online.data == BEHAVIOUR.encode() and online.pinned
     assert file.read_text() == BEHAVIOUR
 
 

@@ -29,12 +29,15 @@ def register(subparsers) -> argparse.ArgumentParser:
             "them with pytest in the probe environment against each tree. Outcomes: passed, "
             "failed (also: the tree lacks a name a fix adds or fingerprints), error, skipped, "
             "incompatible (the tree lacks a name the test needs that no fix adds), stale-test (the "
-            "failure is in the test's own stand-ins or a signature the release predates; never a "
-            "pass). Exit 1 when any test failed or errored on any tree; exit 0 with a skipped "
-            "section when the base URL cannot be reached. A file fixes.toml pins (sha256 beside rev) "
-            "is checked against its pin on every download and cache hit, and refused (exit 2) when it "
-            "differs, whichever server served it; an unpinned file is reported as unpinned and "
-            "trusted only from the server that served it. --print-pins measures the pins."),
+            "failure is in the test's own stand-ins, types.SimpleNamespace doubles included, or a "
+            "signature the release predates; never a pass), unavailable (the file was not fetched: "
+            "why), refused (its bytes do not match the pin in fixes.toml: never run). Each file runs "
+            "on its own: one unavailable or refused file does not stop the others. Exit 1 when any "
+            "test failed or errored, or any file was refused; exit 0 with a skipped section when no "
+            "file could be fetched. A file fixes.toml pins (sha256 beside rev) is checked against its "
+            "pin on every download and cache hit, whichever server served it; an unpinned file is "
+            "reported as unpinned and trusted only from the server that served it. --print-pins "
+            "measures the pins."),
     )
     parser.add_argument("trees", nargs="*", metavar="TREE",
                         help="a package root containing sglang/, or an upstream checkout (python/sglang/); "
@@ -91,14 +94,26 @@ def render(document: dict) -> str:
             reason = f"  ({test['reason']})" if test["reason"] else ""
             lines.append(f"  {label}: {test['outcome']}{reason}")
     for f in document.get("files") or []:
-        if f.get("sha256"):
-            lines.append(f"{f['path']}@{f['rev'][:12]}: sha256 {f['sha256']} "
-                         f"({'pinned in fixes.toml' if f.get('pin') else 'unpinned'}, from {f['source']})")
+        where = f"{f['path']}@{f['rev'][:12]}"
+        if f.get("refused"):
+            lines.append(f"{where}: refused: {f['refused']}")
+        elif f.get("unavailable"):
+            lines.append(f"{where}: unavailable: {f['unavailable']}")
+        elif f.get("sha256"):
+            status = ("pinned: matches fixes.toml" if f.get("pinned")
+                      else f"unpinned, from {f['source']}")
+            lines.append(f"{where}: sha256 {f['sha256']} ({status})")
     for tree in document["trees"]:
         counts: dict[str, int] = {}
         for test in tree["tests"]:
             counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
         summary = ", ".join(f"{counts[o]} {o}" for o in upstream.OUTCOMES if o in counts) or "no tests"
+        sub: dict[str, int] = {}
+        for per_file in (tree.get("subtests") or {}).values():
+            for outcome, n in per_file.items():
+                sub[outcome] = sub.get(outcome, 0) + n
+        if sub:
+            summary += "; subtests: " + ", ".join(f"{n} {o}" for o, n in sorted(sub.items()))
         lines.append(f"{tree['tree']}: {summary}")
     return "\n".join(lines) + "\n"
 
@@ -106,7 +121,7 @@ def render(document: dict) -> str:
 def print_pins(args, roots: list[tuple[str, Path]], refs: list[upstream.TestRef], base_url: str) -> int:
     """`--print-pins`: each file's sha256 as served now, as toml lines to paste into fixes.toml."""
     measured = upstream.measure_pins(roots, refs, base_url=base_url)
-    bad = [m.error or m.unavailable for m in measured if m.error or m.unavailable]
+    bad = [m.error or m.refused or m.unavailable for m in measured if m.error or m.refused or m.unavailable]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise BadInput(f"--print-pins: {bad[0]}{more}")
@@ -134,11 +149,8 @@ def handle(args) -> int:
         return print_pins(args, roots, refs, upstream.resolve_base_url(args.base_url))
     base_url = upstream.resolve_base_url(args.base_url)
     python = str(ensure_env(args.python))
+    # A file that cannot be fetched or is refused is that file's outcome; the others still run.
     fetched = upstream.fetch_refs(roots, refs, base_url=base_url)
-    bad = [f.error for f in fetched if f.error]
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise BadInput(bad[0] + more)
     document = upstream.run_upstream_tests(roots, refs, python=python, base_url=base_url, fetched=fetched)
     text = json.dumps(document, indent=2, sort_keys=True) if args.json else render(document).rstrip("\n")
     if document["skipped"]:
@@ -146,9 +158,9 @@ def handle(args) -> int:
         log.warning("upstream-tests: section skipped: %s", document["skipped"])
         return 0
     failing = [(t["tree"], x["nodeid"]) for t in document["trees"] for x in t["tests"]
-               if x["outcome"] in ("failed", "error")]
+               if x["outcome"] in ("failed", "error", "refused")]
     if failing:
-        finding = Finding(f"{len(failing)} upstream test result(s) failed or errored "
+        finding = Finding(f"{len(failing)} upstream test result(s) failed, errored or were refused "
                           f"(first: {failing[0][1]} on {failing[0][0]})")
         if args.json:
             finding.document = document  # the main prints it as the one JSON document

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import artifacts, coverage, scope
+from backport.evidence import artifacts, coverage, scope, upstream_section
 from backport.evidence.verdicts import REFERENCE, ROLES, is_finding
 
 
@@ -77,36 +77,7 @@ def render_report(statement: dict) -> str:
         lines += ["", "Patched differs from the reference in: "
                   + "; ".join(f"{d['probe']}/{d['case']} (patched {d['patched']}, reference {d['reference']})"
                               for d in p["reference_differences"]) + "."]
-    lines += ["", "## Upstream tests", ""]
-    up = p["upstream_tests"]
-    if up.get("skipped"):
-        lines.append(f"Skipped: {up['skipped']}")
-        listed = sorted({(f.get("path"), f.get("rev"), f.get("pin")) for f in up.get("files") or []},
-                        key=lambda k: tuple(str(x) for x in k))
-        if listed:
-            lines += ["", "Test files (not run): " + "; ".join(
-                f"`{f}` at `{r}` ({'pinned, sha256 `' + pin + '`' if pin else 'unpinned'})" for f, r, pin in listed)
-                + "."]
-    else:
-        results: dict[tuple, dict[str, str]] = {}
-        test_roles: list[str] = []
-        for tree in up.get("trees") or []:
-            test_roles.append(str(tree.get("tree")))
-            for test in tree.get("tests") or []:
-                key = (test.get("nodeid") or test.get("file"), test.get("file"), test.get("rev"), test.get("sha256"))
-                results.setdefault(key, {})[str(tree.get("tree"))] = str(test.get("outcome"))
-        if not results:
-            lines.append("No upstream test ran.")
-        else:
-            lines += ["| test | " + " | ".join(test_roles) + " |", "|" + "---|" * (len(test_roles) + 1)]
-            for key in sorted(results, key=lambda k: tuple(str(x) for x in k)):
-                lines.append(f"| `{_cell(key[0])}` | " + " | ".join(_cell(results[key].get(r)) for r in test_roles)
-                             + " |")
-            files = sorted({(k[1], k[2], k[3]) for k in results}, key=lambda k: tuple(str(x) for x in k))
-            pins = {(f.get("path"), f.get("rev")): f.get("pin") for f in up.get("files") or []}
-            lines += ["", "Test files: " + "; ".join(
-                f"`{f}` at `{r}` (sha256 `{s}`, {'pinned' if s and pins.get((f, r)) == s else 'unpinned'})"
-                for f, r, s in files) + "."]
+    lines += ["", "## Upstream tests", ""] + upstream_section.render(p["upstream_tests"], summary)
     if "coverage" in p:
         lines += [""] + coverage.render(p["coverage"])[:-1]
     lines += ["", "## Summary", ""]
@@ -118,6 +89,7 @@ def render_report(statement: dict) -> str:
         lines.append(f"- patch lines executed by probes: {c['executed_by_probes']} of {c['added']} ({c['percent']}%)"
                      + ("; **below the floor** " if coverage.below_floor(p.get("coverage")) else "")
                      + (f" (floor {c['min_percent']}%)" if c["min_percent"] is not None else ""))
+    lines += upstream_section.summary_lines(summary)
     if summary["findings"]:
         lines.append("- findings: " + ", ".join(f"{f['probe']}/{f['case']} ({f['pair']})"
                                                for f in summary["findings"]))

@@ -88,7 +88,7 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         "cases": rows,
         "reference_differences": reference_differences(rows),
         "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
-        "summary": summarise(rows, probes, upstream_tests, coverage),
+        "summary": summarise(rows, probes, upstream_tests, coverage, apply=apply_report),
         "files": dict(sorted(files.items())),
         "export": export,
         "timestamps": timestamps,
@@ -157,7 +157,7 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
     rows = case_rows(plain)
     p["cases"] = rows
     p["reference_differences"] = reference_differences(rows)
-    p["summary"] = summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"))
+    p["summary"] = summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"])
     p["environment"]["torch"] = probe_torch(plain)
     return s
 
@@ -211,7 +211,8 @@ def _derived_problems(p: dict) -> list[str]:
         problems.append("reference_differences disagree with the cases")
     problems += coverage_problems(p.get("coverage"), upstream=embedded(p, UPSTREAM_TESTS),
                                   pristine=probes.get("pristine"))
-    expected_summary = summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"))
+    expected_summary = summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"),
+                                 apply=p["apply"])
     summary = p["summary"]
     for key in sorted(set(expected_summary) | set(summary)):
         if summary.get(key) != expected_summary.get(key):

@@ -114,9 +114,15 @@ def upstream_counts(upstream: dict | None) -> dict:
     return {role: dict(sorted(per.items())) for role, per in sorted(counts.items())}
 
 
-def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, coverage: dict | None = None) -> dict:
+def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, coverage: dict | None = None,
+              apply: dict | None = None) -> dict:
     """The summary of a run; `coverage` (the receipt's section) adds its totals and, under a floor
-    (`run --min-coverage`), makes the result a failure."""
+    (`run --min-coverage`), makes the result a failure. Upstream's tests join the verdict per fix
+    (`upstream_verdicts`, which reads `apply` for the fixes the patched tree has): a finding
+    there fails the run as a probe case's does."""
+    from backport.evidence.upstream_verdicts import evidence_summary  # it reads this module's roles
+
+    upstream_evidence = evidence_summary(upstream, apply)
     pair_counts = {v: 0 for v in PAIR_VERDICTS}
     for row in rows:
         pair_counts[row["pair"]] = pair_counts.get(row["pair"], 0) + 1
@@ -136,6 +142,8 @@ def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, 
         "findings": findings,
         "reference_differences": sum(1 for r in rows if r["reference_agrees"] is False),
         "upstream_tests": upstream_counts(upstream),
+        "upstream_evidence": upstream_evidence,
         "coverage": cov.summary(coverage),
-        "result": "fail" if findings or not rows or cov.below_floor(coverage) else "pass",
+        "result": ("fail" if findings or upstream_evidence["findings"] or not rows or cov.below_floor(coverage)
+                   else "pass"),
     }

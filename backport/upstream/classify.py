@@ -5,7 +5,8 @@ In order:
 1. The test stopped on a name the tree lacks (see `names`). A fix's name makes it `failed`:
    the tree lacks the fix, whatever else it lacks. Only other names: `incompatible`.
 2. `stale-test`: the failure is in the test's own stand-ins (a stand-in that does not take
-   the call this release's code makes, or lacks an attribute the release's code reads) or
+   the call this release's code makes, or lacks an attribute the release's code reads; a
+   `types.SimpleNamespace` double the test builds included, see `doubles`) or
    in a signature the release predates (the test itself calls the tree with a keyword or
    arity it does not have, the keyword not one a fix adds). The reason carries the
    evidence: the call, and where it was made. The tree calling its own code wrongly is
@@ -23,6 +24,7 @@ import os
 import re
 from pathlib import Path
 
+from backport.upstream.doubles import bare_instances, namespace_double
 from backport.upstream.names import Missing, TreeNames, missing_name
 
 REASON_LIMIT = 400
@@ -38,8 +40,8 @@ _SIGNATURE_RES = (
     re.compile(r"^([\w.<>]+)\(\) takes .* positional arguments? but .* (?:was|were) given"),
     re.compile(r"^([\w.<>]+)\(\) missing \d+ required (?:positional|keyword-only) arguments?: (.*)"),
 )
-_STANDIN_ATTRIBUTE_RES = (re.compile(r"^'(\w+)' object has no attribute '(\w+)'"),
-                          re.compile(r"^type object '(\w+)' has no attribute '(\w+)'"))
+_STANDIN_ATTRIBUTE_RES = (re.compile(r"^'(?:[\w]+\.)*(\w+)' object has no attribute '(\w+)'"),
+                          re.compile(r"^type object '(?:[\w]+\.)*(\w+)' has no attribute '(\w+)'"))
 _MOCK_NOT_CALLED_RE = re.compile(r"Expected '(\w+)' to (?:be|have been) called")
 
 
@@ -117,7 +119,8 @@ def _mock_never_called(kind: str, text: str, names: TreeNames) -> Missing | None
 
 
 def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_names: frozenset[str],
-           standins: frozenset[str]) -> tuple[str, str] | None:
+           standins: frozenset[str], source: str = "", has_fix: bool | None = None,
+           own_names: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """(outcome, evidence) for a signature or stand-in failure; None for anything else."""
     in_tree = bool(site and site.startswith("sglang/"))
     at = f" at {site}" if site else ""
@@ -148,11 +151,29 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
             if match and match.group(1) in standins and in_tree:
                 owner, name = match.groups()
                 return "stale-test", f"the test's stand-in {owner} has no {name}, which this release reads{at}"
+            # The test's hand-made doubles, judged only where the tree has the file's fix: on a tree
+            # without it, the release's other path reaching past a double is the missing fix.
+            if not (match and in_tree) or has_fix is False:
+                continue
+            owner, name = match.groups()
+            if owner == "SimpleNamespace":
+                double = namespace_double(source, names.root, site)
+                described = double.describe() if double else None
+            else:
+                described = (f"bare {owner} (built with {owner}.__new__, attributes set by hand)"
+                             if owner in bare_instances(source) else None)
+            if described and name in own_names:
+                return "stale-test", (f"the test's double {described} has no {name}, which only this pack's "
+                                      f"own fix adds (no upstream release has it){at}")
+            if described and name not in fix_names:
+                return "stale-test", f"the test's double {described} has no {name}, which this release reads{at}"
     return None
 
 
 def classify(outcome: str, message: str, body: str, *, names: TreeNames, fix_names: frozenset[str],
-             static: list[Missing] | None, tmp: str, standins: frozenset[str] = frozenset()) -> tuple[str, str]:
+             static: list[Missing] | None, tmp: str, standins: frozenset[str] = frozenset(),
+             source: str = "", has_fix: bool | None = None,
+             own_names: frozenset[str] = frozenset()) -> tuple[str, str]:
     """Final (outcome, reason) for a failed or errored test case."""
     tree = names.root
     found = last_exception(message, body)
@@ -178,7 +199,8 @@ def classify(outcome: str, message: str, body: str, *, names: TreeNames, fix_nam
             f"the tree has no {listed}: the test needs code this tree does not have ({line})", tmp, tree)
     if found:
         judged = _stale(found[0], found[1], site=crash_site(body, tree, tmp), names=names,
-                        fix_names=fix_names, standins=standins)
+                        fix_names=fix_names, standins=standins, source=source, has_fix=has_fix,
+                        own_names=own_names)
         if judged:
             return judged[0], scrub(f"{judged[1]} ({line})", tmp, tree)
     return outcome, scrub(line, tmp, tree)

@@ -9,6 +9,11 @@ copy is never trusted for another; at a fixed revision its content must not chan
 server. Each cached file has a `.sha256` sidecar. When the base URL cannot be reached, a
 cached copy is used (pinned: if it matches the pin; unpinned: if that server served it);
 without one the file is not run and the result says why (never a pass).
+
+Each file ends in one of: obtained (`data`), `unavailable` (not fetched: a 404, the server
+unreachable; the reason says which), `refused` (bytes that do not match the pin, content that
+changed at a fixed revision, or not a Python file: never run, never cached), or `error` (the ref
+itself is malformed: bad input).
 """
 
 from __future__ import annotations
@@ -52,13 +57,19 @@ class Fetched:
     data: bytes | None = None
     sha256: str | None = None
     source: str | None = None       # URL, git repository, or "cache"
-    error: str | None = None        # bad input, one line: the file is reported as `error`
-    unavailable: str | None = None  # could not be reached and not cached: not run
+    error: str | None = None        # the ref is malformed (bad input): reported as `error`
+    unavailable: str | None = None  # not fetched (404, unreachable) and not cached: not run
+    refused: str | None = None      # received but refused (pin mismatch, changed, not Python): not run
+
+    @property
+    def pinned(self) -> bool:
+        """Only bytes that matched their pin are called pinned (never a refused download)."""
+        return self.data is not None and self.ref.sha256 is not None and self.sha256 == self.ref.sha256
 
     def to_json(self) -> dict:
         return {"path": self.ref.path, "rev": self.ref.rev, "fix": self.ref.fix,
-                "sha256": self.sha256, "pin": self.ref.sha256, "source": self.source,
-                "error": self.error, "unavailable": self.unavailable}
+                "sha256": self.sha256, "pin": self.ref.sha256, "pinned": self.pinned, "source": self.source,
+                "error": self.error, "unavailable": self.unavailable, "refused": self.refused}
 
 
 class _Unreachable(Exception):
@@ -66,7 +77,11 @@ class _Unreachable(Exception):
 
 
 class _NotFound(Exception):
-    """Bad input for one file: 404, not Python, too large."""
+    """The file could not be fetched from this source: 404, too large, another HTTP answer."""
+
+
+class _Refused(Exception):
+    """The server sent bytes this toolkit will not run: an HTML page instead of the file."""
 
 
 def validate_python(data: bytes, where: str) -> str | None:
@@ -198,7 +213,7 @@ class Fetcher:
                     chunks.append(chunk)
                 data = b"".join(chunks)
                 if "html" in resp.headers.get("Content-Type", "").lower():
-                    raise _NotFound(f"{ref.path}@{ref.rev}: {url} returned an HTML page, not a Python file")
+                    raise _Refused(f"{ref.path}@{ref.rev}: {url} returned an HTML page, not a Python file")
                 return data
         except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError) as exc:
             raise _Unreachable(f"{url}: the download was interrupted ({exc.__class__.__name__})") from None
@@ -232,22 +247,24 @@ class Fetcher:
             else:
                 data, source = self._download(ref), self.url(ref)
         except _NotFound as exc:
-            return Fetched(ref, error=str(exc))
+            return Fetched(ref, unavailable=str(exc))
+        except _Refused as exc:
+            return Fetched(ref, refused=str(exc))
         except _Unreachable as exc:
             if refused:
-                return Fetched(ref, error=f"{refused} ({exc})")
+                return Fetched(ref, refused=f"{refused} ({exc})")
             if cached is not None and not ref.sha256:
                 log.warning("upstream-tests: %s; using the cached copy of %s from this server (unpinned, "
                             "sha256 %s...)", exc, where, recorded[:12])
                 return Fetched(ref, cached, recorded, "cache")
             return Fetched(ref, unavailable=str(exc))
-        problem = _check(ref, data, source)
-        if problem:
-            return Fetched(ref, error=problem)
         digest = sha256_bytes(data)
+        problem = _check(ref, data, source)
+        if problem:  # never run, never cached: the received sha256 is recorded beside the pin
+            return Fetched(ref, sha256=digest, source=source, refused=problem)
         if recorded is not None and digest != recorded:
             file, _ = self.cache_paths(ref)
-            return Fetched(ref, error=(
+            return Fetched(ref, sha256=digest, source=source, refused=(
                 f"{where}: content changed upstream: sha256 {digest} from {source}, but the cache "
                 f"recorded {recorded} from the same server for the same revision and path ({file}); "
                 f"refusing to run it"))
@@ -265,11 +282,15 @@ class Fetcher:
             found = self._from_checkout(ref)
             data, source = found if found else (self._download(ref), self.url(ref))
         except _NotFound as exc:
-            return Fetched(ref, error=str(exc))
+            return Fetched(ref, unavailable=str(exc))
+        except _Refused as exc:
+            return Fetched(ref, refused=str(exc))
         except _Unreachable as exc:
             return Fetched(ref, unavailable=str(exc))
         problem = _check(ref, data, source)
-        return Fetched(ref, error=problem) if problem else Fetched(ref, data, sha256_bytes(data), source)
+        digest = sha256_bytes(data)
+        return (Fetched(ref, sha256=digest, source=source, refused=problem) if problem
+                else Fetched(ref, data, digest, source))
 
 
 def _check(ref: TestRef, data: bytes, source: str) -> str | None:

@@ -11,7 +11,9 @@ from backport.upstream.fetch import Fetched
 from backport.upstream.names import TreeNames, static_missing_imports
 
 # `stale-test`: the test's own stand-ins or a signature the release predates; never a pass.
-OUTCOMES = ("passed", "failed", "error", "skipped", "incompatible", "stale-test")
+# `unavailable`: the file was not fetched (the reason says why); `refused`: its bytes did not
+# match the pin (or changed, or are not Python) and it was never run. Both are per file.
+OUTCOMES = ("passed", "failed", "error", "skipped", "incompatible", "stale-test", "unavailable", "refused")
 
 
 def entry(fetched: Fetched, nodeid: str, outcome: str, reason: str | None) -> dict:
@@ -32,7 +34,7 @@ def _skip_reason(skipped: ET.Element) -> str:
 
 
 def parse_junit(xml_path: Path, fetched: Fetched, *, names: TreeNames, fix_names: frozenset[str],
-                tmp: str) -> list[dict]:
+                tmp: str, has_fix: bool | None = None) -> list[dict]:
     root = ET.parse(xml_path).getroot()
     stem = PurePosixPath(fetched.ref.path).stem
     source = fetched.data.decode("utf-8", errors="replace") if fetched.data else ""
@@ -57,7 +59,8 @@ def parse_junit(xml_path: Path, fetched: Fetched, *, names: TreeNames, fix_names
             message, body = first.get("message", ""), first.text or ""
             static = static_missing_imports(source, names) if collection else None
             outcome, reason = classify(outcome, message, body, names=names, fix_names=fix_names,
-                                       static=static, tmp=tmp, standins=standins)
+                                       static=static, tmp=tmp, standins=standins, source=source,
+                                       has_fix=has_fix, own_names=fetched.ref.own_names)
             count = len(failures) + len(errors)
             if count > 1 and outcome in ("failed", "error"):
                 reason = f"{count} failures (subtests or teardown); first: {reason}"

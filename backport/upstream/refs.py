@@ -8,11 +8,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from backport import resources
 from backport.errors import BadInput
 from backport.pack import load_pack
-from backport.upstream.names import pack_added_names, pack_fix_names
+from backport.upstream.names import pack_added_names, pack_fix_names, patch_added_names
 
 DEFAULT_SERIES = resources.pack_dir()
 
@@ -33,6 +34,10 @@ class TestRef:
     fix_names: frozenset[str] = field(default=frozenset(), compare=False)
     # The file's sha256 as fixes.toml pins it; None: unpinned (an ad-hoc --test, or no pin yet).
     sha256: str | None = field(default=None, compare=False)
+    # The pack's Fix the file is listed for (its fingerprint says whether a tree has it), and the
+    # names only this pack's own fixes add (no upstream test double can know them).
+    fix_record: Any = field(default=None, compare=False, repr=False)
+    own_names: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
     def pinned(self) -> bool:
@@ -53,6 +58,7 @@ def load_refs(series_dir: Path | None = None, fixes: list[str] | None = None,
         if fix not in pack.fixes:
             raise BadInput(f"--fix {fix}: not a fix in {fixes_toml} (known: {', '.join(sorted(pack.fixes))})")
     names = pack_fix_names(pack)
+    own = own_names(pack)
     refs: list[TestRef] = []
     for fix_id in (fixes or sorted(pack.fixes)):
         for entry in pack.fixes[fix_id].upstream_tests:
@@ -60,7 +66,7 @@ def load_refs(series_dir: Path | None = None, fixes: list[str] | None = None,
                     rev is None and not isinstance(entry.get("rev"), str)):
                 raise BadInput(f"{fixes_toml}: {fix_id}: each upstream_tests entry needs path and rev")
             pin = None if rev is not None else entry.get("sha256")
-            ref = TestRef(entry["path"], rev or entry["rev"], fix_id, names, pin)
+            ref = TestRef(entry["path"], rev or entry["rev"], fix_id, names, pin, pack.fixes[fix_id], own)
             if ref not in refs:
                 refs.append(ref)
                 continue
@@ -71,6 +77,15 @@ def load_refs(series_dir: Path | None = None, fixes: list[str] | None = None,
             if listed.sha256 is None and pin is not None:
                 refs[refs.index(ref)] = replace(listed, sha256=pin)
     return refs
+
+
+def own_names(pack) -> frozenset[str]:
+    """Names only this pack's own fixes (origin "vendor") add, not any upstream fix's patch."""
+    def added(fixes):
+        return {name for fix in fixes for variant in pack.variants.get(fix.id, ())
+                if variant.patchset is not None for name in patch_added_names(variant.patchset)}
+    vendor = [f for f in pack.fixes.values() if f.is_vendor]
+    return frozenset(added(vendor) - added([f for f in pack.fixes.values() if not f.is_vendor]))
 
 
 def ad_hoc_refs(series_dir: Path | None, paths: list[str], rev: str) -> list[TestRef]:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from backport.engine.detect import fingerprint_match, fs_reader
 from backport.errors import BadInput
 from backport.probing.harness import probe_environ
 from backport.upstream.classify import scrub
@@ -26,6 +28,9 @@ from backport.upstream.names import TreeNames
 from backport.upstream.refs import TestRef
 
 PYTEST_TIMEOUT = 1800.0          # seconds for one file on one tree
+# pytest's last line counts unittest subTest()s apart from tests ("8 passed, 12 subtests passed");
+# JUnit XML has one testcase per test, so the counts are read from the summary line.
+_SUBTESTS_RE = re.compile(r"(\d+) subtests? (passed|failed|skipped|xfailed|xpassed)")
 
 log = logging.getLogger("backport.upstream")
 
@@ -56,9 +61,23 @@ def _executed_lines(python: str, work: Path, env: dict, package_root: Path, incl
     return executed
 
 
+def subtest_counts(output: str) -> dict[str, int]:
+    """{"passed": 12, ...} from pytest's summary line ({} when the file has no subtests)."""
+    lines = [line for line in output.splitlines() if " in " in line and re.search(r"\d+ \w+", line)]
+    counts: dict[str, int] = {}
+    for number, outcome in _SUBTESTS_RE.findall(lines[-1] if lines else ""):
+        counts[outcome] = counts.get(outcome, 0) + int(number)
+    return counts
+
+
+def file_key(ref: TestRef) -> str:
+    return f"{ref.path}@{ref.rev}"
+
+
 def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNames | None = None,
              timeout: float = PYTEST_TIMEOUT, coverage: list[str] | None = None,
-             executed: dict[str, set[int]] | None = None) -> list[dict]:
+             executed: dict[str, set[int]] | None = None, subtests: dict[str, dict] | None = None,
+             has_fix: bool | None = None) -> list[dict]:
     """Run one fetched test file with pytest against one tree; per-test entries.
 
     With `coverage` (files relative to the package root), pytest runs under coverage.py and the
@@ -102,11 +121,22 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
                 raise BadInput(f"{python}: pytest is not installed in the probe interpreter")
             return [entry(fetched, fetched.ref.path, "error",
                           scrub(f"pytest exited {proc.returncode} without a JUnit report: {tail[0]}", tmp))]
-        results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp)
+        counted = subtest_counts(proc.stdout)
+        if counted and subtests is not None:
+            subtests[file_key(fetched.ref)] = counted
+        results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp,
+                              has_fix=has_fix)
         if not results:
             return [entry(fetched, fetched.ref.path, "error",
                           f"no tests collected (pytest exit {proc.returncode})")]
         return results
+
+
+def tree_has_fix(package_root: Path, ref: TestRef) -> bool | None:
+    """Whether the tree has the fix the file is listed for, by its fingerprint (None: not known)."""
+    if ref.fix_record is None or not ref.fix_record.fingerprint:
+        return None
+    return fingerprint_match(ref.fix_record, fs_reader(package_root))[0]
 
 
 def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, python: str,
@@ -115,10 +145,12 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
                        coverage: dict[str, list[str]] | None = None) -> dict:
     """Run every ref on every tree. Returns {"trees": [...], "skipped": None | reason, "files": [...]}.
 
-    `trees` are (label, package root) pairs. Bad files (404, HTML, unparsable, changed at a
-    fixed revision, not matching their pin) become one `error` entry per tree; files that could
-    not be obtained because the base URL is unreachable become `skipped` entries; when no file
-    at all could be obtained, nothing runs and `skipped` carries the reason. `fetched` reuses
+    `trees` are (label, package root) pairs. Each file runs on its own: a file that was not
+    fetched (404, the base URL unreachable) is one `unavailable` entry per tree, a file whose
+    bytes were refused (not matching its pin, changed at a fixed revision, not Python) one
+    `refused` entry, with the reason; the other files still run. When no file at all could be
+    obtained, nothing runs and `skipped` carries the reason (each file's is in `files`). A
+    tree's `subtests` counts pytest's subtests per file (`path@rev`). `fetched` reuses
     the result of `fetch_refs` for the same refs. `coverage` maps a tree's label to files
     (relative to its package root) to measure while its tests run: that tree's entry gets
     `coverage` ({file: executed lines}) or `coverage_unavailable` (why not).
@@ -131,8 +163,8 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
         return {"trees": [], "skipped": "no upstream test files listed for the selected fixes",
                 "files": files}
     for item in fetched:
-        if item.error:
-            log.warning("upstream-tests: %s", item.error)
+        if item.error or item.refused:
+            log.warning("upstream-tests: %s", item.error or item.refused)
     if all(item.unavailable for item in fetched):
         reason = fetched[0].unavailable
         log.warning("upstream-tests: skipped: %s; no upstream test file was cached", reason)
@@ -146,16 +178,25 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
         if measure and measurable is None:
             measurable = has_coverage(python)
         executed: dict[str, set[int]] = {}
+        subtests: dict[str, dict] = {}
         for item in fetched:
             if item.error:
                 tests.append(entry(item, item.ref.path, "error", item.error))
+            elif item.refused:
+                tests.append(entry(item, item.ref.path, "refused", item.refused))
             elif item.unavailable:
-                tests.append(entry(item, item.ref.path, "skipped", f"not obtained: {item.unavailable}"))
+                tests.append(entry(item, item.ref.path, "unavailable", f"not fetched: {item.unavailable}"))
             else:
                 log.info("upstream-tests: %s@%s on %s ...", item.ref.path, item.ref.rev[:12], label)
-                tests.extend(run_file(python, root, item, names=names, timeout=timeout,
-                                      coverage=measure if measurable else None, executed=executed))
+                try:
+                    tests.extend(run_file(python, root, item, names=names, timeout=timeout,
+                                          coverage=measure if measurable else None, executed=executed,
+                                          subtests=subtests, has_fix=tree_has_fix(root, item.ref)))
+                except (OSError, subprocess.SubprocessError) as exc:  # this file's outcome, not the run's
+                    tests.append(entry(item, item.ref.path, "error", f"could not run pytest: {exc}"))
         result: dict = {"tree": label, "tests": tests}
+        if subtests:
+            result["subtests"] = subtests
         if measure:
             ran = any(item.data is not None for item in fetched)
             if not measurable:

@@ -691,6 +691,7 @@ def _nixl_targets_left(rig, room: int) -> list[str]:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-nixl",),
     must_preserve=False,
     expect="On NIXL, when a chunk's handle fails (ERR) and every other handle of the batch has settled, the chunk "
     "is uncounted and the decode peers' ABORTs for the failed room are each ACKed, with no count or target left.",
@@ -742,6 +743,7 @@ def nixl_settled_error_uncounts_and_acks(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-nixl",),
     must_preserve=False,
     expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT it "
     "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded.",
@@ -801,6 +803,7 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="On a prefill manager built by its constructor, a room reopened by its next request starts without the "
     "previous request's in-flight count and ACK targets: an ABORT with nothing in flight is ACKed at once.",
@@ -854,6 +857,7 @@ def constructed_manager_reopened_room_starts_clean(ctx) -> Outcome:
 
 
 @case(
+    proves=("pr41402",), needs=("pr35049-ack",),
     must_preserve=False,
     expect="When both decode ranks ABORT a Mooncake room while its last chunk's state write is in flight, the "
     "worker writes nothing more for the room (no aux into decode's metadata slot, no next rank's KV) and each "

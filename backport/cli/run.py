@@ -55,7 +55,7 @@ def options_from(args) -> list:
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
-                       export=args.export)
+                       export=args.export, live=args.live)
             for spec in args.spec]
 
 
@@ -138,6 +138,9 @@ def register(sub) -> None:
     p.add_argument("--export", action="store_true",
                    help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
                         "series (export/patches/) in the bundle, as its subjects (sglang==X targets)")
+    p.add_argument("--live", action="store_true",
+                   help="also run the live tier: a real PD deployment (prefill, decode, smg router, Mooncake "
+                        "over TCP) per tree on loopback, the incident's scenarios (live/<role>.json)")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
 

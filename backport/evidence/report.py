@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import artifacts, coverage
+from backport.evidence import artifacts, coverage, live
 from backport.evidence.verdicts import PAIR_VERDICTS, ROLES, is_finding
 
 
@@ -99,6 +99,8 @@ def render_report(statement: dict) -> str:
                 for f, r, s in files) + "."]
     if "coverage" in p:
         lines += [""] + coverage.render(p["coverage"])[:-1]
+    if p.get("live") is not None:
+        lines += [""] + live.render(p)[:-1]
     lines += ["", "## Summary", ""]
     lines += [f"- {v}: {n}" for v, n in _pair_counts(summary)]
     lines.append(f"- must-preserve cases: {summary['must_preserve_cases']}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from backport.errors import BadInput
 from backport.evidence.agreement import agreement_problems
+from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import RECEIPT
 from backport.evidence.problem import Problem, VerifyResult
@@ -37,7 +38,9 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     problems += [Problem(RECEIPT, "inconsistent", message) for message in check_statement(statement)]
     if problems:
         return problems, statement
-    return agreement_problems(bundle, statement, set(actual)), statement
+    problems = agreement_problems(bundle, statement, set(actual))
+    problems += [Problem(name, "inconsistent", why) for name, why in live_bundle_problems(bundle, statement["predicate"])]
+    return problems, statement
 
 
 def verify(bundle: Path | str) -> VerifyResult:

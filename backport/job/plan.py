@@ -38,6 +38,7 @@ class RunOptions:
     bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
     min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
     export: bool = False               # put the patched wheel and the patch series in the bundle
+    live: bool = False                 # the live tier: a real PD deployment per tree (job/live.py)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Plan:
     def total_steps(self) -> int:
         # environment, fetch, [clone, apply], [fetch-reference], probe, [upstream-tests], bundle
         return (2 + 2 * (self.mode == "backport") + (self.reference_spec is not None) + 1
-                + self.options.upstream_tests + 1)
+                + self.options.upstream_tests + self.options.live + 1)
 
 
 def default_reference(pack: Pack, pins: dict | None = None) -> str | None:

@@ -19,8 +19,8 @@ import jsonschema
 
 from backport import resources
 from backport.errors import Finding
-from backport.evidence import live as live_evidence
 from backport.evidence import artifacts
+from backport.evidence import live as live_evidence
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (

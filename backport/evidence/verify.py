@@ -15,9 +15,9 @@ from pathlib import Path
 
 from backport.errors import BadInput
 from backport.evidence.agreement import agreement_problems
-from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import RECEIPT
+from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 SEED = 20260
-SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
 SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2}
 
 

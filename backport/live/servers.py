@@ -48,8 +48,8 @@ class ServerDidNotStart(Finding):
     """A server exited or was not ready in time: one line naming it, then its log's tail."""
 
 
-class Terminated(BaseException):
-    """SIGTERM, turned into an exception so that `finally` blocks run."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt so that `finally` blocks run and the CLI exits as for Ctrl-C."""
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Processes:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     server.process.wait(timeout=10)
 
-    def __enter__(self) -> Processes:
+    def __enter__(self) -> Processes:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:

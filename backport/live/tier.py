@@ -34,7 +34,7 @@ def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> dict:
     try:
         outcome = item.run(dep, model)
         verdict, observed, details = outcome.verdict, outcome.observed, outcome.details
-    except Exception as exc:  # a scenario that breaks is a finding about that tree, not a crash
+    except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding about that tree, not a crash
         verdict, observed = ERROR, f"{type(exc).__name__}: {exc}"
         details = {"traceback": traceback.format_exc(limit=4)[-1500:]}
     return {"scenario": item.name, "must_preserve": item.must_preserve, "expect": item.expect,

@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backport.live import REGISTRY, ensure_model, ensure_serving_env  # noqa: E402
-from backport.live.deployment import COMMON_FLAGS, SERVER_ENV, deployed  # noqa: E402
-from backport.live.servers import LOOPBACK, Processes, free_port, wait_ready  # noqa: E402
-from backport.live.tier import run_scenario  # noqa: E402
-from backport.tree import open_tree  # noqa: E402
+from backport.live import REGISTRY, ensure_model, ensure_serving_env
+from backport.live.deployment import COMMON_FLAGS, SERVER_ENV, deployed
+from backport.live.servers import LOOPBACK, Processes, free_port, wait_ready
+from backport.live.tier import run_scenario
+from backport.tree import open_tree
 
 
 def _group_rss(pgids: set[int]) -> int:

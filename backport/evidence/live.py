@@ -104,7 +104,7 @@ def bundle_problems(bundle: Path, predicate: dict) -> list[tuple[str, str]]:
 def render(predicate: dict) -> list[str]:
     """REPORT.md's "Live tier" section (ends with an empty line)."""
     live = predicate["live"]
-    roles = list(live["servers"])
+    roles = [role for role in ROLES if role in live["servers"]]  # a receipt read back has sorted keys
     lines = ["## Live tier", "",
              ("A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, Mooncake "
               "over TCP, a tiny seeded model; every request answered by the servers (details in "

@@ -84,8 +84,20 @@ def test_rejected_request_reads_another_requests_prompt_only_on_pristine(live_re
     assert pristine["verdict"] == "unsafe", pristine
     after_a, after_b, after_a_again = (s["rejected_reply"]["tokens"] for s in pristine["details"]["steps"])
     assert after_a != after_b and after_a == after_a_again
-    for label in ("patched-0.5.19", "reference-0.5.22"):
-        assert _verdict(live_results, label, "rejected_request_reads_no_other_request") == "safe"
+    assert _verdict(live_results, "reference-0.5.22", "rejected_request_reads_no_other_request") == "safe"
+
+
+# A finding of the live tier, measured twice (README, Live tier): on the patched 0.5.19 pair the
+# rejected request is refused, but during the A, B, A sequence decode's scheduler dies with "pool
+# memory leak detected! [full] total=512, available=912" (the 400-token reservation returned twice),
+# so the scenario is `error` and later requests get 502/503. Strict: these fail once the pack is fixed.
+PATCHED_DECODE_DIES = pytest.mark.xfail(strict=True, reason="patched 0.5.19: decode frees a rejected request's "
+                                                            "reservation twice and its scheduler dies")
+
+
+@PATCHED_DECODE_DIES
+def test_patched_rejected_request_is_refused_every_time(live_results):
+    assert _verdict(live_results, "patched-0.5.19", "rejected_request_reads_no_other_request") == "safe"
 
 
 def test_over_decode_pool_is_not_applicable_with_its_reason(live_results):
@@ -104,8 +116,13 @@ def test_audit_live_gate_2_fails_on_pristine_passes_on_patched_and_reference(liv
     assert gate("pristine-0.5.19", 2)["verdict"] == "fail"
     assert live_results["pristine-0.5.19"]["exit"] == 1
     assert "incident's fingerprint" in gate("pristine-0.5.19", 2)["evidence"][-1]
-    for label in ("patched-0.5.19", "reference-0.5.22"):
-        assert gate(label, 2)["verdict"] == "pass", gate(label, 2)
+    assert gate("reference-0.5.22", 2)["verdict"] == "pass", gate("reference-0.5.22", 2)
+
+
+@PATCHED_DECODE_DIES
+def test_audit_live_gate_2_passes_on_patched(live_results):
+    gate = next(g for g in live_results["patched-0.5.19"]["audit"]["gates"] if g["gate"] == 2)
+    assert gate["verdict"] == "pass", gate
 
 
 def _processes_naming(needle: str) -> list[int]:

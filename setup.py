@@ -23,6 +23,7 @@ setup(
         "sglang_backport_data.patches": "patches",
     },
     package_data={
+        "backport.live": ["requirements-*.txt"],
         "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
         "sglang_backport_data": ["receipt.schema.json", "openvex.schema.json"],
         "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],

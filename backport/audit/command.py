@@ -30,6 +30,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="the interpreter of the serving environment; its sglang package is audited")
     p.add_argument("--server", action="append", default=[], metavar="URL",
                    help="a server's base URL, e.g. http://prefill-0:30000 (repeat for every node of the pair)")
+    p.add_argument("--live", metavar="URL",
+                   help="also send gates 1 and 2's negative case (a prompt within the context, above the prefill "
+                        "pool) to this router, --live-count times (it sends traffic)")
+    p.add_argument("--live-count", type=int, default=3, metavar="N", help="negative requests to send (1-10, default 3)")
     p.add_argument("--report", metavar="FILE", help="write the Markdown report here")
     p.add_argument("--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request (default 10)")
@@ -64,11 +68,15 @@ def _audit(args) -> tuple[int, dict, str]:
 
     if args.tree and args.python:
         raise BadInput("audit: give either --python EXE or a TREE, not both")
-    if not (args.tree or args.python or args.server):
+    if not (args.tree or args.python or args.server or args.live):
         raise BadInput("audit: nothing to audit: give --server URL and/or --python EXE or a TREE")
     if args.timeout <= 0:
         raise BadInput(f"--timeout {args.timeout}: must be positive")
     urls = [check_url(u) for u in args.server]
+    if args.live is not None:
+        check_url(args.live)
+        if not 1 <= args.live_count <= 10:
+            raise BadInput(f"--live-count {args.live_count}: must be 1 to 10")
     if len(set(urls)) != len(urls):
         raise BadInput("--server: the same URL is given twice")
     if args.report and not Path(args.report).resolve().parent.is_dir():
@@ -79,6 +87,10 @@ def _audit(args) -> tuple[int, dict, str]:
     servers = tuple(fetch_server(u, timeout=args.timeout) for u in urls)
     code = inspect_code(pack, tree=args.tree, python=args.python) if (args.tree or args.python) else None
     results = gates.evaluate(code, servers, pack)
+    if args.live is not None:
+        from backport.audit.live import apply_live
+
+        results = apply_live(results, args.live, count=args.live_count, timeout=args.timeout)
     if args.report:
         Path(args.report).write_text(report.markdown(results, code, servers))
     allow = args.allow_unknown

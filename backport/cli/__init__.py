@@ -24,6 +24,7 @@ from backport.errors import BadInput, Finding, Interrupted
 COMMAND_MODULES = (
     "backport.cli.trees",
     "backport.cli.probe",
+    "backport.cli.live",
     "backport.cli.run",
     "backport.cli.upstream",
     "backport.cli.export",

@@ -31,6 +31,11 @@ def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None
         mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
         lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
                      + f" {row['pair']}{mark}")
+    for row in (p.get("live") or {}).get("scenarios", []):
+        name = f"live/{row['scenario']}" + (" *" if row["must_preserve"] else "")
+        mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+                     + f" {row['pair']}{mark}")
     s = p["summary"]
     counts = ", ".join(f"{n} {v}" for v, n in s["pair_verdicts"].items() if n)
     lines.append(f"\n{s['result'].upper()}: {s['cases']} cases ({counts}); {reference_comparison(p)}")
@@ -76,7 +81,8 @@ def options_from(args) -> list:
                        allow_unpinned=args.allow_unpinned, upstream_base_url=args.upstream_base_url,
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
-                       export=args.export, force=args.force, vuln_aliases=vuln_aliases(args.vuln_alias))
+                       export=args.export, force=args.force, vuln_aliases=vuln_aliases(args.vuln_alias),
+                       live=args.live)
             for spec in args.spec]
 
 
@@ -189,6 +195,9 @@ def register(sub) -> None:
     p.add_argument("--vuln-alias", action="append", metavar="CLASS=ID",
                    help="name a CVE or GHSA id for a vulnerability class (its SBP-... id or name, "
                         "patches/vulnerabilities.toml) in the bundle's VEX documents; repeatable")
+    p.add_argument("--live", action="store_true",
+                   help="also run the live tier: a real PD deployment (prefill, decode, smg router, Mooncake "
+                        "over TCP) per tree on loopback, the incident's scenarios (live/<role>.json)")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
 

@@ -50,6 +50,8 @@ from backport.evidence.layout import (
     sha256_file,
     sums_text,
 )
+from backport.evidence.live import live_file
+from backport.evidence.live import section as live_section
 from backport.evidence.report import render_report
 from backport.evidence.scrub import normalise_document, normalise_probe
 from backport.evidence.statement import PREDICATE_TYPE, TreeInput, build_statement
@@ -79,7 +81,7 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
              upstream_tests: dict | None, environment: dict, toolkit: dict, timestamps: dict,
              reference_choice: str | None = None, extra_paths: Iterable[tuple[str | Path, str]] = (),
              coverage: dict | None = None, export: Exported | None = None,
-             vulnerabilities: list[dict] | None = None) -> Bundle:
+             vulnerabilities: list[dict] | None = None, live: dict[str, dict] | None = None) -> Bundle:
     """Normalise the raw outputs of a run and lay out every file of its bundle (in memory).
 
     Each tree's package root becomes its role name and its top directory `<role>-tree`; the
@@ -132,6 +134,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     if export is not None:
         files.update(export.files)
     files[MARKER] = MARKER_BYTES
+    if live is not None:  # run --live: one measured document per role (evidence/live.py)
+        files.update({live_file(role): canonical_json(doc) for role, doc in live.items()})
 
     def statement_for(report: bytes | None) -> dict:
         digests = {name: sha256_bytes(data) for name, data in files.items()}
@@ -140,7 +144,7 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
             mode=mode, target=target, trees=trees, probes=probes, apply_report=apply_doc, patches=patches,
             series_files=series_files, upstream_tests=upstream, environment=environment, toolkit=toolkit,
             files=digests, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage,
-            export=None if export is None else export.record)
+            export=None if export is None else export.record, live=None if live is None else live_section(live))
 
     if vulnerabilities is not None:  # the VEX documents (vex.py): a function of the statement, which they do not change
         files.update(vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees))))

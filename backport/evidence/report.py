@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import artifacts, coverage, scope, upstream_section
+from backport.evidence import artifacts, coverage, live, scope, upstream_section
 from backport.evidence.verdicts import REFERENCE, ROLES, is_finding
 
 
@@ -80,6 +80,8 @@ def render_report(statement: dict) -> str:
     lines += ["", "## Upstream tests", ""] + upstream_section.render(p["upstream_tests"], summary)
     if "coverage" in p:
         lines += [""] + coverage.render(p["coverage"])[:-1]
+    if p.get("live") is not None:
+        lines += [""] + live.render(p)[:-1]
     lines += ["", "## Summary", ""]
     lines += [f"- {v}: {n}" for v, n in _pair_counts(summary)]
     lines.append(f"- must-preserve cases: {summary['must_preserve_cases']}")

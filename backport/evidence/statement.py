@@ -20,6 +20,7 @@ import jsonschema
 from backport import resources
 from backport.errors import Finding
 from backport.evidence import artifacts
+from backport.evidence import live as live_evidence
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
@@ -66,8 +67,8 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
                     apply_report: dict | None, patches: list[dict], series_files: list[dict],
                     upstream_tests: dict, environment: dict, toolkit: dict, files: dict[str, str],
                     timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None,
-                    export: dict | None = None) -> dict:
-    """`files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
+                    export: dict | None = None, live: dict | None = None) -> dict:
+    """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
     the artifacts (artifacts.py): the patched tree and, with `export`, the exported files."""
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
@@ -88,13 +89,16 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         "cases": rows,
         "reference_differences": reference_differences(rows),
         "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
-        "summary": summarise(rows, probes, upstream_tests, coverage, apply=apply_report),
+        "summary": live_evidence.fold_summary(summarise(rows, probes, upstream_tests, coverage, apply=apply_report),
+                                              live),
         "files": dict(sorted(files.items())),
         "export": export,
         "timestamps": timestamps,
     }
     if coverage is not None:
         predicate["coverage"] = coverage
+    if live is not None:
+        predicate["live"] = live
     return {
         "_type": STATEMENT_TYPE,
         "subject": artifacts.subjects(trees["patched"].tree_digest, trees["patched"].version, export),
@@ -157,7 +161,8 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
     rows = case_rows(plain)
     p["cases"] = rows
     p["reference_differences"] = reference_differences(rows)
-    p["summary"] = summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"])
+    p["summary"] = live_evidence.fold_summary(
+        summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"]), p.get("live"))
     p["environment"]["torch"] = probe_torch(plain)
     return s
 
@@ -211,8 +216,10 @@ def _derived_problems(p: dict) -> list[str]:
         problems.append("reference_differences disagree with the cases")
     problems += coverage_problems(p.get("coverage"), upstream=embedded(p, UPSTREAM_TESTS),
                                   pristine=probes.get("pristine"))
-    expected_summary = summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"),
-                                 apply=p["apply"])
+    expected_summary = live_evidence.fold_summary(
+        summarise(expected_rows, probes, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"]),
+        p.get("live"))
+    problems += live_evidence.section_problems(p.get("live"))
     summary = p["summary"]
     for key in sorted(set(expected_summary) | set(summary)):
         if summary.get(key) != expected_summary.get(key):

@@ -20,6 +20,7 @@ from backport.evidence import vex
 from backport.evidence.agreement import agreement_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import MARKER, RECEIPT
+from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
 
@@ -41,6 +42,7 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     if problems:
         return problems, statement
     problems = agreement_problems(bundle, statement, set(actual))
+    problems += [Problem(name, "inconsistent", why) for name, why in live_bundle_problems(bundle, statement["predicate"])]
     if problems:
         return problems, statement
     return vex.problems(bundle, statement, set(actual)), statement

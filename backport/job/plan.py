@@ -40,6 +40,7 @@ class RunOptions:
     export: bool = False               # put the patched wheel and the patch series in the bundle
     force: bool = False                # `out` may hold a bundle already: replace it (evidence/bundle.py)
     vuln_aliases: tuple[tuple[str, str], ...] = ()  # (class id or name, CVE/GHSA id): more VEX aliases
+    live: bool = False                 # the live tier: a real PD deployment per tree (job/live.py)
 
     @property
     def replace_bundle(self) -> bool:
@@ -66,7 +67,7 @@ class Plan:
     def total_steps(self) -> int:
         # environment, fetch, [clone, apply], [fetch-reference], probe, [upstream-tests], bundle
         return (2 + 2 * (self.mode == "backport") + (self.reference_spec is not None) + 1
-                + self.options.upstream_tests + 1)
+                + self.options.upstream_tests + self.options.live + 1)
 
 
 def default_reference(pack: Pack, pins: dict | None = None) -> str | None:

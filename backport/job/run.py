@@ -25,6 +25,7 @@ from backport.errors import BadInput, Finding
 from backport.evidence.vulnerabilities import pack_classes
 from backport.gitops import uncommitted_paths
 from backport.job.coverage import measure, touched_files
+from backport.job.live import live_documents
 from backport.job.plan import Plan, RunOptions, bundle_dir, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
@@ -239,8 +240,12 @@ def export_files(run: Prepared) -> evidence.Exported | None:
 
 
 def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcome:
-    """Upstream's tests (when asked) and the bundle of one run."""
+    """Upstream's tests (when asked), the live tier (when asked) and the bundle of one run."""
     the_plan, options, progress = run.plan, run.plan.options, run.progress
+    live = None
+    if options.live:
+        with progress.step("live", f"live tier: a PD deployment per tree ({len(run.trees)} trees)"):
+            live = live_documents(run.trees, options.python)
     upstream = {"skipped": "disabled with --no-upstream-tests", "trees": []}
     if options.upstream_tests:
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
@@ -270,7 +275,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             },
             reference_choice=the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
-            coverage=coverage, export=exported,
+            coverage=coverage, export=exported, live=live,
             vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases))
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1

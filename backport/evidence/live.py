@@ -1,0 +1,125 @@
+"""The live tier in a bundle: `live/<role>.json` per tree, `predicate.live` and its share of the summary.
+
+    predicate.live = {"scenarios": [{"scenario", "must_preserve", "verdicts": {role: verdict}, "pair",
+                                     "reference_agrees"}],
+                      "servers": {role: {version, flags, backend, router, model_sha256}},
+                      "files": {role: "live/<role>.json"}}
+
+Pair verdicts follow the probes' table (verdicts.pair_verdict) and count the same way: a live
+finding (`regressed`, `error`, or `still-unsafe` outside the must-preserve set) fails the run.
+Unlike probe results, a live document is a measurement (latencies, server log lines): two runs
+on the same inputs give the same verdicts and tokens, not the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backport.evidence.verdicts import BASE, HEAD, PAIR_VERDICTS, REFERENCE, ROLES, is_finding, pair_verdict
+
+LIVE_DIR = "live"
+
+
+def live_file(role: str) -> str:
+    return f"{LIVE_DIR}/{role}.json"
+
+
+def section(documents: dict[str, dict]) -> dict:
+    """predicate.live from the per-role live documents."""
+    order: list[str] = []
+    must: dict[str, bool] = {}
+    verdicts: dict[str, dict[str, str]] = {}
+    for role in ROLES:
+        for item in (documents.get(role) or {}).get("scenarios", []):
+            name = item["scenario"]
+            if name not in must:
+                order.append(name)
+                must[name] = bool(item.get("must_preserve"))
+            verdicts.setdefault(name, {})[role] = item.get("verdict")
+    present = [role for role in ROLES if role in documents]
+    rows = []
+    for name in order:
+        seen = verdicts[name]
+        rows.append({"scenario": name, "must_preserve": must[name],
+                     "verdicts": {role: seen.get(role) for role in present},
+                     "pair": pair_verdict(seen.get(BASE), seen.get(HEAD)),
+                     "reference_agrees": (seen.get(HEAD) == seen.get(REFERENCE)) if REFERENCE in documents else None})
+    return {"scenarios": rows,
+            "servers": {role: documents[role].get("server") for role in present},
+            "files": {role: live_file(role) for role in present}}
+
+
+def findings(live: dict | None) -> list[dict]:
+    return [{"scenario": r["scenario"], "pair": r["pair"], "must_preserve": r["must_preserve"]}
+            for r in (live or {}).get("scenarios", []) if is_finding(r["pair"], r["must_preserve"])]
+
+
+def fold_summary(summary: dict, live: dict | None) -> dict:
+    """The run's summary with the live tier counted (unchanged when the run had no live tier)."""
+    if live is None:
+        return summary
+    counts = {v: 0 for v in PAIR_VERDICTS}
+    for row in live["scenarios"]:
+        counts[row["pair"]] = counts.get(row["pair"], 0) + 1
+    found = findings(live)
+    folded = {**summary, "live": {"scenarios": len(live["scenarios"]), "pair_verdicts": counts, "findings": found}}
+    if found or not live["scenarios"]:
+        folded["result"] = "fail"
+    return folded
+
+
+def section_problems(live: dict | None) -> list[str]:
+    """predicate.live against itself: each pair verdict follows from its row's verdicts."""
+    problems = []
+    for row in (live or {}).get("scenarios", []):
+        expected = pair_verdict(row["verdicts"].get(BASE), row["verdicts"].get(HEAD))
+        if row.get("pair") != expected:
+            problems.append(f"live scenario {row['scenario']}: pair verdict {row.get('pair')!r} does not follow "
+                            f"from {row['verdicts']} (expected {expected!r})")
+    return problems
+
+
+def bundle_problems(bundle: Path, predicate: dict) -> list[tuple[str, str]]:
+    """The live files against predicate.live: (file, problem) pairs."""
+    live = predicate.get("live")
+    if live is None:
+        return []
+    documents, problems = {}, []
+    for role, name in live.get("files", {}).items():
+        try:
+            documents[role] = json.loads((bundle / name).read_bytes())
+        except (OSError, ValueError) as exc:
+            problems.append((name, f"unreadable ({exc})"))
+    if problems:
+        return problems
+    expected = section(documents)
+    for key in ("scenarios", "servers", "files"):
+        if live.get(key) != expected[key]:
+            problems.append((live_file(next(iter(documents), "pristine")),
+                             f"predicate.live.{key} disagrees with the live files"))
+    return problems
+
+
+def render(predicate: dict) -> list[str]:
+    """REPORT.md's "Live tier" section (ends with an empty line)."""
+    live = predicate["live"]
+    roles = [role for role in ROLES if role in live["servers"]]  # a receipt read back has sorted keys
+    lines = ["## Live tier", "",
+             ("A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, Mooncake "
+              "over TCP, a tiny seeded model; every request answered by the servers (details in "
+              + ", ".join(f"`{live['files'][r]}`" for r in roles) + "). `*` marks a must-preserve scenario."), "",
+             "| scenario | " + " | ".join(roles) + " | pair | patched = reference |", "|" + "---|" * (len(roles) + 3)]
+    for row in live["scenarios"]:
+        agree = {True: "yes", False: "**no**", None: "-"}[row["reference_agrees"]]
+        pair = f"**{row['pair']}**" if is_finding(row["pair"], row["must_preserve"]) else row["pair"]
+        lines.append(f"| {row['scenario']}{' *' if row['must_preserve'] else ''} | "
+                     + " | ".join(str(row["verdicts"].get(r) or "-") for r in roles) + f" | {pair} | {agree} |")
+    lines += ["", "| role | sglang | router | transfer backend |", "|---|---|---|---|"]
+    for role in roles:
+        server = live["servers"][role] or {}
+        lines.append(f"| {role} | {server.get('version')} | {server.get('router')} | {server.get('backend')} |")
+    found = findings(live)
+    if found:
+        lines += ["", "Live findings: " + ", ".join(f"{f['scenario']} ({f['pair']})" for f in found) + "."]
+    return lines + [""]

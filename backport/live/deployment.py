@@ -1,0 +1,165 @@
+"""One PD deployment of one tree: prefill and decode `launch_server`, the `smg` router, a client.
+
+The pair runs the incident's misconfiguration on purpose: the prefill pool (256 tokens, input
+limit 250) is below the context (1024), so a prompt of 400 tokens is within the context and above
+the pool. The decode pool is small (512) so that decode's allocator hands a later request the
+slots an earlier one freed: the only way a leak becomes visible in the tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from backport.live.environment import ServingEnv, router_command
+from backport.live.model import NEW_TOKENS, TinyModel
+from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
+
+SERVER_START_TIMEOUT = 600.0   # two loaded cores: both servers were ready in 90-120 s
+ROUTER_START_TIMEOUT = 120.0
+REQUEST_TIMEOUT = 60.0
+
+CONTEXT = 1024
+PREFILL_POOL = 256
+DECODE_POOL = 512
+COMMON_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                "--dtype", "float32", "--disable-radix-cache", "--disaggregation-transfer-backend", "mooncake",
+                "--context-length", str(CONTEXT))
+PREFILL_FLAGS = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL))
+# cpu_tensor: the default retraction backup registers host memory with CUDA
+DECODE_FLAGS = ("--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL),
+                "--num-reserved-decode-tokens", "16", "--disaggregation-decode-retraction-backup", "cpu_tensor")
+SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1",    # else --device cpu still takes the vllm path
+              "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": LOOPBACK}
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int | None          # None: no answer within the timeout
+    tokens: list[int]
+    prompt_tokens: int | None
+    seconds: float
+    error: str = ""
+
+    def to_json(self) -> dict:
+        out = {"status": self.status, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+               "seconds": round(self.seconds, 3)}
+        if self.error:
+            out["error"] = self.error[:300]
+        return out
+
+
+def generate(url: str, input_ids: list[int], *, max_new_tokens: int = NEW_TOKENS,
+             timeout: float = REQUEST_TIMEOUT) -> Reply:
+    """One greedy request by token ids, EOS ignored, through `url` (a router or a server)."""
+    body = {"input_ids": input_ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    started = time.monotonic()
+    try:
+        response = requests.post(url + "/generate", json=body, timeout=timeout)
+    except requests.RequestException as exc:
+        return Reply(None, [], None, time.monotonic() - started, f"{type(exc).__name__}: {exc}")
+    seconds = time.monotonic() - started
+    try:
+        document = response.json()
+    except ValueError:
+        return Reply(response.status_code, [], None, seconds, response.text)
+    if isinstance(document, list):
+        document = document[0] if document else {}
+    meta = document.get("meta_info") or {}
+    tokens = document.get("output_ids") or meta.get("output_ids") or []
+    error = "" if response.status_code == 200 else str(document.get("error") or document)[:300]
+    return Reply(response.status_code, list(tokens), meta.get("prompt_tokens"), seconds, error)
+
+
+@dataclass
+class Deployment:
+    version: str
+    router_url: str
+    prefill: Server
+    decode: Server
+    router: Server
+    startup_seconds: float
+    flags: dict = field(default_factory=dict)
+
+    def generate(self, input_ids: list[int], **kw) -> Reply:
+        return generate(self.router_url, input_ids, **kw)
+
+    def flush_decode(self, timeout: float = 60.0) -> float | None:
+        """POST /flush_cache to decode until it accepts (it refuses while requests are pending);
+        the seconds that took, or None when it never accepted within `timeout`."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            with contextlib.suppress(requests.RequestException):
+                if requests.post(self.decode.url + "/flush_cache", timeout=10).status_code == 200:
+                    return time.monotonic() - started
+            time.sleep(0.2)
+        return None
+
+    def log_mark(self) -> dict[str, int]:
+        return {s.name: _size(s.log) for s in (self.prefill, self.decode, self.router)}
+
+    def log_lines(self, mark: dict[str, int], *needles: str) -> dict[str, list[str]]:
+        """Lines written since `mark` that contain any of `needles`, per server (at most 8 each)."""
+        found = {}
+        for server in (self.prefill, self.decode, self.router):
+            with contextlib.suppress(OSError), open(server.log, "rb") as f:
+                f.seek(mark.get(server.name, 0))
+                lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()
+                         if any(n in line for n in needles)]
+                if lines:
+                    found[server.name] = [line[:300] for line in lines[:8]]
+        return found
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _router_ready(response: requests.Response) -> bool:
+    """smg answers /health at once; /readiness says "ready" when both workers passed its checks."""
+    try:
+        return response.status_code == 200 and response.json().get("status") == "ready"
+    except ValueError:
+        return False
+
+
+def server_argv(env: ServingEnv, model: TinyModel, role_flags: tuple[str, ...], port: int) -> list[str]:
+    return [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model.path), "--host", LOOPBACK,
+            "--port", str(port), *COMMON_FLAGS, *role_flags]
+
+
+@contextlib.contextmanager
+def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel,
+             workdir: Path) -> Iterator[Deployment]:
+    """Prefill, decode and router of one tree on free loopback ports; all stopped on leaving."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    server_env = {**base, **SERVER_ENV, "PYTHONPATH": env.pythonpath(package_root), "PYTHONNOUSERSITE": "1"}
+    started = time.monotonic()
+    with Processes(workdir) as processes:
+        ports = {name: free_port() for name in ("prefill", "bootstrap", "decode", "router", "metrics")}
+        prefill_flags = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
+        prefill = processes.start("prefill", server_argv(env, model, prefill_flags, ports["prefill"]),
+                                  url=f"http://{LOOPBACK}:{ports['prefill']}", env=server_env)
+        decode = processes.start("decode", server_argv(env, model, DECODE_FLAGS, ports["decode"]),
+                                 url=f"http://{LOOPBACK}:{ports['decode']}", env=server_env)
+        wait_ready([prefill, decode], "/health", SERVER_START_TIMEOUT)
+        router_argv = [*router_command(env), "launch", "--pd-disaggregation",
+                       "--prefill", prefill.url, str(ports["bootstrap"]), "--decode", decode.url,
+                       "--host", LOOPBACK, "--port", str(ports["router"]),
+                       "--prometheus-host", LOOPBACK, "--prometheus-port", str(ports["metrics"])]
+        router = processes.start("router", router_argv, url=f"http://{LOOPBACK}:{ports['router']}", env=base)
+        wait_ready([router], "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)
+        flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(DECODE_FLAGS),
+                 "environment": dict(SERVER_ENV)}
+        yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags)

@@ -1,0 +1,125 @@
+"""The live scenarios: what a client of a real PD deployment sees, judged per request.
+
+Registered with `@scenario` as probe cases are with `@case`; the function's name is the
+scenario's name, a contract (tests, bundles and REPORT.md use it). Each scenario sends its
+requests through the router and returns an Outcome: verdict, what was observed, and details
+(statuses, tokens, latency, the server log lines that matter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from backport.live.deployment import DECODE_POOL, PREFILL_POOL, Deployment, Reply
+from backport.live.model import PROMPTS, TinyModel
+
+SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
+# what the servers log about a rejected or short-prefilled request
+LOG_NEEDLES = ("exceeds the maximum allowed length", "#new-token: 1,", "Abort", "abort", "Traceback", "Error")
+
+
+@dataclass
+class Outcome:
+    verdict: str
+    observed: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    must_preserve: bool
+    expect: str
+    run: Callable[[Deployment, TinyModel], Outcome]
+
+
+REGISTRY: list[Scenario] = []
+
+
+def scenario(*, must_preserve: bool, expect: str):
+    def register(run: Callable[[Deployment, TinyModel], Outcome]):
+        if any(s.name == run.__name__ for s in REGISTRY):
+            raise ValueError(f"live scenario {run.__name__} registered twice")
+        REGISTRY.append(Scenario(run.__name__, must_preserve, expect, run))
+        return run
+
+    return register
+
+
+def _refused(reply: Reply) -> bool:
+    return reply.status is not None and 400 <= reply.status < 500 and not reply.tokens
+
+
+@scenario(must_preserve=True, expect="a prompt that fits gets 200 and exactly plain transformers' greedy tokens "
+                                     "(so the prompt's KV moved from prefill to decode)")
+def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome:
+    mark = dep.log_mark()
+    reply = dep.generate(PROMPTS["valid"])
+    details = {"reply": reply.to_json(), "reference": model.reference["valid"],
+               "log": dep.log_lines(mark, "Traceback", "Error")}
+    if reply.status != 200:
+        return Outcome(ERROR, f"status {reply.status} for a valid 4-token prompt: {reply.error}", details)
+    if reply.tokens != model.reference["valid"]:
+        return Outcome(UNSAFE, "200 but the tokens differ from the reference: decode did not attend over "
+                               "the prompt's KV", details)
+    return Outcome(SAFE, "200 and the reference tokens", details)
+
+
+@scenario(must_preserve=False, expect=f"a prompt within the context but above the prefill pool ({PREFILL_POOL} "
+                                      "tokens) gets 400 and no tokens")
+def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
+    mark = dep.log_mark()
+    reply = dep.generate(PROMPTS["over_pool"])
+    # the router sends the request to both sides at once: how long decode keeps what it reserved
+    # shows as how long its /flush_cache refuses (it refuses while requests are pending)
+    held = dep.flush_decode()
+    details = {"reply": reply.to_json(), "decode_flush_accepted_after_seconds":
+               None if held is None else round(held, 3), "log": dep.log_lines(mark, *LOG_NEEDLES)}
+    if _refused(reply):
+        return Outcome(SAFE, f"{reply.status} in {reply.seconds:.2f} s, no tokens", details)
+    if reply.status == 200:
+        return Outcome(UNSAFE, f"200 with prompt_tokens={reply.prompt_tokens} and {len(reply.tokens)} tokens "
+                               f"for a {len(PROMPTS['over_pool'])}-token prompt the prefill pool cannot hold",
+                       details)
+    return Outcome(ERROR, f"no verdict: status {reply.status} ({reply.error or 'no answer'})", details)
+
+
+@scenario(must_preserve=False, expect="the over-pool request's answer never depends on an earlier request's prompt "
+                                      "(it is refused, or its tokens are the same whatever came before)")
+def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -> Outcome:
+    """Decode flushed, earlier prompt A, the over-pool request R; flushed, B, R; flushed, A, R.
+    Flushing before each earlier prompt makes decode's allocator hand R the slots A or B used."""
+    mark = dep.log_mark()
+    steps = []
+    for earlier in ("earlier_a", "earlier_b", "earlier_a"):
+        flushed = dep.flush_decode()
+        first = dep.generate(PROMPTS[earlier])
+        rejected = dep.generate(PROMPTS["over_pool"])
+        steps.append({"earlier": earlier, "flushed": flushed is not None, "earlier_reply": first.to_json(),
+                      "rejected_reply": rejected.to_json()})
+    details = {"steps": steps, "log": dep.log_lines(mark, *LOG_NEEDLES)}
+    replies = [s["rejected_reply"] for s in steps]
+    if any(s["earlier_reply"]["status"] != 200 or not s["flushed"] for s in steps):
+        return Outcome(ERROR, "an earlier request failed or decode never accepted a flush: no verdict", details)
+    if all(r["status"] is not None and 400 <= r["status"] < 500 and not r["tokens"] for r in replies):
+        return Outcome(SAFE, "refused every time", details)
+    after_a, after_b, after_a_again = (r["tokens"] for r in replies)
+    if after_a != after_a_again:
+        return Outcome(ERROR, "answers after the same earlier prompt differ: not deterministic, no verdict", details)
+    if after_a != after_b:
+        return Outcome(UNSAFE, "200, and the tokens differ after A and after B and repeat exactly after A: "
+                               "the answer depends on another request's prompt", details)
+    return Outcome(SAFE, "answered, but the tokens do not depend on the earlier prompt", details)
+
+
+@scenario(must_preserve=False, expect="a prompt that fits prefill but not decode's pool is refused "
+                                      "(DecodePreallocQueue.add)")
+def over_decode_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
+    # A prompt that fits prefill but not decode needs decode's pool below prefill's input limit.
+    # This pair's decode pool must hold the over-pool prompt (the leak needs it there), so no
+    # prompt can drive the path on it; a second pair per tree is beyond the CI budget.
+    return Outcome(NOT_APPLICABLE, f"not driven on this pair: decode's pool ({DECODE_POOL} tokens) is larger "
+                                   f"than prefill's ({PREFILL_POOL}), so no prompt fits prefill and not decode",
+                   {"prefill_pool": PREFILL_POOL, "decode_pool": DECODE_POOL})

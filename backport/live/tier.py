@@ -1,0 +1,67 @@
+"""The live tier for a list of trees: per tree one PD deployment, every scenario, everything stopped.
+
+Trees run one after another (each pair is ~4 GB and two busy cores). The document of one tree:
+`{"tree", "version", "server": {version, flags, backend, router}, "startup_seconds", "scenarios":
+[{"scenario", "must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from backport import cache
+from backport.live.deployment import Deployment, deployed
+from backport.live.environment import ROUTER_REQUIREMENTS, ServingEnv
+from backport.live.model import TinyModel
+from backport.live.scenarios import ERROR, REGISTRY, Scenario
+from backport.live.servers import sigterm_raises
+
+log = logging.getLogger("backport.live")
+BACKEND = "mooncake (MOONCAKE_PROTOCOL=tcp, mooncake-transfer-engine-non-cuda)"
+
+
+def router_name() -> str:
+    return next(line.strip() for line in ROUTER_REQUIREMENTS.read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+
+
+def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> dict:
+    started = time.monotonic()
+    try:
+        outcome = item.run(dep, model)
+        verdict, observed, details = outcome.verdict, outcome.observed, outcome.details
+    except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding about that tree, not a crash
+        verdict, observed = ERROR, f"{type(exc).__name__}: {exc}"
+        details = {"traceback": traceback.format_exc(limit=4)[-1500:]}
+    return {"scenario": item.name, "must_preserve": item.must_preserve, "expect": item.expect,
+            "verdict": verdict, "observed": observed, "details": details,
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyModel, label: str,
+              workdir: Path) -> dict:
+    log.info("live: starting prefill, decode and router for %s ...", label)
+    with deployed(env, package_root, version, model, workdir) as dep:
+        log.info("live: %s serving after %.0f s; running %d scenarios", label, dep.startup_seconds, len(REGISTRY))
+        scenarios = [run_scenario(item, dep, model) for item in REGISTRY]
+        startup = dep.startup_seconds
+        flags = dep.flags
+    return {"tree": label, "version": version, "startup_seconds": round(startup, 1),
+            "server": {"version": version, "flags": flags, "backend": BACKEND, "router": router_name(),
+                       "model_sha256": model.sha256},
+            "scenarios": scenarios}
+
+
+def run_live(env: ServingEnv, model: TinyModel, trees: list[tuple[str, Path, str]],
+             keep_logs: Path | None = None) -> list[dict]:
+    """`trees`: (label, package root, version). SIGTERM stops the servers as SIGINT does."""
+    documents = []
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="live-", dir=cache.work_root()) as tmp:
+        for index, (label, root, version) in enumerate(trees):
+            workdir = (keep_logs or Path(tmp)) / f"{index}-{version}"
+            documents.append(live_tree(env, root, version, model, label, workdir))
+    return documents

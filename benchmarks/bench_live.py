@@ -1,0 +1,115 @@
+"""Benchmark: the live tier per tree against the floor of one `launch_server` start, in the same run.
+
+    python benchmarks/bench_live.py TREE [TREE ...] [--json]
+
+First the floor: one plain (non-PD) `launch_server` of the tiny model on the first tree, timed from
+spawn to its /health answering 200, then stopped. Then per tree, the live tier as `live` runs it:
+pair start-up (prefill and decode started together, then the router) and the scenarios' time,
+and the peak resident memory of the deployment's process groups while the scenarios run
+(sampled every second from /proc).
+Prints the seconds and the ratios to the floor (goal: the live tier of one `run`, three trees,
+under 2x three server starts). Prints, never asserts. Run it on a quiet machine: on a loaded one
+every figure grows, the ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backport.live import REGISTRY, ensure_model, ensure_serving_env
+from backport.live.deployment import COMMON_FLAGS, SERVER_ENV, deployed
+from backport.live.servers import LOOPBACK, Processes, free_port, wait_ready
+from backport.live.tier import run_scenario
+from backport.tree import open_tree
+
+
+def _group_rss(pgids: set[int]) -> int:
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) in pgids:
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class PeakMemory(threading.Thread):
+    """The peak summed RSS of some process groups, sampled every second."""
+
+    def __init__(self, pgids: set[int]):
+        super().__init__(daemon=True)
+        self.pgids, self.peak, self.done = pgids, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, _group_rss(self.pgids))
+            self.done.wait(1.0)
+
+
+def floor_seconds(env, model, tree, workdir: Path) -> float:
+    port = free_port()
+    server_env = {**os.environ, **SERVER_ENV, "PYTHONPATH": env.pythonpath(Path(tree.package_root))}
+    argv = [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model.path), "--host", LOOPBACK,
+            "--port", str(port), *COMMON_FLAGS]
+    with Processes(workdir) as processes:
+        started = time.monotonic()
+        server = processes.start("floor", argv, url=f"http://{LOOPBACK}:{port}", env=server_env)
+        wait_ready([server], "/health", 600)
+        return time.monotonic() - started
+
+
+def tree_figures(env, model, tree, workdir: Path) -> dict:
+    with deployed(env, Path(tree.package_root), tree.version, model, workdir) as dep:
+        sampler = PeakMemory({s.process.pid for s in (dep.prefill, dep.decode, dep.router)})
+        sampler.start()
+        started = time.monotonic()
+        verdicts = {item.name: run_scenario(item, dep, model)["verdict"] for item in REGISTRY}
+        scenarios = time.monotonic() - started
+        sampler.done.set()
+        sampler.join()
+    return {"tree": str(tree.path), "version": tree.version, "startup_seconds": round(dep.startup_seconds, 1),
+            "scenario_seconds": round(scenarios, 1), "peak_rss_gib": round(sampler.peak / 2**30, 2),
+            "verdicts": verdicts}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trees", nargs="+")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    trees = [open_tree(Path(t)) for t in args.trees]
+    env = ensure_serving_env()
+    model = ensure_model(env.python)
+    with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
+        floor = floor_seconds(env, model, trees[0], Path(tmp) / "floor")
+        rows = [tree_figures(env, model, tree, Path(tmp) / f"{i}") for i, tree in enumerate(trees)]
+    total = sum(r["startup_seconds"] + r["scenario_seconds"] for r in rows)
+    result = {"floor_seconds": round(floor, 1), "trees": rows, "total_seconds": round(total, 1),
+              "total_over_floor": round(total / floor, 2),
+              "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)"}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"floor: one launch_server start {floor:.1f} s")
+    print(f"{'version':10} {'start s':>8} {'x floor':>8} {'scen. s':>8} {'peak GiB':>9}  verdicts")
+    for r in rows:
+        print(f"{r['version']:10} {r['startup_seconds']:8.1f} {r['startup_seconds'] / floor:8.2f} "
+              f"{r['scenario_seconds']:8.1f} {r['peak_rss_gib']:9.2f}  "
+              + ", ".join(f"{k}={v}" for k, v in r["verdicts"].items()))
+    print(f"total {total:.1f} s = {total / floor:.2f} x floor; goal: under {2 * len(rows)} x floor")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The live tier on real PD deployments: pristine and patched 0.5.19, and 0.5.22 (the reference).
+
+One deployment per tree for the whole session (started, driven through every scenario and
+`audit --live`, stopped), then the tests read the results. Each pair costs ~4 GB and a couple of
+minutes of two cores; the three together add about ten minutes to the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, _with_cache
+
+pytestmark = [pytest.mark.live, pytest.mark.probe_env]
+
+TREES = ("pristine-0.5.19", "patched-0.5.19", "reference-0.5.22")
+
+
+@pytest.fixture(scope="session")
+def serving(shared_cache, probe_python):
+    from backport.live import ensure_model, ensure_serving_env
+
+    with _with_cache(shared_cache):
+        env = ensure_serving_env(probe_python)
+        return env, ensure_model(env.python)
+
+
+@pytest.fixture(scope="session")
+def live_results(serving, release_tree, patched_tree, tmp_path_factory):
+    """label -> {"scenarios": {name: result}, "audit": audit --live's JSON, "exit": its code}."""
+    from backport.live.deployment import deployed
+    from backport.live.scenarios import REGISTRY
+    from backport.live.tier import run_scenario
+
+    env, model = serving
+    trees = {"pristine-0.5.19": release_tree("0.5.19"), "patched-0.5.19": patched_tree("0.5.19")[0],
+             "reference-0.5.22": release_tree("0.5.22")}
+    results = {}
+    for label in TREES:
+        tree = trees[label]
+        with deployed(env, Path(tree.package_root), tree.version, model, tmp_path_factory.mktemp(label)) as dep:
+            scenarios = {item.name: run_scenario(item, dep, model) for item in REGISTRY}
+            audit = subprocess.run([sys.executable, "-m", "backport.cli", "audit", "--live", dep.router_url,
+                                    "--live-count", "2", "--json"], capture_output=True, text=True, cwd=REPO,
+                                   timeout=300, check=False)
+        results[label] = {"scenarios": scenarios, "audit": json.loads(audit.stdout), "exit": audit.returncode}
+    return results
+
+
+def _verdict(results, label, scenario):
+    return results[label]["scenarios"][scenario]["verdict"]
+
+
+def test_valid_prompt_matches_reference_everywhere(live_results, serving):
+    _, model = serving
+    for label in TREES:
+        result = live_results[label]["scenarios"]["valid_prompt_matches_reference"]
+        assert result["verdict"] == "safe", (label, result)
+        assert result["details"]["reply"]["tokens"] == model.reference["valid"]
+
+
+def test_over_pool_prompt_served_on_pristine_rejected_on_patched_and_reference(live_results):
+    pristine = live_results["pristine-0.5.19"]["scenarios"]["over_pool_prompt_rejected"]
+    assert pristine["verdict"] == "unsafe"
+    assert pristine["details"]["reply"]["status"] == 200
+    assert pristine["details"]["reply"]["prompt_tokens"] == 400
+    for label in ("patched-0.5.19", "reference-0.5.22"):
+        result = live_results[label]["scenarios"]["over_pool_prompt_rejected"]
+        assert result["verdict"] == "safe", (label, result)
+        assert result["details"]["reply"]["status"] == 400
+        assert result["details"]["reply"]["tokens"] == []
+
+
+def test_rejected_request_reads_another_requests_prompt_only_on_pristine(live_results):
+    pristine = live_results["pristine-0.5.19"]["scenarios"]["rejected_request_reads_no_other_request"]
+    assert pristine["verdict"] == "unsafe", pristine
+    after_a, after_b, after_a_again = (s["rejected_reply"]["tokens"] for s in pristine["details"]["steps"])
+    assert after_a != after_b and after_a == after_a_again
+    assert _verdict(live_results, "reference-0.5.22", "rejected_request_reads_no_other_request") == "safe"
+
+
+# A finding of the live tier, measured twice (README, Live tier): on the patched 0.5.19 pair the
+# rejected request is refused, but during the A, B, A sequence decode's scheduler dies with "pool
+# memory leak detected! [full] total=512, available=912" (the 400-token reservation returned twice),
+# so the scenario is `error` and later requests get 502/503. Strict: these fail once the pack is fixed.
+PATCHED_DECODE_DIES = pytest.mark.xfail(strict=True, reason="patched 0.5.19: decode frees a rejected request's "
+                                                            "reservation twice and its scheduler dies")
+
+
+@PATCHED_DECODE_DIES
+def test_patched_rejected_request_is_refused_every_time(live_results):
+    assert _verdict(live_results, "patched-0.5.19", "rejected_request_reads_no_other_request") == "safe"
+
+
+def test_over_decode_pool_is_not_applicable_with_its_reason(live_results):
+    for label in TREES:
+        result = live_results[label]["scenarios"]["over_decode_pool_prompt_rejected"]
+        assert result["verdict"] == "not-applicable" and "decode's pool" in result["observed"]
+
+
+def test_audit_live_gate_2_fails_on_pristine_passes_on_patched_and_reference(live_results):
+    def gate(label, number):
+        return next(g for g in live_results[label]["audit"]["gates"] if g["gate"] == number)
+
+    for label in TREES:  # the pairs run the incident's misconfiguration on purpose
+        assert gate(label, 1)["verdict"] == "fail"
+        assert any(line.startswith("live: ") for line in gate(label, 1)["evidence"])
+    assert gate("pristine-0.5.19", 2)["verdict"] == "fail"
+    assert live_results["pristine-0.5.19"]["exit"] == 1
+    assert "incident's fingerprint" in gate("pristine-0.5.19", 2)["evidence"][-1]
+    assert gate("reference-0.5.22", 2)["verdict"] == "pass", gate("reference-0.5.22", 2)
+
+
+@PATCHED_DECODE_DIES
+def test_audit_live_gate_2_passes_on_patched(live_results):
+    gate = next(g for g in live_results["patched-0.5.19"]["audit"]["gates"] if g["gate"] == 2)
+    assert gate["verdict"] == "pass", gate
+
+
+def _processes_naming(needle: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if needle.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _group_members(pgids: set[int]) -> list[int]:
+    """Live (not zombie) processes in these process groups: the servers and what they forked
+    (the scheduler and detokenizer rename themselves, so only the group finds them)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_sigint_mid_start_leaves_no_server_or_listener(serving, release_tree, tmp_path, shared_cache):
+    """`live` interrupted while the servers load: every process of the deployment is gone."""
+    tree = release_tree("0.5.22")
+    model_path = str(serving[1].path)
+    env = {**os.environ, "SGLANG_BACKPORT_CACHE": str(shared_cache),
+           "SGLANG_BACKPORT_PROBE_PYTHON": str(serving[0].python)}
+    proc = subprocess.Popen([sys.executable, "-m", "backport.cli", "live", str(tree.path)],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pgids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(_group_members(pgids)) < 4:  # both servers have forked
+            pgids = {_pgid(pid) for pid in _processes_naming(model_path)} - {None}
+            time.sleep(1)
+        assert len(pgids) == 2 and len(_group_members(pgids)) >= 4, "the servers never started"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert _group_members(pgids) == []
+    from backport.live.servers import listening_pids
+
+    assert not listening_pids(set(_processes_naming(model_path)))

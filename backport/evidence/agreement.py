@@ -21,7 +21,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from backport.evidence import artifacts
 from backport.evidence.layout import (
     APPLY_REPORT,
     RECEIPT,
@@ -35,6 +34,8 @@ from backport.evidence.layout import (
 from backport.evidence.problem import Problem
 from backport.evidence.report import render_report
 from backport.evidence.statement import embedded, restate
+
+from . import artifacts
 
 _ABSENT = "<absent>"
 _TOKEN = re.compile(r"@@\d+@@")

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from backport import cache
 from backport.errors import BadInput
-from backport.evidence import vex
 from backport.evidence.artifacts import Exported
 from backport.evidence.attestations import git_trees
 from backport.evidence.layout import (
@@ -56,6 +55,8 @@ from backport.evidence.report import render_report
 from backport.evidence.scrub import normalise_document, normalise_probe
 from backport.evidence.statement import PREDICATE_TYPE, TreeInput, build_statement
 from backport.evidence.verdicts import ROLES
+
+from . import vex
 
 log = logging.getLogger("backport.evidence")
 

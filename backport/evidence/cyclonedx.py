@@ -23,6 +23,13 @@ import datetime as _dt
 import json
 import uuid
 
+from backport.evidence.identifiers import (
+    document_id,
+    product_version,
+    tree_iri,
+    vulnerability_iri,
+    wheel_purl,
+)
 from backport.evidence.layout import canonical_json
 from backport.evidence.problem import Problem
 from backport.evidence.vulnerabilities import action_statement, class_status
@@ -37,7 +44,6 @@ def _component(statement: dict, standards: dict):
     from cyclonedx.model.issue import IssueClassification, IssueType
     from packageurl import PackageURL
 
-    from backport.evidence import vex
 
     p = statement["predicate"]
     patched = p["inputs"]["trees"]["patched"]
@@ -66,8 +72,8 @@ def _component(statement: dict, standards: dict):
     properties = [Property(name="sglang-backport:dirHash1", value=patched["tree_digest"])]
     if git_tree:
         properties.append(Property(name="sglang-backport:gitTree", value=git_tree))
-    version = vex.product_version(statement)
-    ref = vex.wheel_purl(version) if wheel else vex.tree_iri(patched["tree_digest"])
+    version = product_version(statement)
+    ref = wheel_purl(version) if wheel else tree_iri(patched["tree_digest"])
     return Component(
         name="sglang", version=version, type=ComponentType.LIBRARY, bom_ref=ref,
         purl=PackageURL(type="pypi", name="sglang", version=version) if wheel else None,
@@ -89,13 +95,12 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
         VulnerabilitySource,
     )
 
-    from backport.evidence import vex
 
     p = statement["predicate"]
     found = []
     for row in standards["classes"]:
         status = class_status(row, p["cases"])
-        own = VulnerabilitySource(name="sglang-backport", url=XsUri(vex.vulnerability_iri(row["id"])))
+        own = VulnerabilitySource(name="sglang-backport", url=XsUri(vulnerability_iri(row["id"])))
         references = [VulnerabilityReference(id=alias, source=VulnerabilitySource(
             name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD")) for alias in row["aliases"]]
         detail = status.notes
@@ -118,11 +123,10 @@ def build(statement: dict, standards: dict) -> str:
     from cyclonedx.model.bom import Bom, BomMetaData
     from cyclonedx.output.json import JsonV1Dot6
 
-    from backport.evidence import vex
 
     component, ref = _component(statement, standards)
     started = _dt.datetime.fromisoformat(statement["predicate"]["timestamps"]["started"])
-    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, vex.document_id(statement)),
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement)),
               metadata=BomMetaData(component=component, timestamp=started),
               vulnerabilities=_vulnerabilities(statement, standards, ref))
     return JsonV1Dot6(bom).output_as_string(indent=2)

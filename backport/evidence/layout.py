@@ -33,6 +33,11 @@ def probe_file(role: str) -> str:
     return f"{PROBES_DIR}/{role}.json"
 
 
+# the three trees of a run, in report order: base, head and the upstream-fixed reference
+ROLES = ("pristine", "patched", "reference")
+BASE, HEAD, REFERENCE = ROLES
+
+
 def role_of(name: str) -> str | None:
     """The role whose probe results a bundle file holds (None: not a probe file)."""
     if name.startswith(PROBES_DIR + "/") and name.endswith(".json") and name.count("/") == 1:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from backport.evidence import artifacts, coverage, live, scope, upstream_section
 from backport.evidence.verdicts import REFERENCE, ROLES, is_finding
+
+from . import artifacts, coverage, live, scope, upstream_section
 
 
 def _cell(value: Any) -> str:

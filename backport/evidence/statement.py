@@ -19,8 +19,6 @@ import jsonschema
 
 from backport import resources
 from backport.errors import Finding
-from backport.evidence import artifacts
-from backport.evidence import live as live_evidence
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
@@ -32,6 +30,9 @@ from backport.evidence.layout import (
     sha256_bytes,
 )
 from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_differences, summarise
+
+from . import artifacts
+from . import live as live_evidence
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"

@@ -23,7 +23,7 @@ A fix has upstream evidence when one of its files passed or failed on the patche
 
 from __future__ import annotations
 
-from backport.evidence.verdicts import BASE, HEAD
+from backport.evidence.layout import BASE, HEAD
 
 FILE_ORDER = ("refused", "unavailable", "failed", "stale-test", "incompatible", "passed", "skipped")
 UPSTREAM_PAIRS = ("fixed", "held", "passed", "still-failing", "regressed", "refused", "inconclusive")

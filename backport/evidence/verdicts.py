@@ -33,10 +33,10 @@ that no release has yet, or carry later changes), not a pass/fail criterion.
 
 from __future__ import annotations
 
-from backport.evidence import coverage as cov
+from backport.evidence.layout import BASE, HEAD, REFERENCE, ROLES
 
-ROLES = ("pristine", "patched", "reference")
-BASE, HEAD, REFERENCE = ROLES
+from . import coverage as cov
+
 TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
 PAIR_VERDICTS = ("fixed", "held", "still-unsafe", "regressed", "added", "not-applicable", "error")
 PASSING = {"fixed", "held", "added", "not-applicable"}

@@ -16,13 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from backport.errors import BadInput
-from backport.evidence import vex
 from backport.evidence.agreement import agreement_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
 from backport.evidence.layout import MARKER, RECEIPT
 from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
+
+from . import vex
 
 
 def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list[Problem], dict | None]:

@@ -24,10 +24,17 @@ from functools import cache
 from pathlib import Path
 
 import jsonschema
-from packageurl import PackageURL
 
 from backport import resources
 from backport.errors import Finding
+from backport.evidence.identifiers import (  # noqa: F401 - the names scanners match, part of this API
+    SITE,
+    document_id,
+    product_version,
+    tree_iri,
+    vulnerability_iri,
+    wheel_purl,
+)
 from backport.evidence.layout import canonical_json
 from backport.evidence.problem import Problem
 from backport.evidence.vulnerabilities import action_statement, class_status
@@ -35,20 +42,13 @@ from backport.evidence.vulnerabilities import action_statement, class_status
 VEX = "vex.openvex.json"
 STANDARDS = "standards.json"
 CONTEXT = "https://openvex.dev/ns/v0.2.0"
-SITE = "https://sglang-backport.dev"
 AUTHOR = "sglang-backport (the patch pack's maintainers; statements generated from this bundle's probe cases)"
 
 
-def wheel_purl(version: str) -> str:
-    return PackageURL(type="pypi", name="sglang", version=version).to_string()
 
 
-def tree_iri(digest: str) -> str:
-    return f"urn:sglang-backport:tree:dirHash1:{digest}"
 
 
-def vulnerability_iri(class_id: str) -> str:
-    return f"{SITE}/vulnerabilities/{class_id}"
 
 
 def products(statement: dict) -> list[dict]:
@@ -62,17 +62,8 @@ def products(statement: dict) -> list[dict]:
     return found
 
 
-def product_version(statement: dict) -> str:
-    p = statement["predicate"]
-    wheel = (p.get("export") or {}).get("wheel")
-    return wheel["version"] if wheel else p["inputs"]["trees"]["patched"]["version"]
 
 
-def document_id(statement: dict) -> str:
-    p = statement["predicate"]
-    wheel = (p.get("export") or {}).get("wheel")
-    key = wheel["sha256"] if wheel else p["inputs"]["trees"]["patched"]["tree_digest"]
-    return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"
 
 
 def build_vex(statement: dict, standards: dict) -> dict:

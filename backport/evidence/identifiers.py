@@ -1,0 +1,28 @@
+"""The names a scanner matches a statement by: the wheel's package URL, the tree's IRI, the
+vulnerability classes' IRIs and the VEX document's id (shared by the OpenVEX and CycloneDX documents)."""
+
+from __future__ import annotations
+
+from packageurl import PackageURL
+
+SITE = "https://sglang-backport.dev"
+
+def wheel_purl(version: str) -> str:
+    return PackageURL(type="pypi", name="sglang", version=version).to_string()
+
+def tree_iri(digest: str) -> str:
+    return f"urn:sglang-backport:tree:dirHash1:{digest}"
+
+def vulnerability_iri(class_id: str) -> str:
+    return f"{SITE}/vulnerabilities/{class_id}"
+
+def product_version(statement: dict) -> str:
+    p = statement["predicate"]
+    wheel = (p.get("export") or {}).get("wheel")
+    return wheel["version"] if wheel else p["inputs"]["trees"]["patched"]["version"]
+
+def document_id(statement: dict) -> str:
+    p = statement["predicate"]
+    wheel = (p.get("export") or {}).get("wheel")
+    key = wheel["sha256"] if wheel else p["inputs"]["trees"]["patched"]["tree_digest"]
+    return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"

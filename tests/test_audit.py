@@ -161,7 +161,8 @@ def test_gate2_missing_fix_fails_and_names_the_backport_command():
     assert result.verdict == FAIL
     assert "#36988" in result.remedy and "#38935" in result.remedy
     assert "sglang-backport run sglang==0.5.19" in result.remedy
-    assert "sglang-backport apply sglang==0.5.19 --out DIR" in result.remedy
+    assert "sglang-backport run sglang==0.5.19 --export" in result.remedy
+    assert "prefill node first" in result.remedy
     assert any("unsafe: admission/prefill_door_rejected_not_enqueued" in e for e in result.evidence)
 
 

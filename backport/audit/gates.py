@@ -134,9 +134,10 @@ def remedy(code: CodeFacts, pack: Pack, missing: list[str]) -> str:
     if unpatchable:
         return (f"this pack carries no backport of {', '.join('#' + str(pack.fixes[f].pr) for f in unpatchable)} "
                 f"for sglang {version}: upgrade to SGLang 0.5.22 or later")
-    return (f"this pack backports {names} to sglang {version}: `sglang-backport run sglang=={version}` "
-            f"fetches, patches and proves it (evidence bundle); `sglang-backport apply sglang=={version} --out DIR` "
-            "gives the patched tree to install into the serving environment")
+    return (f"this pack backports {names} to sglang {version}: `sglang-backport run sglang=={version} --export` "
+            "fetches, patches and proves it and puts the patched wheel in the evidence bundle (export/); install "
+            "it with `pip install --no-deps` on every prefill node first, then on every decode node (README, "
+            "Rollout and rollback)")
 
 
 def _fixes_evidence(code: CodeFacts, pack: Pack, fixes) -> tuple[list[str], list[str]]:

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from backport import cache, resources
 from backport.errors import BadInput
+from backport.probing.supervise import stop_group
 
 log = logging.getLogger("backport.probing")
 PROBES_DIR = resources.probes_dir()
@@ -78,24 +78,11 @@ def _run_step(cmd: list[str], tmpdir: Path, what: str, say, started: float) -> N
                 say(f"  probe environment: {what}, {time.monotonic() - started:.0f} s: {last[:120]}")
     finally:
         if proc.poll() is None:
-            _stop_group(proc)
+            stop_group(proc, grace=5)  # pip may be mid-write: give it a moment
         reader.join(timeout=2)
     if proc.returncode != 0:
         tail = "\n".join(list(lines)[-5:])
         raise BadInput(f"{REQUIREMENTS}: probe environment {what} failed (exit {proc.returncode}):\n{tail}")
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def ensure_env(python: str | None = None, *, quiet: bool = False) -> Path:

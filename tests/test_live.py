@@ -87,12 +87,14 @@ def test_rejected_request_reads_another_requests_prompt_only_on_pristine(live_re
     assert _verdict(live_results, "reference-0.5.22", "rejected_request_reads_no_other_request") == "safe"
 
 
-# A finding of the live tier, measured twice (README, Live tier): on the patched 0.5.19 pair the
-# rejected request is refused, but during the A, B, A sequence decode's scheduler dies with "pool
-# memory leak detected! [full] total=512, available=912" (the 400-token reservation returned twice),
-# so the scenario is `error` and later requests get 502/503. Strict: these fail once the pack is fixed.
-PATCHED_DECODE_DIES = pytest.mark.xfail(strict=True, reason="patched 0.5.19: decode frees a rejected request's "
-                                                            "reservation twice and its scheduler dies")
+# A finding of the live tier, seen in two of three sessions (README, Live tier): on the patched
+# 0.5.19 pair the rejected request is refused, but during the A, B, A sequence decode's scheduler
+# may die with "pool memory leak detected! [full] total=512, available=912" (the 400-token
+# reservation returned twice), so the scenario is `error` and later requests get 502/503. It
+# depends on when decode's flush lands against the deferred hold, so it is not strict: a pass here
+# is an XPASS in the summary, a crash an xfail; the fix must come with a probe case that is strict.
+PATCHED_DECODE_DIES = pytest.mark.xfail(strict=False, reason="patched 0.5.19: decode may free a rejected request's "
+                                                             "reservation twice and its scheduler dies (intermittent)")
 
 
 @PATCHED_DECODE_DIES

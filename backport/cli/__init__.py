@@ -14,11 +14,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from backport import __version__
 from backport.errors import BadInput, Finding, Interrupted
+from backport.signals import handling
 
 # Each module adds its subcommands with `register(subparsers)`.
 COMMAND_MODULES = (
@@ -74,25 +73,14 @@ def _configure_logging() -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-@contextmanager
-def _signals_raise() -> Iterator[None]:
+def _signals_raise():
     """SIGTERM and SIGHUP raise Interrupted while a command runs, so its cleanup runs (Python's
     default for them ends the process without any `finally`); the old handlers come back after."""
 
     def handler(signum, _frame):
         raise Interrupted(signum)
 
-    saved = {}
-    for sig in STOP_SIGNALS:
-        try:
-            saved[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread: leave the handlers alone
-            break
-    try:
-        yield
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
+    return handling(STOP_SIGNALS, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,12 +184,19 @@ def _validator() -> jsonschema.Draft202012Validator:
 
 def schema_errors(statement: Any) -> str | None:
     """The first place where a receipt departs from the receipt schema (None: it matches)."""
-    errors = sorted(_validator().iter_errors(statement), key=lambda e: [str(x) for x in e.absolute_path])
-    if not errors:
+    error = first_schema_error(_validator(), statement)
+    if error is None:
         return None
-    error = errors[0]
-    where = "/".join(str(part) for part in error.absolute_path) or "(top)"
-    return f"does not match the receipt schema at {where}: {error.message}"
+    return f"does not match the receipt schema at {schema_place(error)}: {error.message}"
+
+
+def first_schema_error(validator: jsonschema.Validator, document: Any) -> jsonschema.ValidationError | None:
+    """The error at the first place (in path order) where `document` departs from `validator`'s schema."""
+    return min(validator.iter_errors(document), key=lambda e: [str(x) for x in e.absolute_path], default=None)
+
+
+def schema_place(error: jsonschema.ValidationError) -> str:
+    return "/".join(str(part) for part in error.absolute_path) or "(top)"
 
 
 def _derived_problems(p: dict) -> list[str]:

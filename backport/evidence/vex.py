@@ -37,6 +37,7 @@ from backport.evidence.identifiers import (  # noqa: F401 - the names scanners m
 )
 from backport.evidence.layout import canonical_json
 from backport.evidence.problem import Problem
+from backport.evidence.statement import first_schema_error, schema_place
 from backport.evidence.vulnerabilities import action_statement, class_status
 
 VEX = "vex.openvex.json"
@@ -98,11 +99,10 @@ def _validator() -> jsonschema.Draft202012Validator:
 
 def schema_errors(document: object) -> str | None:
     """The first place where a document departs from the OpenVEX schema (None: it matches)."""
-    errors = sorted(_validator().iter_errors(document), key=lambda e: [str(x) for x in e.absolute_path])
-    if not errors:
+    error = first_schema_error(_validator(), document)
+    if error is None:
         return None
-    error = errors[0]
-    where = "/".join(str(part) for part in error.absolute_path) or "(top)"
+    where = schema_place(error)
     if error.validator in ("anyOf", "oneOf", "not", "if"):  # the status rules: name the rule, not the instance
         rule = "/".join(str(part) for part in error.schema_path)
         return f"does not match the OpenVEX 0.2.0 schema at {where}: breaks the status rule {rule} " \

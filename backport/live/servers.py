@@ -16,13 +16,14 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
 from backport.errors import Finding
+from backport.signals import handling
 
 LOOPBACK = "127.0.0.1"
 TERM_GRACE_SECONDS = 3.0
@@ -102,37 +103,18 @@ class Processes:
         self.stop_all()
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
+def signals_held():
     """SIGINT and SIGTERM ignored inside (only in the main thread, where handlers can be set)."""
-    try:
-        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    return handling((signal.SIGINT, signal.SIGTERM), signal.SIG_IGN)
 
 
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
+def sigterm_raises():
     """SIGTERM raises Terminated in the main thread, so `with Processes(...)` stops its servers."""
 
     def handler(signum, frame):
         raise Terminated(f"signal {signum}")
 
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return handling((signal.SIGTERM,), handler)
 
 
 def wait_ready(servers: list[Server], path: str, timeout: float,

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime", "prefill_drain", "transfer_coverage")
+PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime", "prefill_drain", "transfer_coverage",
+               "flush_holds")
 
 SAFE = "safe"
 UNSAFE = "unsafe"

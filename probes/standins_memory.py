@@ -77,12 +77,24 @@ class CountingTokenToKVPoolAllocator:
                 self.ledger.record("pages_double_release", pool=self.name, owner=owner)
             return 0
         self.released_owners.add(owner)
+        already_free = set(pages) & set(self.free_pages)
+        if already_free:  # after a clear(): the owner's row still names pages the pool gave back
+            self.ledger.record("pages_double_release", pool=self.name, owner=owner, pages=len(already_free))
         self.free_pages.extend(pages)
         self.ledger.record("pages_released", pool=self.name, owner=owner, pages=len(pages))
         return len(pages)
 
     def held_by(self, owner: str) -> int:
         return len(self.owned.get(owner, ()))
+
+    def clear(self) -> None:
+        """The allocator's clear() (a flush): every page back on the free list. Like the real
+        pool it cannot know which pages a request's row still names, so `owned` is kept."""
+        self.free_pages = list(range(self.num_pages))
+        self.ledger.record("pool_cleared", pool=self.name)
+
+    def pages_listed_twice(self) -> int:
+        return len(self.free_pages) - len(set(self.free_pages))
 
 
 class RecordingRadixCache:

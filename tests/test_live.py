@@ -87,19 +87,23 @@ def test_rejected_request_reads_another_requests_prompt_only_on_pristine(live_re
     assert _verdict(live_results, "reference-0.5.22", "rejected_request_reads_no_other_request") == "safe"
 
 
-# A finding of the live tier, seen in two of three sessions (README, Live tier): on the patched
-# 0.5.19 pair the rejected request is refused, but during the A, B, A sequence decode's scheduler
-# may die with "pool memory leak detected! [full] total=512, available=912" (the 400-token
-# reservation returned twice), so the scenario is `error` and later requests get 502/503. It
-# depends on when decode's flush lands against the deferred hold, so it is not strict: a pass here
-# is an XPASS in the summary, a crash an xfail; the fix must come with a probe case that is strict.
-PATCHED_DECODE_DIES = pytest.mark.xfail(strict=False, reason="patched 0.5.19: decode may free a rejected request's "
-                                                             "reservation twice and its scheduler dies (intermittent)")
+# The live tier's finding (README, Live tier): a decode flushed during a deferred hold freed the
+# held pages twice and died ("pool memory leak detected"). The patched tree carries sbp-flush-holds
+# (flush refused during a hold: probes/flush_holds.py proves it); on 0.5.22 the scenarios do not
+# flush right after a refused request (Deployment.flush_frees_held_pages).
+def test_patched_rejected_request_is_refused_every_time_and_decode_survives(live_results):
+    result = live_results["patched-0.5.19"]["scenarios"]["rejected_request_reads_no_other_request"]
+    assert result["verdict"] == "safe", result
+    assert not any("leak" in line for line in result["details"]["log"].get("decode", []))
+    # R refused: no flush is needed after it, and none is sent
+    assert [s["flush"] for s in result["details"]["steps"]][1:] == ["left out: the previous R was refused"] * 2
 
 
-@PATCHED_DECODE_DIES
-def test_patched_rejected_request_is_refused_every_time(live_results):
-    assert _verdict(live_results, "patched-0.5.19", "rejected_request_reads_no_other_request") == "safe"
+def test_only_the_reference_flushes_with_a_hold_hazard(live_results):
+    over_pool = {label: live_results[label]["scenarios"]["over_pool_prompt_rejected"]["details"] for label in TREES}
+    assert "sbp-flush-holds" in over_pool["reference-0.5.22"]["decode_flush_skipped"]
+    for label in ("pristine-0.5.19", "patched-0.5.19"):
+        assert over_pool[label]["decode_flush_accepted_after_seconds"] is not None, label
 
 
 def test_over_decode_pool_is_not_applicable_with_its_reason(live_results):
@@ -121,7 +125,6 @@ def test_audit_live_gate_2_fails_on_pristine_passes_on_patched_and_reference(liv
     assert gate("reference-0.5.22", 2)["verdict"] == "pass", gate("reference-0.5.22", 2)
 
 
-@PATCHED_DECODE_DIES
 def test_audit_live_gate_2_passes_on_patched(live_results):
     gate = next(g for g in live_results["patched-0.5.19"]["audit"]["gates"] if g["gate"] == 2)
     assert gate["verdict"] == "pass", gate

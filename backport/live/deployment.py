@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,10 +18,15 @@ from pathlib import Path
 
 import requests
 
+from backport import resources
+from backport.engine.detect import fingerprint_match, fs_reader
 from backport.live.environment import ServingEnv, router_command
 from backport.live.model import NEW_TOKENS, TinyModel
 from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
+from backport.pack import load_pack
 
+# SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default on every release that has it
+DEFERRED_RELEASE_TIMEOUT = 30.0
 SERVER_START_TIMEOUT = 600.0   # two loaded cores: both servers were ready in 90-120 s
 ROUTER_START_TIMEOUT = 120.0
 REQUEST_TIMEOUT = 60.0
@@ -88,12 +94,25 @@ class Deployment:
     startup_seconds: float
     flags: dict = field(default_factory=dict)
 
+    # The tree's decode holds a failed transfer's pages by default but its idle check ignores
+    # the holds (0.5.21, 0.5.22): a flush during a hold frees them twice (sbp-flush-holds).
+    flush_frees_held_pages: bool = False
+    last_failure_at: float | None = None
+
     def generate(self, input_ids: list[int], **kw) -> Reply:
-        return generate(self.router_url, input_ids, **kw)
+        reply = generate(self.router_url, input_ids, **kw)
+        if reply.status != 200:  # the router aborted decode's half: a deferred hold may follow
+            self.last_failure_at = time.monotonic()
+        return reply
 
     def flush_decode(self, timeout: float = 60.0) -> float | None:
         """POST /flush_cache to decode until it accepts (it refuses while requests are pending);
-        the seconds that took, or None when it never accepted within `timeout`."""
+        the seconds that took, or None when it never accepted within `timeout`. On a tree whose
+        flush frees held pages twice, first wait until any hold since the last failed request has
+        run out (the scheduler loop resolves a hold at its deadline at the latest)."""
+        if self.flush_frees_held_pages and self.last_failure_at is not None:
+            time.sleep(max(0.0, self.last_failure_at + DEFERRED_RELEASE_TIMEOUT + 2.0 - time.monotonic()))
+            self.last_failure_at = None
         started = time.monotonic()
         while time.monotonic() - started < timeout:
             with contextlib.suppress(requests.RequestException):
@@ -116,6 +135,17 @@ class Deployment:
                 if lines:
                     found[server.name] = [line[:300] for line in lines[:8]]
         return found
+
+
+def flush_frees_held_pages(package_root: Path) -> bool:
+    """Decode holds a failed transfer's pages by default (#41023's default) and its idle check
+    does not count the holds (no sbp-flush-holds, not 0.5.23): read from the tree's code."""
+    pack = load_pack(resources.pack_dir())
+    read = fs_reader(package_root)
+    environ = read("sglang/srt/environ.py") or ""
+    held_by_default = re.search(r"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool\(True\)", environ)
+    counted, _ = fingerprint_match(pack.fixes["sbp-flush-holds"], read)
+    return bool(held_by_default) and not counted
 
 
 def _size(path: Path) -> int:
@@ -162,4 +192,5 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
         wait_ready([router], "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)
         flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(DECODE_FLAGS),
                  "environment": dict(SERVER_ENV)}
-        yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags)
+        yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags,
+                         flush_frees_held_pages=flush_frees_held_pages(package_root))

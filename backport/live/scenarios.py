@@ -17,6 +17,8 @@ from backport.live.model import PROMPTS, TinyModel
 
 SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
 # what the servers log about a rejected or short-prefilled request
+FLUSH_HAZARD = ("this tree's decode frees a deferred hold's pages twice when flushed during the hold "
+                "(sbp-flush-holds): the flush is not sent right after a refused request")
 LOG_NEEDLES = ("exceeds the maximum allowed length", "#new-token: 1,", "Abort", "abort", "Traceback", "Error")
 
 
@@ -72,11 +74,15 @@ def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome
 def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
     reply = dep.generate(PROMPTS["over_pool"])
-    # the router sends the request to both sides at once: how long decode keeps what it reserved
-    # shows as how long its /flush_cache refuses (it refuses while requests are pending)
-    held = dep.flush_decode()
-    details = {"reply": reply.to_json(), "decode_flush_accepted_after_seconds":
-               None if held is None else round(held, 3), "log": dep.log_lines(mark, *LOG_NEEDLES)}
+    details = {"reply": reply.to_json()}
+    if dep.flush_frees_held_pages:
+        details["decode_flush_skipped"] = FLUSH_HAZARD
+    else:
+        # the router sends the request to both sides at once: how long decode keeps what it
+        # reserved (a deferred hold included) shows as how long its /flush_cache refuses
+        held = dep.flush_decode()
+        details["decode_flush_accepted_after_seconds"] = None if held is None else round(held, 3)
+    details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
     if _refused(reply):
         return Outcome(SAFE, f"{reply.status} in {reply.seconds:.2f} s, no tokens", details)
     if reply.status == 200:
@@ -90,18 +96,23 @@ def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
                                       "(it is refused, or its tokens are the same whatever came before)")
 def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -> Outcome:
     """Decode flushed, earlier prompt A, the over-pool request R; flushed, B, R; flushed, A, R.
-    Flushing before each earlier prompt makes decode's allocator hand R the slots A or B used."""
+    Flushing before each earlier prompt makes decode's allocator hand R the slots A or B used.
+    After a refused R the flush is left out: nothing of R's was served, so there are no slots of
+    it to line up, and a flush during the hold its abort may leave is sbp-flush-holds' bug."""
     mark = dep.log_mark()
     steps = []
+    rejected = None
     for earlier in ("earlier_a", "earlier_b", "earlier_a"):
-        flushed = dep.flush_decode()
+        flush = rejected is None or rejected.status == 200
+        flushed = dep.flush_decode() if flush else None
         first = dep.generate(PROMPTS[earlier])
         rejected = dep.generate(PROMPTS["over_pool"])
-        steps.append({"earlier": earlier, "flushed": flushed is not None, "earlier_reply": first.to_json(),
+        steps.append({"earlier": earlier, "flush": "done" if flushed is not None else "refused" if flush else
+                      "left out: the previous R was refused", "earlier_reply": first.to_json(),
                       "rejected_reply": rejected.to_json()})
     details = {"steps": steps, "log": dep.log_lines(mark, *LOG_NEEDLES)}
     replies = [s["rejected_reply"] for s in steps]
-    if any(s["earlier_reply"]["status"] != 200 or not s["flushed"] for s in steps):
+    if any(s["earlier_reply"]["status"] != 200 or s["flush"] == "refused" for s in steps):
         return Outcome(ERROR, "an earlier request failed or decode never accepted a flush: no verdict", details)
     if all(r["status"] is not None and 400 <= r["status"] < 500 and not r["tokens"] for r in replies):
         return Outcome(SAFE, "refused every time", details)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from backport.live.servers import group_members
 from tests.conftest import REPO, _with_cache
 
 pytestmark = [pytest.mark.live, pytest.mark.probe_env]
@@ -148,20 +149,6 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _group_members(pgids: set[int]) -> list[int]:
-    """Live (not zombie) processes in these process groups: the servers and what they forked
-    (the scheduler and detokenizer rename themselves, so only the group finds them)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in pgids and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
 def test_sigint_mid_start_leaves_no_server_or_listener(serving, release_tree, tmp_path, shared_cache):
     """`live` interrupted while the servers load: every process of the deployment is gone."""
     tree = release_tree("0.5.22")
@@ -173,17 +160,17 @@ def test_sigint_mid_start_leaves_no_server_or_listener(serving, release_tree, tm
     pgids: set[int] = set()
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and len(_group_members(pgids)) < 4:  # both servers have forked
+        while time.monotonic() < deadline and len(group_members(pgids)) < 4:  # both servers have forked
             pgids = {_pgid(pid) for pid in _processes_naming(model_path)} - {None}
             time.sleep(1)
-        assert len(pgids) == 2 and len(_group_members(pgids)) >= 4, "the servers never started"
+        assert len(pgids) == 2 and len(group_members(pgids)) >= 4, "the servers never started"
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130
-    assert _group_members(pgids) == []
+    assert group_members(pgids) == []
     from backport.live.servers import listening_pids
 
     assert not listening_pids(set(_processes_naming(model_path)))

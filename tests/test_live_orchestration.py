@@ -25,6 +25,7 @@ from backport.live.servers import (
     Processes,
     ServerDidNotStart,
     free_port,
+    group_members,
     listening_pids,
     wait_ready,
 )
@@ -59,15 +60,7 @@ def _gone(pid: int) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
-    """A process of this group that is not a zombie (an orphan's zombie waits for init to reap it)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(group_members({pgid}))
 
 
 def test_free_port_is_bindable_and_skips_busy_ports():

@@ -27,6 +27,7 @@ from backport.signals import handling
 
 LOOPBACK = "127.0.0.1"
 TERM_GRACE_SECONDS = 3.0
+GROUP_EXIT_SECONDS = 5.0
 POLL_SECONDS = 1.0
 
 
@@ -95,12 +96,30 @@ class Processes:
                     os.killpg(server.process.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     server.process.wait(timeout=10)
+            # a killed child of a server is reparented and dies on its own time: wait (bounded)
+            # until no process of any group is left, so no port is still held on return
+            deadline = time.monotonic() + GROUP_EXIT_SECONDS
+            while time.monotonic() < deadline and group_members({s.process.pid for s in self.servers}):
+                time.sleep(0.05)
 
     def __enter__(self) -> Processes:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+
+
+def group_members(pgids: set[int]) -> list[int]:
+    """Processes (zombies excepted) whose process group is one of `pgids`, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def signals_held():

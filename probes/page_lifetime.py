@@ -72,6 +72,7 @@ from probes.standins_memory import (
     patch_cache_helpers,
 )
 from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
+from probes.transfer_coverage import MinAllReduce
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 PAGE_SIZE = 16
@@ -225,6 +226,10 @@ class TransferRig:
                 "poll_and_all_reduce",
                 lambda pollers, *a, **k: [KVPoll.Failed] * len(pollers),
             )
+        # 0.5.23 agrees the hold decision across decode ranks (`all_reduce_flags` over the
+        # gloo group): one rank here, where the release's own code keeps the flags as they are.
+        if hasattr(sg("disaggregation.utils"), "all_reduce_flags"):
+            ctx.patch(sg("disaggregation.utils"), "dist", MinAllReduce(1))
         self.queue.enable_staging = False
 
     def enqueue(self, receiver, rid: str, room: int):

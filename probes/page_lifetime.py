@@ -247,7 +247,17 @@ class TransferRig:
         """Run the release resolver if the release has one."""
         if not hasattr(self.queue, "resolve_deferred_releases"):
             return False
-        self.queue.resolve_deferred_releases()
+        # 0.5.23 logs and drops an exception of one release so the others still run: here that
+        # is a stand-in the tree's code does not fit, an error, never a verdict on the pages.
+        recorder = _RaisedRecorder()
+        decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
+        decode_logger.addHandler(recorder)
+        try:
+            self.queue.resolve_deferred_releases()
+        finally:
+            decode_logger.removeHandler(recorder)
+        if recorder.raised:
+            raise RuntimeError(f"the release isolated an exception while resolving: {recorder.raised[0]}")
         return True
 
     def snapshot(self, req) -> dict[str, Any]:
@@ -447,6 +457,18 @@ def _no_capability_manager(ledger: Ledger):
     mgr.__dict__.update(_drain_acking_manager(ledger).__dict__)
     mgr.enable_deferred_decode_kv_release = _flag_from_env(cls)
     return mgr
+
+
+class _RaisedRecorder(logging.Handler):
+    """Collects the records a logger wrote with an exception attached (``logger.exception``)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.raised: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.raised.append(f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
 
 
 class _WarningRecorder(logging.Handler):

@@ -64,6 +64,17 @@ REJECTION = "Input length (9000 tokens) exceeds the maximum allowed length (4096
 # rig
 
 
+def size_prefill_pool(queue, tokens: int) -> None:
+    """The bootstrap queue's pool capacity, as its constructor would set it; 0.5.23's
+    constructor also derives the prompt limit the door checks (`max_bootstrap_input_len`,
+    the release's own rule, here for one KV shard)."""
+    queue.max_total_num_tokens = tokens
+    limit = getattr(sg("disaggregation.prefill"), "max_bootstrap_input_len", None)
+    if limit is not None:
+        page_size = getattr(getattr(queue.scheduler, "token_to_kv_pool_allocator", None), "page_size", 1)
+        queue.max_input_len = limit(capacity=tokens, page_size=page_size, shard_size=1)
+
+
 class DoorRig:
     """One scheduler shell with both PD doors wired to recording transports."""
 
@@ -101,7 +112,6 @@ class DoorRig:
         q.__dict__.update(
             scheduler=self.shell,
             queue=[],
-            max_total_num_tokens=PREFILL_POOL_TOKENS,
             transfer_backend=self._backend(),
             kv_manager=KVManagerStandIn(),
             tp_rank=0,
@@ -111,6 +121,7 @@ class DoorRig:
             req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator,
             metadata_buffers=MetadataBuffersStandIn(),
         )
+        size_prefill_pool(q, PREFILL_POOL_TOKENS)
         return q
 
     def _decode_queue(self):

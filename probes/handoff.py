@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from probes import SAFE, UNSAFE, Outcome, case
-from probes.admission import DoorRig
+from probes.admission import DoorRig, size_prefill_pool
 from probes.standins import describe_finish, give_kv_row, make_req, sg
 from probes.standins_memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
 from probes.standins_scheduler import deliver_prefill_result
@@ -80,7 +80,7 @@ class HandoffRig(DoorRig):
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL
-        self.prefill_queue.max_total_num_tokens = PREFILL_POOL_TOKENS
+        size_prefill_pool(self.prefill_queue, PREFILL_POOL_TOKENS)
         self.prefill_queue.token_to_kv_pool = DeviceKVPoolStandIn(PAGE_SIZE)
         # Prefill's last chunk also runs the tree's real send_kv_chunk (what it
         # records in the metadata row reaches decode); decode's transfer queue.

@@ -15,6 +15,7 @@ to decode (``DecodePeerWire``, shared with the Mooncake rig).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import defaultdict
 from types import SimpleNamespace
@@ -171,6 +172,7 @@ class NixlPrefillRig:
         mgr.maybe_send_extra = lambda *a, **k: [agent.post("state")]
         mgr._send_multipart_locked = self.wire.send
         self.mgr = mgr
+        self.abort_reason = None  # what the ABORT handler records: not a failure of the worker
         self._open_room()
 
     def _open_room(self) -> None:
@@ -218,6 +220,8 @@ class NixlPrefillRig:
 
         chunk_cls = sg("disaggregation.common.utils").TransferKVChunk
         start = 4 * chunk_id
+        # 0.5.23 dropped the chunk's (unread) chunk_id field; earlier releases carry it.
+        numbered = {"chunk_id": chunk_id} if "chunk_id" in {f.name for f in dataclasses.fields(chunk_cls)} else {}
         return chunk_cls(
             room=ROOM,
             prefill_kv_indices=np.arange(start, start + 4, dtype=np.int32),
@@ -225,8 +229,8 @@ class NixlPrefillRig:
             is_last_chunk=last,
             prefill_aux_index=0 if last else None,
             state_indices=None,
-            chunk_id=chunk_id,
             num_kv_tokens=4,
+            **numbered,
         )
 
     def run_worker(self, chunks) -> str:
@@ -238,11 +242,16 @@ class NixlPrefillRig:
                 return items.pop(0)
             raise WorkerStopped()
 
+        recorded_before = self.mgr.failure_records.get(ROOM)
         try:
             self.mgr.transfer_worker(SimpleNamespace(get=get, put=items.append))
         except WorkerStopped:
             pass
         failure = self.mgr.exceptions.get(ROOM)
+        recorded = self.mgr.failure_records.get(ROOM)
+        if failure is None and recorded not in (recorded_before, self.abort_reason):
+            # 0.5.23 keeps only the worker's reason, in the failure records the ABORT handler also writes
+            failure = recorded
         if failure is not None:
             self.ledger.record("worker_failure", message=str(failure)[:160])
             if not any(m in str(failure) for m in ERR_MESSAGES):
@@ -257,6 +266,7 @@ class NixlPrefillRig:
         frames = abort_frames(ROOM, DECODE_PEERS[peer])
         self.ledger.record("abort_received", peer=peer, writes_in_flight=self.agent.in_flight)
         self.mgr._handle_abort_notification(frames)
+        self.abort_reason = self.mgr.failure_records.get(ROOM)
 
     def clear_sender(self) -> None:
         """The scheduler clears the room's sender (the real ``NixlKVSender.clear``)."""

@@ -72,6 +72,7 @@ from probes.standins_memory import (
     patch_cache_helpers,
 )
 from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
+from probes.transfer_coverage import MinAllReduce
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 PAGE_SIZE = 16
@@ -225,6 +226,10 @@ class TransferRig:
                 "poll_and_all_reduce",
                 lambda pollers, *a, **k: [KVPoll.Failed] * len(pollers),
             )
+        # 0.5.23 agrees the hold decision across decode ranks (`all_reduce_flags` over the
+        # gloo group): one rank here, where the release's own code keeps the flags as they are.
+        if hasattr(sg("disaggregation.utils"), "all_reduce_flags"):
+            ctx.patch(sg("disaggregation.utils"), "dist", MinAllReduce(1))
         self.queue.enable_staging = False
 
     def enqueue(self, receiver, rid: str, room: int):
@@ -242,7 +247,17 @@ class TransferRig:
         """Run the release resolver if the release has one."""
         if not hasattr(self.queue, "resolve_deferred_releases"):
             return False
-        self.queue.resolve_deferred_releases()
+        # 0.5.23 logs and drops an exception of one release so the others still run: here that
+        # is a stand-in the tree's code does not fit, an error, never a verdict on the pages.
+        recorder = _RaisedRecorder()
+        decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
+        decode_logger.addHandler(recorder)
+        try:
+            self.queue.resolve_deferred_releases()
+        finally:
+            decode_logger.removeHandler(recorder)
+        if recorder.raised:
+            raise RuntimeError(f"the release isolated an exception while resolving: {recorder.raised[0]}")
         return True
 
     def snapshot(self, req) -> dict[str, Any]:
@@ -442,6 +457,18 @@ def _no_capability_manager(ledger: Ledger):
     mgr.__dict__.update(_drain_acking_manager(ledger).__dict__)
     mgr.enable_deferred_decode_kv_release = _flag_from_env(cls)
     return mgr
+
+
+class _RaisedRecorder(logging.Handler):
+    """Collects the records a logger wrote with an exception attached (``logger.exception``)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.raised: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.raised.append(f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
 
 
 class _WarningRecorder(logging.Handler):

@@ -138,6 +138,9 @@ class ParallelStandIn(SimpleNamespace):
             dist_init_addr=None,
             attn_tp_group=SimpleNamespace(cpu_group=None),
             tp_group=SimpleNamespace(cpu_group=None),
+            # 0.5.23: one rank holds every KV page, with no CP-TP group sharing
+            enable_kv_cache_sharding=False,
+            enable_cp_tp_group_sharing=False,
         )
 
 
@@ -203,6 +206,8 @@ def pin_runtime(ctx) -> None:
         "get_tensor_model_parallel_world_size": lambda: parallel.tp_size,
         "get_attention_tp_rank": lambda: parallel.attn_tp_rank,
         "get_attention_tp_size": lambda: parallel.attn_tp_size,
+        # 0.5.23's width of linear attention's group: attention TP here (no CP-TP sharing)
+        "linear_attn_tp_size": lambda: parallel.attn_tp_size,
     }
     for name in RUNTIME_MODULES:
         try:

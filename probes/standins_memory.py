@@ -39,6 +39,10 @@ class MetadataBuffersStandIn:
     def __init__(self, size: int = 8) -> None:
         self.bootstrap_room = [0] * size
 
+    def clear_slot(self, idx: int) -> None:
+        """0.5.23 resets a freed slot's room, so its next owner reads "not yet written"."""
+        self.bootstrap_room[idx] = 0
+
 
 class CountingTokenToKVPoolAllocator:
     """Stands for a token-to-KV page pool. Pages are owned by request ids; the

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 # ---- run's own inputs ------------------------------------------------------------------------------
 
 
-def test_default_reference_is_newest_pinned_release_with_every_upstream_fix():
+def test_default_reference_is_first_pinned_release_with_every_upstream_fix():
     from packaging.version import Version
 
     from backport.job import default_reference
@@ -31,9 +31,12 @@ def test_default_reference_is_newest_pinned_release_with_every_upstream_fix():
     upstream_fixes = [fix for fix in pack.fixes.values() if not fix.is_vendor]  # a vendor fix is in no release
     version = default_reference(pack).removeprefix("sglang==")
     assert all(fix.is_fixed_in(version) for fix in upstream_fixes)
-    newer = [v for v in load_pins() if Version(v) > Version(version)
+    older = [v for v in load_pins() if Version(v) < Version(version)
              and all(f.is_fixed_in(v) for f in upstream_fixes)]
-    assert newer == []
+    assert older == []
+    # the floor, not the newest: a newer release with every fix (0.5.23) is a target
+    assert any(Version(v) > Version(version) and all(f.is_fixed_in(v) for f in upstream_fixes)
+               for v in load_pins())
 
 
 def test_pairs_toml_pins_upstreams_own_pairs():

@@ -1,7 +1,7 @@
 """`sglang-backport run` (the main job, `backport.job.run`) and `sglang-backport verify` (check a bundle).
 
 run SPEC: fetch the target, apply the pack on a fresh clone, probe the pristine tree, the
-patched tree and the reference (upstream's newest pinned release that has every fix), run
+patched tree and the reference (upstream's first pinned release that has every fix), run
 upstream's own unit tests for the fixes, and write an evidence bundle. Exit 0 when no case
 regressed or errored and every case outside the must-preserve set is fixed or held (or not
 applicable); 1 otherwise (or when the series does not apply: then no bundle is written,
@@ -176,7 +176,7 @@ def register(sub) -> None:
                    help="make it a finding (exit 1) when fewer than PCT%% of the executable lines the pack "
                         "adds ran under a probe case")
     p.add_argument("--reference", metavar="SPEC",
-                   help="the upstream-fixed tree to compare with, or 'none' (default: the newest pinned "
+                   help="the upstream-fixed tree to compare with, or 'none' (default: the first pinned "
                         "release whose version is in every fix's fixed_in)")
     p.add_argument("--head", metavar="SPEC",
                    help="probe this tree as the head instead of applying the pack (upstream before/after pairs)")

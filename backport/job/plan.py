@@ -71,14 +71,15 @@ class Plan:
 
 
 def default_reference(pack: Pack, pins: dict | None = None) -> str | None:
-    """The newest pinned release that every upstream fix's `fixed_in` contains
-    (a vendor fix is in no release)."""
+    """The first pinned release that every upstream fix's `fixed_in` contains (a vendor fix is
+    in no release): the published floor every backport is judged against. Newer releases
+    with every fix (0.5.23) are targets, not the reference."""
     pins = load_pins() if pins is None else pins
     fixes = [f for f in pack.fixes.values() if not f.is_vendor]
     if not fixes:
         return None
     versions = [v for v in pins if all(fix.is_fixed_in(v) for fix in fixes)]
-    return f"sglang=={max(versions, key=Version)}" if versions else None
+    return f"sglang=={min(versions, key=Version)}" if versions else None
 
 
 def is_user_checkout(spec: str) -> bool:
@@ -104,7 +105,7 @@ def plan(options: RunOptions) -> Plan:
         choice = "given"
     else:
         reference = default_reference(pack, pins)
-        choice = "default: the newest pinned release whose version is in every fix's fixed_in"
+        choice = "default: the first pinned release whose version is in every fix's fixed_in"
     if options.out is not None:
         evidence.check_bundle_target(Path(options.out), replace=options.replace_bundle)
     if options.min_coverage is not None and not 0 <= options.min_coverage <= 100:

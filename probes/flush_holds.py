@@ -70,7 +70,7 @@ def _flush(shell) -> bool:
 
 
 @case(
-    proves=("sbp-flush-holds",), needs=("pr35049",),
+    proves=("sbp-flush-holds",), needs=("pr35049",), beyond_upstream=True,
     must_preserve=False,
     expect="/flush_cache while a deferred KV release holds a failed transfer's pages is refused: after both drain "
            "ACKs the pages are released once, no page is on the free list twice, and a flush after the release "

@@ -37,8 +37,8 @@ def reference_comparison(predicate: dict) -> str:
     if own:
         unsafe = sum(1 for r in rows if r["reference_agrees"] is None
                      and r["verdicts"].get(REFERENCE) not in ("safe", None) and r["verdicts"].get("patched") == "safe")
-        text += (f"; {own} case(s) of this pack's own check are counted apart, not compared (no release has "
-                 f"the check; {unsafe} of them safe on patched and unsafe on the reference, by design)")
+        text += (f"; {own} case(s) of this pack's own checks are counted apart, not compared (the reference "
+                 f"lacks them; {unsafe} of them safe on patched and unsafe on the reference, by design)")
     return text
 
 

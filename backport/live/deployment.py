@@ -38,9 +38,11 @@ COMMON_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dis
                 "--dtype", "float32", "--disable-radix-cache", "--disaggregation-transfer-backend", "mooncake",
                 "--context-length", str(CONTEXT))
 PREFILL_FLAGS = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL))
-# cpu_tensor: the default retraction backup registers host memory with CUDA
 DECODE_FLAGS = ("--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL),
-                "--num-reserved-decode-tokens", "16", "--disaggregation-decode-retraction-backup", "cpu_tensor")
+                "--num-reserved-decode-tokens", "16")
+# cpu_tensor: the default retraction backup registers host memory with CUDA; the option exists
+# from 0.5.18 (0.5.17's launch_server refuses it as unrecognized), so it is passed where it exists
+RETRACTION_BACKUP_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1",    # else --device cpu still takes the vllm path
               "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": LOOPBACK}
 
@@ -163,6 +165,15 @@ def _router_ready(response: requests.Response) -> bool:
         return False
 
 
+def decode_flags(package_root: Path) -> tuple[str, ...]:
+    """DECODE_FLAGS, and the retraction backup option where the release defines it (its field
+    name, in server_args.py up to 0.5.18 and in the config modules from 0.5.19)."""
+    field = RETRACTION_BACKUP_FLAGS[0].lstrip("-").replace("-", "_")
+    defined = any(field in path.read_text(errors="replace")
+                  for path in (package_root / "sglang" / "srt").rglob("*.py"))
+    return DECODE_FLAGS + (RETRACTION_BACKUP_FLAGS if defined else ())
+
+
 def server_argv(env: ServingEnv, model: TinyModel, role_flags: tuple[str, ...], port: int) -> list[str]:
     return [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model.path), "--host", LOOPBACK,
             "--port", str(port), *COMMON_FLAGS, *role_flags]
@@ -181,7 +192,8 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
         prefill_flags = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
         prefill = processes.start("prefill", server_argv(env, model, prefill_flags, ports["prefill"]),
                                   url=f"http://{LOOPBACK}:{ports['prefill']}", env=server_env)
-        decode = processes.start("decode", server_argv(env, model, DECODE_FLAGS, ports["decode"]),
+        decode_role = decode_flags(package_root)
+        decode = processes.start("decode", server_argv(env, model, decode_role, ports["decode"]),
                                  url=f"http://{LOOPBACK}:{ports['decode']}", env=server_env)
         wait_ready([prefill, decode], "/health", SERVER_START_TIMEOUT)
         router_argv = [*router_command(env), "launch", "--pd-disaggregation",
@@ -190,7 +202,7 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
                        "--prometheus-host", LOOPBACK, "--prometheus-port", str(ports["metrics"])]
         router = processes.start("router", router_argv, url=f"http://{LOOPBACK}:{ports['router']}", env=base)
         wait_ready([router], "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)
-        flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(DECODE_FLAGS),
+        flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(decode_role),
                  "environment": dict(SERVER_ENV)}
         yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags,
                          flush_frees_held_pages=flush_frees_held_pages(package_root))

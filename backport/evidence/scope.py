@@ -74,7 +74,7 @@ def render(statement: dict) -> list[str]:
     described = ", ".join(f"{role} (sglang {trees[role]['version']})" if role in trees else role for role in roles)
     upstream, upstream_ran = _upstream_line(p["upstream_tests"])
     live = p.get("live")
-    lines = ["## Scope", "", "What ran:", "",
+    lines = exposure_lines(p) + ["## Scope", "", "What ran:", "",
              (f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
              f"SGLang modules imported in the probe environment (Python {env.get('python')}, torch "
              f"{env.get('torch')}) on a CPU, with named stand-ins where a GPU, RDMA or a model would be "
@@ -106,6 +106,32 @@ def render(statement: dict) -> list[str]:
         + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n) + "); " + reference_comparison(p) + ".",
         ""]
     return lines + rollout(statement)
+
+
+def unserved_reason(apply: dict | None) -> str:
+    """Why the pack cannot serve a release: the fixes with no variant for it (apply-report.json
+    lists the variants each one has)."""
+    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
+    lacking = [x["fix"] for x in failed if not x.get("variant")]
+    if not lacking:
+        return "the series does not apply"
+    waiting = [x["fix"] for x in failed if x.get("variant")]
+    return (f"no variant of {', '.join(lacking)} for this release"
+            + (f", and {', '.join(waiting)} depend(s) on it" if waiting else ""))
+
+
+def exposure_line(version: str, apply: dict | None) -> str:
+    """The one line an exposure run prints: the release, why the pack cannot serve it, that it stays exposed."""
+    return (f"sglang {version} stays exposed: the pack cannot serve it ({unserved_reason(apply)}); "
+            f"its pristine tree was probed to show the exposure, no patched tree was built")
+
+
+def exposure_lines(p: dict) -> list[str]:
+    if p["mode"] != "exposure":
+        return []
+    return ["## Exposure", "", f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
+            "is about the release as shipped: the cases below are its pristine tree's verdicts, the VEX "
+            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix.", ""]
 
 
 def rollout(statement: dict) -> list[str]:

@@ -134,6 +134,8 @@ class HandoffRig(DoorRig):
                 # Up to 0.5.12.post1 bootstrap completes inside pop_bootstrapped
                 # (its poll all-reduce runs on coverage_rig's single-rank stand-in).
                 self.shell.attn_cp_cpu_group = self.shell.attn_tp_cpu_group = None
+                if not hasattr(self.prefill_queue, "gloo_group"):  # up to 0.5.9 the queue holds the group
+                    self.prefill_queue.gloo_group = None
                 PrefillBootstrapQueue.pop_bootstrapped(self.prefill_queue)
             self.prefill_pages.reserve(req.rid, len(req.origin_input_ids))
             give_kv_row(req, 0, len(req.origin_input_ids))

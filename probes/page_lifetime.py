@@ -61,6 +61,7 @@ import inspect
 import logging
 import threading
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -175,9 +176,11 @@ def _drain_acking_receiver(ledger: Ledger, mgr, room: int, prefill_ranks: int):
 
 def _fake_receiver(room: int):
     """The FAKE backend (no drain-ACK capability): its real manager and receiver."""
-    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+    from sglang.srt.disaggregation.fake import conn
 
-    mgr = object.__new__(FakeKVManager)
+    # up to 0.5.4.post2 the FAKE backend has no manager of its own: its receiver keeps whatever it is given
+    mgr = object.__new__(conn.FakeKVManager) if hasattr(conn, "FakeKVManager") else SimpleNamespace()
+    FakeKVReceiver = conn.FakeKVReceiver
     return FakeKVReceiver(mgr=mgr, bootstrap_addr="10.0.0.2:8998", bootstrap_room=room)
 
 

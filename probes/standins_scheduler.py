@@ -135,6 +135,8 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         # Up to 0.5.12.post1 the scheduler streams itself (no output_streamer).
         defaults["stream_output"] = defaults["output_streamer"].stream_output
     defaults.update(attrs)
+    if isinstance(defaults["tree_cache"], RecordingRadixCache):
+        defaults["tree_cache"].pages = defaults.get("token_to_kv_pool_allocator")
     shell.__dict__.update(defaults)
     return shell
 

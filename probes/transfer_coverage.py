@@ -304,6 +304,9 @@ class DecodeSide:
 
     def pop(self, collective: MinAllReduce) -> list:
         collective.local.rank = self.rank
+        for decode_req in self.queue.queue:
+            if decode_req.req.eos_token_ids is None:  # up to 0.5.4.post2 the pop reads it unguarded
+                decode_req.req.eos_token_ids = set()  # the probes' model has no EOS token
         return self.queue.pop_transferred()
 
     def outcome(self, decode_req, committed: list) -> dict[str, Any]:

@@ -165,7 +165,7 @@ class DoorRig:
             "metadata_buffers_taken": led.count("metadata_alloc"),
             "streamed": [s["finish"] for s in streams],
             "finished_reason": describe_finish(req.finished_reason),
-            "to_finish": describe_finish(req.to_finish),
+            "to_finish": describe_finish(getattr(req, "to_finish", None)),  # no such field up to 0.5.4.post1
             "release_aborted_request_calls": led.count("release_aborted_request", rid=rid),
             "beam_group_retired": led.count("beam_retire_group", rid=rid),
         }
@@ -283,8 +283,9 @@ def finished_abort_retired_at_doors(ctx) -> Outcome:
         reject_at_intake(req, REJECTION)
         if hasattr(req, "update_finish_state"):
             req.update_finish_state()  # the 400 promoted into finished_reason ...
-        else:  # up to 0.5.12.post1 the scheduler promotes it inline
+        elif hasattr(req, "to_finish"):  # up to 0.5.12.post1 the scheduler promotes it inline
             req.finished_reason, req.to_finish = req.to_finish, None
+        # up to 0.5.4.post1 the abort is written into finished_reason at once: nothing to promote
         client.stream_output([req], False)  # ... and streamed to the client
         if side == "prefill":
             rig.prefill_door(req)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, ParallelStandIn, describe_finish
+from probes.standins import Ledger, ParallelStandIn, construct_with, describe_finish
 from probes.standins_memory import RecordingRadixCache, RecordingReqToMetadataIdxAllocator
 
 
@@ -151,17 +151,25 @@ class ScheduleBatchShell:
         self.prefill_stats = None
         self.dp_cooperation_info = None
         self.return_logprob = False
+        self.next_batch_sampling_info = None  # up to 0.5.1: no grammar mask to carry to the next batch
 
 
 def deliver_prefill_result(shell, reqs, sampled_token: int) -> None:
     """One forward result for ``reqs`` reaches the tree's
     ``process_batch_result_disagg_prefill`` (a real ``GenerationBatchResult``)."""
     import torch
-    from sglang.srt.managers.utils import GenerationBatchResult
 
-    result = GenerationBatchResult(
-        next_token_ids=torch.tensor([sampled_token] * len(reqs), dtype=torch.int64)
-    )
+    next_token_ids = torch.tensor([sampled_token] * len(reqs), dtype=torch.int64)
+    try:
+        from sglang.srt.managers.utils import GenerationBatchResult
+    except ImportError:  # up to 0.5.1: the scheduler's own dataclass, every field required
+        from sglang.srt.managers.scheduler import GenerationBatchResult
+
+        result = construct_with(GenerationBatchResult, next_token_ids=next_token_ids, logits_output=None,
+                                pp_hidden_states_proxy_tensors=None, extend_input_len_per_req=None,
+                                extend_logprob_start_len_per_req=None, bid=0, can_run_cuda_graph=False)
+    else:
+        result = GenerationBatchResult(next_token_ids=next_token_ids)
     type(shell).process_batch_result_disagg_prefill(shell, ScheduleBatchShell(reqs), result)
 
 

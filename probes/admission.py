@@ -36,6 +36,7 @@ whose streaming sessions keep no in-flight state (the real ``Session`` from
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -139,11 +140,17 @@ class DoorRig:
     def prefill_door(self, req) -> None:
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
-        PrefillBootstrapQueue.add(self.prefill_queue, req, NUM_KV_HEADS)
+        if "num_kv_heads" in inspect.signature(PrefillBootstrapQueue.add).parameters:
+            PrefillBootstrapQueue.add(self.prefill_queue, req, NUM_KV_HEADS)
+        else:  # up to 0.4.7: add(self, req), no capacity check
+            PrefillBootstrapQueue.add(self.prefill_queue, req)
 
     def decode_door(self, req, **flags) -> None:
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
+        if "is_retracted" in flags and "is_retracted" not in inspect.signature(DecodePreallocQueue.add).parameters:
+            raise NotApplicable("this release's DecodePreallocQueue.add takes no is_retracted (the retracted "
+                                "re-entry door arrived in 0.4.7.post1)")
         DecodePreallocQueue.add(self.decode_queue, req, **flags)
 
     # observations ----------------------------------------------------------
@@ -473,6 +480,7 @@ def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.4.7.post1",),
     must_preserve=True,
     expect='A retracted request with a pending abort enters the decode retracted queue, not retirement.',
 )

@@ -100,7 +100,7 @@ class HandoffRig(DoorRig):
                 # (0.5.13/0.5.14), the length of Req.fill_ids (up to 0.5.12.post1).
                 if isinstance(getattr(req, "fill_len", None), int):
                     req.fill_len = len(req.origin_input_ids)
-                elif getattr(req, "fill_ids", None) == []:
+                elif hasattr(req, "fill_ids") and req.fill_ids in ([], None):  # None up to 0.4.7
                     req.fill_ids = list(req.origin_input_ids)
                 SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.wire.shell, req, last_chunk=True)
 

@@ -118,6 +118,7 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         "req_to_metadata_buffer_idx_allocator": RecordingReqToMetadataIdxAllocator(ledger),
         "waiting_queue": [],
         "processed_tokens_counter": 0,
+        "tp_rank": 0,  # one rank; up to 0.4.7 the decode pop names it in its failure message
         "model_config": SimpleNamespace(num_key_value_heads=8),
         "ps": ParallelStandIn(),
         "server_args": SimpleNamespace(

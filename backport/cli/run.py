@@ -31,12 +31,12 @@ def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None
     for row in p["cases"]:
         name = f"{row['probe']}/{row['case']}" + (" *" if row["must_preserve"] else "")
         mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
-        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r) or '-':14}" for r in roles)
                      + f" {row['pair']}{mark}")
     for row in (p.get("live") or {}).get("scenarios", []):
         name = f"live/{row['scenario']}" + (" *" if row["must_preserve"] else "")
         mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
-        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r) or '-':14}" for r in roles)
                      + f" {row['pair']}{mark}")
     s = p["summary"]
     counts = ", ".join(f"{n} {v}" for v, n in s["pair_verdicts"].items() if n)

@@ -55,8 +55,8 @@ def render_report(statement: dict) -> str:
         lines.append("No patch applied (the head tree is given, not built by the toolkit)."
                      if p["mode"] == "upstream-pair" else "No patch applies to this release.")
     if p["mode"] == "exposure":
-        lines += ["", f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
-                      f"tree was built, so nothing here is a fix (the release stays exposed)."]
+        lines += ["", (f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
+                       f"tree was built, so nothing here is a fix (the release stays exposed).")]
     elif p["apply"] is not None:
         lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{_cell(p['apply'].get('head_commit'))}`."]
     lines += [""] + artifacts.render(statement)[:-1]

@@ -131,9 +131,9 @@ def exposure_line(version: str, apply: dict | None) -> str:
 def exposure_lines(p: dict) -> list[str]:
     if p["mode"] != "exposure":
         return []
-    return ["## Exposure", "", f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
+    return ["## Exposure", "", (f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
             "is about the release as shipped: the cases below are its pristine tree's verdicts, the VEX "
-            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix.", ""]
+            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix."), ""]
 
 
 def rollout(statement: dict) -> list[str]:

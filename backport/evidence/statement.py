@@ -23,13 +23,14 @@ from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
     APPLY_REPORT,
+    HEAD,
     UPSTREAM_TESTS,
     canonical_json,
     probe_file,
+    product_role,
     role_of,
     sha256_bytes,
 )
-from backport.evidence.layout import HEAD, product_role
 from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_differences, summarise
 
 from . import artifacts

@@ -7,7 +7,9 @@
    else `applied`. Only a tree can say `already-present` (a fingerprint that matches a release
    outside `fixed_in`): that is an exception.
 2. Which fixes a tree has: on the pristine tree those shipped (`fixed_in`); on the patched tree
-   those too, plus every fix the engine applied or found present.
+   those too, plus every fix the engine applied or found present. A release where a fix fails
+   (the pack cannot serve it) has no patched tree: `run` makes an exposure bundle, whose head is
+   the pristine tree itself, so its "patched" column is the pristine one.
 3. What each probe case needs and proves (`@case(proves=..., needs=...)` where the case is
    registered): a case whose code is missing (a `needs` range the release is outside, or a
    `needs` fix the tree lacks) is `not-applicable`; else a case missing a fix it proves is
@@ -157,7 +159,11 @@ def derive(pack, version: str, exceptions: Sequence[StatedException] = (),
                 raise BadInput(f"{where}: exception {exc.fix} = {exc.apply!r} is what the rule derives")
             apply[exc.fix] = exc.apply
     shipped = {fid for fid in pack.series if pack.fixes[fid].is_fixed_in(v)}
-    has = {"pristine": shipped, "patched": shipped | {f for f, s in apply.items() if s in (APPLIED, PRESENT)}}
+    # a release the pack cannot serve (a fix failed: no variant) gets no patched tree; its
+    # exposure run reads the pristine tree as its own head (evidence/verdicts.py)
+    served = FAILED not in apply.values()
+    has = {"pristine": shipped, "patched": shipped | {f for f, s in apply.items() if s in (APPLIED, PRESENT)}
+           if served else shipped}
     verdicts: dict[tuple[str, str], str] = {}
     for rule in rules:
         for role in ROLES:

@@ -99,6 +99,12 @@ class Release:
         return self.derived.verdicts.get((role, case), "safe")
 
     @property
+    def exposed(self) -> bool:
+        """The pack cannot serve this release (a fix has no variant for it): `run` probes the
+        pristine tree alone and writes an exposure bundle, exit 1."""
+        return bool(self.apply) and expectations.FAILED in self.apply.values()
+
+    @property
     def applies_anything(self) -> bool:
         return bool(self.apply) and any(v == "applied" for v in self.apply.values())
 

@@ -36,6 +36,7 @@ whose streaming sessions keep no in-flight state (the real ``Session`` from
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -150,11 +151,17 @@ class DoorRig:
     def prefill_door(self, req) -> None:
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
-        PrefillBootstrapQueue.add(self.prefill_queue, req, NUM_KV_HEADS)
+        if "num_kv_heads" in inspect.signature(PrefillBootstrapQueue.add).parameters:
+            PrefillBootstrapQueue.add(self.prefill_queue, req, NUM_KV_HEADS)
+        else:  # up to 0.4.7: add(self, req), no capacity check
+            PrefillBootstrapQueue.add(self.prefill_queue, req)
 
     def decode_door(self, req, **flags) -> None:
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
+        if "is_retracted" in flags and "is_retracted" not in inspect.signature(DecodePreallocQueue.add).parameters:
+            raise NotApplicable("this release's DecodePreallocQueue.add takes no is_retracted (the retracted "
+                                "re-entry door arrived in 0.4.7.post1)")
         DecodePreallocQueue.add(self.decode_queue, req, **flags)
 
     # observations ----------------------------------------------------------
@@ -176,7 +183,7 @@ class DoorRig:
             "metadata_buffers_taken": led.count("metadata_alloc"),
             "streamed": [s["finish"] for s in streams],
             "finished_reason": describe_finish(req.finished_reason),
-            "to_finish": describe_finish(req.to_finish),
+            "to_finish": describe_finish(getattr(req, "to_finish", None)),  # no such field up to 0.5.4.post1
             "release_aborted_request_calls": led.count("release_aborted_request", rid=rid),
             "beam_group_retired": led.count("beam_retire_group", rid=rid),
         }
@@ -294,8 +301,9 @@ def finished_abort_retired_at_doors(ctx) -> Outcome:
         reject_at_intake(req, REJECTION)
         if hasattr(req, "update_finish_state"):
             req.update_finish_state()  # the 400 promoted into finished_reason ...
-        else:  # up to 0.5.12.post1 the scheduler promotes it inline
+        elif hasattr(req, "to_finish"):  # up to 0.5.12.post1 the scheduler promotes it inline
             req.finished_reason, req.to_finish = req.to_finish, None
+        # up to 0.5.4.post1 the abort is written into finished_reason at once: nothing to promote
         client.stream_output([req], False)  # ... and streamed to the client
         if side == "prefill":
             rig.prefill_door(req)
@@ -483,6 +491,7 @@ def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
 
 
 @case(
+    needs=(">=0.4.7.post1",),
     must_preserve=True,
     expect='A retracted request with a pending abort enters the decode retracted queue, not retirement.',
 )

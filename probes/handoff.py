@@ -100,7 +100,7 @@ class HandoffRig(DoorRig):
                 # (0.5.13/0.5.14), the length of Req.fill_ids (up to 0.5.12.post1).
                 if isinstance(getattr(req, "fill_len", None), int):
                     req.fill_len = len(req.origin_input_ids)
-                elif getattr(req, "fill_ids", None) == []:
+                elif hasattr(req, "fill_ids") and req.fill_ids in ([], None):  # None up to 0.4.7
                     req.fill_ids = list(req.origin_input_ids)
                 SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.wire.shell, req, last_chunk=True)
 
@@ -134,6 +134,8 @@ class HandoffRig(DoorRig):
                 # Up to 0.5.12.post1 bootstrap completes inside pop_bootstrapped
                 # (its poll all-reduce runs on coverage_rig's single-rank stand-in).
                 self.shell.attn_cp_cpu_group = self.shell.attn_tp_cpu_group = None
+                if not hasattr(self.prefill_queue, "gloo_group"):  # up to 0.5.9 the queue holds the group
+                    self.prefill_queue.gloo_group = None
                 PrefillBootstrapQueue.pop_bootstrapped(self.prefill_queue)
             self.prefill_pages.reserve(req.rid, len(req.origin_input_ids))
             give_kv_row(req, 0, len(req.origin_input_ids))

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(tree, f"{tree} has no sglang/ package", real_stdout)
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from probes.addons import install as install_addons
+
+    install_addons()  # names older releases read from torch/triton that today's lack (probes/addons.py)
     coverage_missing = None
     try:
         cov = start_coverage(tree, args.coverage)

@@ -61,6 +61,7 @@ import inspect
 import logging
 import threading
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -146,15 +147,15 @@ def _drain_acking_receiver(ledger: Ledger, mgr, room: int, prefill_ranks: int):
 
         return KVPoll.Failed
 
-    cls = type(
-        "DrainAckingKVReceiver",
-        (CommonKVReceiver,),
-        {
-            "_connect_to_bootstrap_server": connect,
-            "failure_exception": failure_exception,
-            "poll": poll,  # abstract before 0.5.22; the stand-in transport failed
-        },
-    )
+    members = {
+        "_connect_to_bootstrap_server": connect,
+        "failure_exception": failure_exception,
+        "poll": poll,  # abstract before 0.5.22; the stand-in transport failed
+    }
+    if "init" in getattr(CommonKVReceiver, "__abstractmethods__", ()):
+        # abstract up to 0.5.9; never called here: the metadata was published before the case starts
+        members["init"] = lambda self, *args, **kwargs: None
+    cls = type("DrainAckingKVReceiver", (CommonKVReceiver,), members)
     rcv = object.__new__(cls)
     rcv.__dict__.update(
         kv_mgr=mgr,
@@ -176,9 +177,11 @@ def _drain_acking_receiver(ledger: Ledger, mgr, room: int, prefill_ranks: int):
 
 def _fake_receiver(room: int):
     """The FAKE backend (no drain-ACK capability): its real manager and receiver."""
-    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+    from sglang.srt.disaggregation.fake import conn
 
-    mgr = object.__new__(FakeKVManager)
+    # up to 0.5.4.post2 the FAKE backend has no manager of its own: its receiver keeps whatever it is given
+    mgr = object.__new__(conn.FakeKVManager) if hasattr(conn, "FakeKVManager") else SimpleNamespace()
+    FakeKVReceiver = conn.FakeKVReceiver
     return FakeKVReceiver(mgr=mgr, bootstrap_addr="10.0.0.2:8998", bootstrap_room=room)
 
 

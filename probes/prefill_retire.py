@@ -313,7 +313,7 @@ class _RejectingGrammar:
 
 
 @case(
-    proves=("pr36988",),
+    proves=("pr36988",), needs=(">=0.4.10",),
     must_preserve=False,
     expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
 )
@@ -326,7 +326,13 @@ def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
     req = rig.prefilled_req("grammar-rejected", 64, room=306)
     grammar = _RejectingGrammar()
     req.grammar = grammar
-    rig.deliver_result([req])
+    try:
+        rig.deliver_result([req])
+    except ValueError as exc:
+        if not grammar.accept_calls or "not allowed by the grammar" not in str(exc):
+            raise
+        raise NotApplicable("the prefill result path does not handle a grammar's rejection of the sampled "
+                            "token in this release (accept_token's ValueError escapes it; handled from 0.4.10)") from None
     if not grammar.accept_calls:
         raise NotApplicable(
             "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this release"

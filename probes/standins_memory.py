@@ -124,6 +124,16 @@ class RecordingRadixCache:
     def release_aborted_request(self, rid):
         self.ledger.record("tree_release_aborted", rid=rid)
 
+    pages = None  # the shell's page pool (make_scheduler_shell), for the call below
+
+    def cache_finished_req(self, req, *args, **kwargs):
+        """Up to 0.5.5 (before the `release_kv_cache` helper) the tree frees a finished request's
+        KV itself: recorded as that helper's stand-in records it (patch_cache_helpers)."""
+        insert = kwargs.get("is_insert", args[0] if args else True)
+        freed = self.pages.release(req.rid) if self.pages is not None else 0
+        drop_kv_row(req)
+        self.ledger.record("release_kv_cache", rid=req.rid, insert=bool(insert), pages=freed)
+
     def supports_mamba(self) -> bool:
         return False
 

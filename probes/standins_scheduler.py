@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, ParallelStandIn, describe_finish
+from probes.standins import Ledger, ParallelStandIn, construct_with, describe_finish
 from probes.standins_memory import RecordingRadixCache, RecordingReqToMetadataIdxAllocator
 
 
@@ -118,6 +118,7 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         "req_to_metadata_buffer_idx_allocator": RecordingReqToMetadataIdxAllocator(ledger),
         "waiting_queue": [],
         "processed_tokens_counter": 0,
+        "tp_rank": 0,  # one rank; up to 0.4.7 the decode pop names it in its failure message
         "model_config": SimpleNamespace(num_key_value_heads=8),
         "ps": ParallelStandIn(),
         "server_args": SimpleNamespace(
@@ -135,6 +136,8 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         # Up to 0.5.12.post1 the scheduler streams itself (no output_streamer).
         defaults["stream_output"] = defaults["output_streamer"].stream_output
     defaults.update(attrs)
+    if isinstance(defaults["tree_cache"], RecordingRadixCache):
+        defaults["tree_cache"].pages = defaults.get("token_to_kv_pool_allocator")
     shell.__dict__.update(defaults)
     return shell
 
@@ -149,17 +152,29 @@ class ScheduleBatchShell:
         self.prefill_stats = None
         self.dp_cooperation_info = None
         self.return_logprob = False
+        self.next_batch_sampling_info = None  # up to 0.5.1: no grammar mask to carry to the next batch
 
 
 def deliver_prefill_result(shell, reqs, sampled_token: int) -> None:
     """One forward result for ``reqs`` reaches the tree's
     ``process_batch_result_disagg_prefill`` (a real ``GenerationBatchResult``)."""
     import torch
-    from sglang.srt.managers.utils import GenerationBatchResult
 
-    result = GenerationBatchResult(
-        next_token_ids=torch.tensor([sampled_token] * len(reqs), dtype=torch.int64)
-    )
+    next_token_ids = torch.tensor([sampled_token] * len(reqs), dtype=torch.int64)
+    try:
+        from sglang.srt.managers.utils import GenerationBatchResult
+    except ImportError:  # up to 0.5.1: the scheduler's own dataclass, every field required
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.scheduler import GenerationBatchResult
+
+        # the tree's own (empty) logits output: 0.4.8 reads its hidden_states unguarded; no
+        # logprob or hidden state is asked for, so nothing else of it is read
+        logits_output = LogitsProcessorOutput(next_token_logits=None)
+        result = construct_with(GenerationBatchResult, next_token_ids=next_token_ids, logits_output=logits_output,
+                                pp_hidden_states_proxy_tensors=None, extend_input_len_per_req=None,
+                                extend_logprob_start_len_per_req=None, bid=0, can_run_cuda_graph=False)
+    else:
+        result = GenerationBatchResult(next_token_ids=next_token_ids)
     type(shell).process_batch_result_disagg_prefill(shell, ScheduleBatchShell(reqs), result)
 
 

@@ -135,5 +135,9 @@ class PerLayerEngineStandIn:
         self.ledger.record("layer_write_landed", layer=layer)
         return 0
 
+    def transfer_sync(self, session_id, buffer, peer_buffer_address, length) -> int:
+        """Up to 0.4.7 the send writes one block per call (no batch API): the same per-layer plan."""
+        return self.batch_transfer_sync(session_id, [buffer], [peer_buffer_address], [length])
+
     def land(self) -> None:
         self.landed.set()

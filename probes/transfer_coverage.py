@@ -67,6 +67,7 @@ def metadata_buffers():
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
     return construct_with(MetadataBuffers, size=8, hidden_size=HIDDEN, hidden_states_dtype=torch.float32,
+                          dtype=torch.float32,  # the same argument's name up to 0.5.1
                           max_top_logprobs_num=16, max_sampling_mask_tokens=0)
 
 
@@ -304,6 +305,9 @@ class DecodeSide:
 
     def pop(self, collective: MinAllReduce) -> list:
         collective.local.rank = self.rank
+        for decode_req in self.queue.queue:
+            if decode_req.req.eos_token_ids is None:  # up to 0.5.4.post2 the pop reads it unguarded
+                decode_req.req.eos_token_ids = set()  # the probes' model has no EOS token
         return self.queue.pop_transferred()
 
     def outcome(self, decode_req, committed: list) -> dict[str, Any]:
@@ -312,7 +316,8 @@ class DecodeSide:
         return {
             "rank": self.rank,
             "reserved_tokens": reservation(req),
-            "recorded_coverage": int(self.buffers.cached_tokens[decode_req.metadata_buffer_index, COVERAGE_SLOT]),
+            "recorded_coverage": int(self.buffers.cached_tokens[decode_req.metadata_buffer_index, COVERAGE_SLOT])
+            if hasattr(self.buffers, "cached_tokens") else None,  # no such buffer up to 0.5.2
             "committed": any(r is req for r in committed),
             "finish": reason,
             "refusal_message": getattr(req.finished_reason, "message", None) if reason else None,
@@ -355,12 +360,19 @@ def _run_ranks(sides, collective) -> list[list]:
     return results
 
 
+def require_coverage_slot() -> None:
+    if not hasattr(metadata_buffers(), "cached_tokens"):
+        raise NotApplicable("this release's MetadataBuffers has no cached_tokens buffer (added in 0.5.3): the "
+                            "transferred-coverage check's spare slot, which carries the coverage, does not exist")
+
+
 def one_handoff(ctx, *, decode_tokens: int, prefill_tokens: int, rid: str, room: int, output_ids=(),
                 rebootstrap: bool = False, spec: bool = False, erase_coverage: bool = False,
                 before_commit=None, check_env: str | None = None, **prefill_kw) -> dict[str, Any]:
     """Decode reserves ``decode_tokens``; prefill hands over a ``prefill_tokens``
     sequence; decode's transfer queue polls it. ``check_env``: the value of the
     check's environment variable (None: unset, the default every case runs with)."""
+    require_coverage_slot()
     collective = coverage_rig(ctx)
     ctx.setenv(CHECK_ENV, check_env)
     ledger = Ledger()
@@ -414,7 +426,7 @@ def _commit(obs: dict[str, Any], what: str) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP 500, never committed, pages released once, counted.",
 )
@@ -426,7 +438,7 @@ def short_coverage_refused(ctx) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
     must_preserve=False,
     expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported as such, never silently committed.",
 )
@@ -437,7 +449,7 @@ def unpatched_peer_refused(ctx) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
     must_preserve=False,
     expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none commits it alone.",
 )
@@ -446,13 +458,13 @@ def tp_ranks_refuse_together(ctx) -> Outcome:
     return _two_ranks(ctx, short_on_rank1=True)
 
 
-@case(beyond_upstream=True, must_preserve=True, expect="A complete handoff is committed with its pages.")
+@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="A complete handoff is committed with its pages.")
 def full_coverage_committed(ctx) -> Outcome:
     obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="full", room=611)
     return _commit(obs, "The complete handoff")
 
 
-@case(beyond_upstream=True,
+@case(needs=(">=0.5.3",), beyond_upstream=True,
     must_preserve=True,
     expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, so prefill sends only the rest) is committed.",
 )
@@ -462,7 +474,7 @@ def cached_prefix_committed(ctx) -> Outcome:
     return _commit(obs, "The handoff after a 64-token decode-held prefix and a 128-token prefill cache hit")
 
 
-@case(beyond_upstream=True, must_preserve=True, expect="A chunked prefill's handoff (several chunks, the last one completing it) is committed.")
+@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="A chunked prefill's handoff (several chunks, the last one completing it) is committed.")
 def chunked_prefill_committed(ctx) -> Outcome:
     obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="chunked", room=613, chunk_ends=(64, 128))
     return _commit(obs, "The three-chunk handoff")
@@ -509,7 +521,7 @@ def retracted_request_committed(ctx) -> Outcome:
     return _commit(obs, "The retracted request's new handoff")
 
 
-@case(beyond_upstream=True,
+@case(needs=(">=0.5.3",), beyond_upstream=True,
     must_preserve=True,
     expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, is committed.",
 )
@@ -518,12 +530,13 @@ def speculative_transfer_committed(ctx) -> Outcome:
     return _commit(obs, "The EAGLE handoff")
 
 
-@case(beyond_upstream=True, must_preserve=True, expect="Two attention-TP ranks that both see a complete handoff commit it together.")
+@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="Two attention-TP ranks that both see a complete handoff commit it together.")
 def tp_ranks_commit_together(ctx) -> Outcome:
     return _two_ranks(ctx, short_on_rank1=False)
 
 
 def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
+    require_coverage_slot()
     collective = coverage_rig(ctx, ranks=2)
     ledger = Ledger()
     sides = [DecodeSide(ctx, ledger, rank=r) for r in range(2)]

@@ -179,6 +179,38 @@ def test_run_when_the_series_does_not_apply(real_cache, stub_probes, tmp_path, c
     assert not out.exists() and stub_probes == []
 
 
+def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stub_probes, tmp_path, capsys):
+    """No variant of a fix for the release: one line says it stays exposed, the pristine tree alone is
+    probed, and the bundle (mode `exposure`) shows that tree's cases and claims no patched tree."""
+    series = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", series)
+    (series / "pr36988" / "pr36988-0.5.19.patch").unlink()
+    out = tmp_path / "bundle"
+    code = cli.main(["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    line = captured.out.splitlines()[0]
+    assert line.startswith("sglang 0.5.19 stays exposed: ") and "no variant of pr36988" in line, line
+    assert "None" not in captured.out + captured.err
+    assert [[role for role, _ in call] for call in stub_probes] == [["pristine"]]
+    statement = json.loads((out / "receipt.json").read_text())
+    _validate(statement)
+    p = statement["predicate"]
+    assert p["mode"] == "exposure" and p["apply"]["status"] == "failed" and p["inputs"]["patches"] == []
+    assert set(p["inputs"]["trees"]) == {"pristine"} and p["inputs"]["reference"] is None
+    assert [s["name"] for s in statement["subject"]] == ["pristine-tree/sglang"]
+    unsafe = {f"{r['probe']}/{r['case']}" for r in p["cases"] if r["verdicts"]["pristine"] == "unsafe"}
+    assert unsafe and all(r["pair"] == "still-unsafe" for r in p["cases"] if f"{r['probe']}/{r['case']}" in unsafe)
+    vex = json.loads((out / "vex.openvex.json").read_text())
+    assert "affected" in {s["status"] for s in vex["statements"]}
+    assert "fixed" not in {s["status"] for s in vex["statements"]}
+    assert "stays exposed" in (out / "REPORT.md").read_text()
+    assert evidence.verify(out).ok
+    edited = json.loads(json.dumps(statement))
+    edited["predicate"]["mode"] = "backport"  # a receipt must not pass an exposure run off as a backport
+    assert evidence.check_statement(edited)
+
+
 def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_probes, tmp_path, capsys):
     """`run BASE --head HEAD` (upstream's own before/after pairs): nothing applied, both trees probed."""
     base, head = release_tree("0.5.19"), release_tree("0.5.22")

@@ -124,6 +124,31 @@ def test_class_status_follows_from_the_cases(classes, rows, status):
     assert class_status(page, rows).status == status
 
 
+def test_an_unsafe_case_shows_the_exposure_whatever_else_errored(classes):
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    status = class_status(page, [_row("page_lifetime", "a", "unsafe", "unsafe"), _row("prefill_drain", "b", "safe", "error")])
+    assert status.status == "affected" and "1 case(s) could not be judged" in status.notes
+
+
+def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
+    """No patched tree (the pack cannot serve the release): the pristine tree is the product, its own head."""
+    from backport.evidence.scope import exposure_line
+    from backport.evidence.verdicts import case_rows
+
+    docs = {"pristine": {"cases": [{"probe": "page_lifetime", "case": "a", "verdict": "unsafe"},
+                                   {"probe": "page_lifetime", "case": "b", "verdict": "safe", "must_preserve": True}]}}
+    rows = case_rows(docs)
+    assert [r["pair"] for r in rows] == ["still-unsafe", "held"]
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    status = class_status(page, rows)
+    assert status.status == "affected" and status.tree == "pristine" and "on the pristine tree" in status.notes
+    apply = {"status": "failed", "patches": [{"fix": "pr36988", "variant": None, "status": "failed"},
+                                             {"fix": "pr38935", "variant": "v.patch", "status": "failed"}]}
+    line = exposure_line("0.5.9", apply)
+    assert line.startswith("sglang 0.5.9 stays exposed: ") and "no variant of pr36988" in line
+    assert "None" not in line and "pr38935 depend(s) on it" in line
+
+
 def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
     apply_report = {"patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.16 is outside scope"}]}
     rows = [_row("page_lifetime", "failed_transfer_holds_pages_until_drain", "unsafe", "unsafe")]

@@ -4,8 +4,9 @@ run SPEC: fetch the target, apply the pack on a fresh clone, probe the pristine 
 patched tree and the reference (upstream's first pinned release that has every fix), run
 upstream's own unit tests for the fixes, and write an evidence bundle. Exit 0 when no case
 regressed or errored and every case outside the must-preserve set is fixed or held (or not
-applicable); 1 otherwise (or when the series does not apply: then no bundle is written,
-there is no patched tree to prove); 2 for bad input.
+applicable); 1 otherwise; 2 for bad input. A release the pack cannot serve (a fix with no
+variant for it) is said in one line to stay exposed; its pristine tree alone is probed and the
+bundle shows the exposure (exit 1). A variant that does not place writes no bundle (exit 1).
 
 With --head SPEC the pack is not applied: SPEC is the base and the head is another tree
 (upstream's own before/after commits of a fix, `patches/pairs.toml`).
@@ -25,16 +26,17 @@ from backport.evidence.scope import reference_comparison
 def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None = None) -> str:
     p = bundle.statement["predicate"]
     roles = [r for r in evidence.ROLES if r in p["probes"]]
-    lines = [f"{'case':58} " + " ".join(f"{r:14}" for r in roles) + " pair"]
+    exposure = [evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])] if p["mode"] == "exposure" else []
+    lines = exposure + [f"{'case':58} " + " ".join(f"{r:14}" for r in roles) + " pair"]
     for row in p["cases"]:
         name = f"{row['probe']}/{row['case']}" + (" *" if row["must_preserve"] else "")
         mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
-        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r) or '-':14}" for r in roles)
                      + f" {row['pair']}{mark}")
     for row in (p.get("live") or {}).get("scenarios", []):
         name = f"live/{row['scenario']}" + (" *" if row["must_preserve"] else "")
         mark = "  <- finding" if evidence.is_finding(row["pair"], row["must_preserve"]) else ""
-        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r)!s:14}" for r in roles)
+        lines.append(f"{name:58} " + " ".join(f"{row['verdicts'].get(r) or '-':14}" for r in roles)
                      + f" {row['pair']}{mark}")
     s = p["summary"]
     counts = ", ".join(f"{n} {v}" for v, n in s["pair_verdicts"].items() if n)
@@ -87,7 +89,10 @@ def options_from(args) -> list:
 
 
 def _document(outcome) -> dict:
+    p = outcome.bundle.statement["predicate"]
     return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
+            "mode": p["mode"], "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])
+            if p["mode"] == "exposure" else None,
             "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary,
             "subject": outcome.bundle.statement["subject"],
             "previous_bundle": None if outcome.previous is None else str(outcome.previous)}

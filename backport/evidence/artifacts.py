@@ -4,7 +4,8 @@ The statement's subjects are the artifacts an operator deploys or rebuilds, not 
 own files:
 
 - ``patched-tree/sglang``: the patched `sglang/` package, by its tree digest (the sha256 of the
-  `sha256sum` manifest of `sglang/` that `sglang-backport status` prints);
+  `sha256sum` manifest of `sglang/` that `sglang-backport status` prints); in an exposure run
+  (no variant for the release, no patched tree) ``pristine-tree/sglang``, the release as shipped;
 - with `--export`, every exported file by its place in the bundle: the patched wheel
   ``export/sglang-X+backport.N-<tags>.whl`` and the `git format-patch` series
   ``export/patches/NNNN-*.patch``.
@@ -21,11 +22,15 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backport.evidence.layout import sha256_bytes
+from backport.evidence.layout import product_role, sha256_bytes
 from backport.evidence.problem import Problem
 from backport.tree import is_package_source, manifest_digest
 
 TREE_SUBJECT = "patched-tree/sglang"
+
+
+def tree_subject_name(role: str) -> str:
+    return f"{role}-tree/sglang"
 EXPORT_DIR = "export"
 PATCHES_DIR = f"{EXPORT_DIR}/patches"
 TREE_DIGEST_METHOD = "sha256 of the sha256sum manifest of sglang/ (sglang-backport status)"
@@ -55,8 +60,8 @@ def export_of(wheel: dict, wheel_bytes: bytes, patches: list[tuple[str, bytes]],
     return Exported(files, record)
 
 
-def subjects(patched_tree_digest: str, version: str, export: dict | None) -> list[dict]:
-    found = [{"name": TREE_SUBJECT, "digest": {"sha256": patched_tree_digest},
+def subjects(patched_tree_digest: str, version: str, export: dict | None, *, role: str = "patched") -> list[dict]:
+    found = [{"name": tree_subject_name(role), "digest": {"sha256": patched_tree_digest},
               "annotations": {"version": version, "digest_of": TREE_DIGEST_METHOD}}]
     if export:
         if export.get("wheel"):
@@ -68,9 +73,10 @@ def subjects(patched_tree_digest: str, version: str, export: dict | None) -> lis
 def statement_problems(statement: dict) -> list[str]:
     """The subjects against the predicate: the patched tree's digest, each export's file digest."""
     p = statement["predicate"]
-    patched = p["inputs"]["trees"].get("patched") or {}
+    role = product_role(p["inputs"]["trees"])
+    patched = p["inputs"]["trees"].get(role) or {}
     export = p.get("export")
-    expected = subjects(patched.get("tree_digest", ""), patched.get("version", ""), export)
+    expected = subjects(patched.get("tree_digest", ""), patched.get("version", ""), export, role=role)
     got = statement["subject"]
     problems = []
     if [s.get("name") for s in got] != [s["name"] for s in expected]:
@@ -81,7 +87,7 @@ def statement_problems(statement: dict) -> list[str]:
         if have.get("digest") != want["digest"]:
             problems.append(f"subject {want['name']}: digest {have.get('digest')} is not the predicate's {want['digest']}")
         if have.get("annotations", want.get("annotations")) != want.get("annotations"):
-            problems.append(f"subject {want['name']}: annotations disagree with inputs.trees.patched")
+            problems.append(f"subject {want['name']}: annotations disagree with inputs.trees.{role}")
     files = p.get("files") or {}
     if export:
         wheel = export.get("wheel")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from backport import gitops
-from backport.evidence.layout import probe_file, sha256_bytes
+from backport.evidence.layout import probe_file, product_role, sha256_bytes
 from backport.evidence.verdicts import ROLES
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -130,7 +130,7 @@ def vex_statement(statement: dict, standards: dict, vex_document: dict) -> dict:
     wheel = (statement["predicate"].get("export") or {}).get("wheel")
     if wheel:
         subjects.append({"name": wheel["file"].rsplit("/", 1)[-1], "digest": {"sha256": wheel["sha256"]}})
-    subjects.append(tree_subject(statement, standards, "patched"))
+    subjects.append(tree_subject(statement, standards, product_role(statement["predicate"]["inputs"]["trees"])))
     return _statement(subjects, OPENVEX, vex_document)
 
 

@@ -30,7 +30,7 @@ from backport.evidence.identifiers import (
     vulnerability_iri,
     wheel_purl,
 )
-from backport.evidence.layout import canonical_json
+from backport.evidence.layout import HEAD, canonical_json, product_role
 from backport.evidence.problem import Problem
 from backport.evidence.vulnerabilities import action_statement, class_status
 
@@ -46,7 +46,8 @@ def _component(statement: dict, standards: dict):
 
 
     p = statement["predicate"]
-    patched = p["inputs"]["trees"]["patched"]
+    role = product_role(p["inputs"]["trees"])
+    patched = p["inputs"]["trees"][role]
     pristine = p["inputs"]["trees"].get("pristine") or {}
     wheel = (p.get("export") or {}).get("wheel")
     class_of = {fix: row for row in standards["classes"] for fix in row["fixes"]}
@@ -68,7 +69,7 @@ def _component(statement: dict, standards: dict):
             purl=PackageURL(type="pypi", name="sglang", version=pristine["version"]),
             hashes=[HashType(alg=HashAlgorithm.SHA_256, content=pristine["artifact_sha256"])]
             if pristine.get("artifact_sha256") else None))
-    git_tree = standards.get("git_trees", {}).get("patched")
+    git_tree = standards.get("git_trees", {}).get(role)
     properties = [Property(name="sglang-backport:dirHash1", value=patched["tree_digest"])]
     if git_tree:
         properties.append(Property(name="sglang-backport:gitTree", value=git_tree))
@@ -79,7 +80,9 @@ def _component(statement: dict, standards: dict):
         purl=PackageURL(type="pypi", name="sglang", version=version) if wheel else None,
         hashes=[HashType(alg=HashAlgorithm.SHA_256, content=wheel["sha256"])] if wheel else None,
         pedigree=Pedigree(ancestors=ancestors, patches=patches,
-                          notes="the upstream release with this pack's backports applied (sglang-backport)"),
+                          notes="the upstream release with this pack's backports applied (sglang-backport)"
+                          if role == HEAD else "the upstream release as shipped: the pack has no backport "
+                                               "for it (sglang-backport, an exposure run)"),
         properties=properties), ref
 
 
@@ -106,7 +109,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
         detail = status.notes
         recommendation = None
         if status.status == "affected":
-            recommendation = action_statement(row, status, p["inputs"]["trees"]["patched"]["version"], p["apply"])
+            recommendation = action_statement(row, status, product_version(statement), p["apply"])
         found.append(Vulnerability(
             bom_ref=f"vulnerability:{row['id']}", id=row["id"], source=own, references=references,
             description=row["title"], detail=row["description"], recommendation=recommendation,

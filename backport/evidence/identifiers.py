@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from packageurl import PackageURL
 
+from backport.evidence.layout import product_role
+
 SITE = "https://sglang-backport.dev"
 
 def wheel_purl(version: str) -> str:
@@ -19,10 +21,12 @@ def vulnerability_iri(class_id: str) -> str:
 def product_version(statement: dict) -> str:
     p = statement["predicate"]
     wheel = (p.get("export") or {}).get("wheel")
-    return wheel["version"] if wheel else p["inputs"]["trees"]["patched"]["version"]
+    trees = p["inputs"]["trees"]
+    return wheel["version"] if wheel else trees[product_role(trees)]["version"]
 
 def document_id(statement: dict) -> str:
     p = statement["predicate"]
     wheel = (p.get("export") or {}).get("wheel")
-    key = wheel["sha256"] if wheel else p["inputs"]["trees"]["patched"]["tree_digest"]
+    trees = p["inputs"]["trees"]
+    key = wheel["sha256"] if wheel else trees[product_role(trees)]["tree_digest"]
     return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"

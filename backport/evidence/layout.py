@@ -38,6 +38,12 @@ ROLES = ("pristine", "patched", "reference")
 BASE, HEAD, REFERENCE = ROLES
 
 
+def product_role(roles) -> str:
+    """The tree a bundle speaks for: the patched (head) tree, or, in an exposure run (the pack has
+    no variant for the release, so there is no head), the pristine tree as the operator runs it."""
+    return HEAD if HEAD in roles else BASE
+
+
 def role_of(name: str) -> str | None:
     """The role whose probe results a bundle file holds (None: not a probe file)."""
     if name.startswith(PROBES_DIR + "/") and name.endswith(".json") and name.count("/") == 1:

@@ -54,11 +54,16 @@ def render_report(statement: dict) -> str:
     else:
         lines.append("No patch applied (the head tree is given, not built by the toolkit)."
                      if p["mode"] == "upstream-pair" else "No patch applies to this release.")
-    if p["apply"] is not None:
-        lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{p['apply'].get('head_commit')}`."]
+    if p["mode"] == "exposure":
+        lines += ["", (f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
+                       f"tree was built, so nothing here is a fix (the release stays exposed).")]
+    elif p["apply"] is not None:
+        lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{_cell(p['apply'].get('head_commit'))}`."]
     lines += [""] + artifacts.render(statement)[:-1]
     own_mark = "own check" if REFERENCE in roles else "-"
-    lines += ["", "## Cases", "", ("Pair = pristine -> patched; **bold** marks a finding. "
+    pair_is = ("Pair = the pristine tree as shipped (an exposure run: no patched tree; unsafe reads "
+               "still-unsafe, safe reads held)" if p["mode"] == "exposure" else "Pair = pristine -> patched")
+    lines += ["", "## Cases", "", (pair_is + "; **bold** marks a finding. "
                                    "`*` marks a must-preserve case (behaviour every fix must keep). "
                                    "patched = reference: `yes` the patched tree's verdict equals the reference's, "
                                    "`**no**` it differs"

@@ -12,7 +12,9 @@ from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 # Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
 STAND_INS = ("`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
              "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
-             "engines and a NIXL agent (RDMA), and `probes/shims/` (`torchvision`, `sgl_kernel`) where absent")
+             "engines and a NIXL agent (RDMA), `probes/shims/` (`torchvision`, `sgl_kernel`, `vllm`, `decord`) where "
+             "absent, and `probes/addons.py` (names older releases read that torch 2.13 and triton dropped) "
+             "where missing")
 # The rollback of an exported wheel: `==X` alone is satisfied by `X+backport.N` (PEP 440), hence the flags.
 ROLLBACK = "pip install --force-reinstall --no-deps 'sglang=={version}'"
 COVERAGE_SWITCH = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=0"
@@ -74,7 +76,7 @@ def render(statement: dict) -> list[str]:
     described = ", ".join(f"{role} (sglang {trees[role]['version']})" if role in trees else role for role in roles)
     upstream, upstream_ran = _upstream_line(p["upstream_tests"])
     live = p.get("live")
-    lines = ["## Scope", "", "What ran:", "",
+    lines = exposure_lines(p) + ["## Scope", "", "What ran:", "",
              (f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
              f"SGLang modules imported in the probe environment (Python {env.get('python')}, torch "
              f"{env.get('torch')}) on a CPU, with named stand-ins where a GPU, RDMA or a model would be "
@@ -106,6 +108,32 @@ def render(statement: dict) -> list[str]:
         + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n) + "); " + reference_comparison(p) + ".",
         ""]
     return lines + rollout(statement)
+
+
+def unserved_reason(apply: dict | None) -> str:
+    """Why the pack cannot serve a release: the fixes with no variant for it (apply-report.json
+    lists the variants each one has)."""
+    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
+    lacking = [x["fix"] for x in failed if not x.get("variant")]
+    if not lacking:
+        return "the series does not apply"
+    waiting = [x["fix"] for x in failed if x.get("variant")]
+    return (f"no variant of {', '.join(lacking)} for this release"
+            + (f", and {', '.join(waiting)} depend(s) on it" if waiting else ""))
+
+
+def exposure_line(version: str, apply: dict | None) -> str:
+    """The one line an exposure run prints: the release, why the pack cannot serve it, that it stays exposed."""
+    return (f"sglang {version} stays exposed: the pack cannot serve it ({unserved_reason(apply)}); "
+            f"its pristine tree was probed to show the exposure, no patched tree was built")
+
+
+def exposure_lines(p: dict) -> list[str]:
+    if p["mode"] != "exposure":
+        return []
+    return ["## Exposure", "", (f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
+            "is about the release as shipped: the cases below are its pristine tree's verdicts, the VEX "
+            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix."), ""]
 
 
 def rollout(statement: dict) -> list[str]:

@@ -23,9 +23,11 @@ from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
     APPLY_REPORT,
+    HEAD,
     UPSTREAM_TESTS,
     canonical_json,
     probe_file,
+    product_role,
     role_of,
     sha256_bytes,
 )
@@ -102,7 +104,8 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         predicate["live"] = live
     return {
         "_type": STATEMENT_TYPE,
-        "subject": artifacts.subjects(trees["patched"].tree_digest, trees["patched"].version, export),
+        "subject": artifacts.subjects(trees[product_role(trees)].tree_digest, trees[product_role(trees)].version,
+                                      export, role=product_role(trees)),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
     }
@@ -155,7 +158,7 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
         p["upstream_tests"] = _embed(upstream, UPSTREAM_TESTS)
     if apply is not _KEEP:
         p["apply"] = apply
-        if apply is not None:
+        if apply is not None and p["mode"] != "exposure":
             p["inputs"]["patches"] = patch_inputs_from(apply, p["inputs"]["patches"])
             p["inputs"]["trees"]["patched"]["commit"] = apply.get("head_commit")
     plain = _plain_probes(p)
@@ -270,14 +273,20 @@ def _input_problems(p: dict) -> list[str]:
         problems.append(f"inputs.target.commit {target.get('commit')} is not the pristine tree's commit "
                         f"{pristine.get('commit')}")
     backport = p["mode"] == "backport"
-    if backport != (apply is not None) or backport != (target.get("head") is None):
+    exposure = p["mode"] == "exposure"  # the pack could not serve the release: no head tree at all
+    paired = p["mode"] == "upstream-pair"
+    if (backport or exposure) != (apply is not None) or paired != (target.get("head") is not None):
         problems.append(f"mode {p['mode']!r} disagrees with the apply report and inputs.target.head")
+    if exposure != (HEAD not in trees) or (exposure and (apply or {}).get("status") != "failed"):
+        problems.append(f"mode {p['mode']!r} disagrees with inputs.trees (an exposure run, and only one, has no "
+                        f"patched tree, and its apply report failed)")
     if backport:  # the patched tree is a clone of the pristine one
         for key in ("spec", "version", "artifact_sha256", "unpinned"):
             if trees.get("patched", {}).get(key) != pristine.get(key):
                 problems.append(f"inputs.trees.patched.{key} is {trees.get('patched', {}).get(key)!r}, but the "
                                 f"patched tree is the pristine tree's clone, whose {key} is {pristine.get(key)!r}")
-    expected_patches = patch_inputs_from(apply, inputs["patches"])
+    # an exposure run names no patch: the engine's report is kept, the scratch clone it patched is not
+    expected_patches = [] if exposure else patch_inputs_from(apply, inputs["patches"])
     for index in range(max(len(expected_patches), len(inputs["patches"]))):
         got = inputs["patches"][index] if index < len(inputs["patches"]) else None
         want = expected_patches[index] if index < len(expected_patches) else None
@@ -291,7 +300,7 @@ def _input_problems(p: dict) -> list[str]:
                                 f"{want[key]!r} for {want['variant']}")
         if not (got.get("path") == want["variant"] or str(got.get("path")).endswith("/" + want["variant"])):
             problems.append(f"inputs.patches[{index}].path {got.get('path')!r} does not name {want['variant']}")
-    if apply is not None:
+    if apply is not None and not exposure:
         if trees.get("patched", {}).get("commit") != apply.get("head_commit"):
             problems.append(f"inputs.trees.patched.commit is {trees.get('patched', {}).get('commit')!r}, "
                             f"predicate.apply.head_commit is {apply.get('head_commit')!r}")

@@ -21,6 +21,9 @@ not-applicable      added      regressed      error      not-applicable
 * ``not-applicable`` (on both): the code path the case drives exists in neither tree
   (for example a later release's feature); not a finding, listed in the report.
 * ``added``: the code path is absent on base and safe on head; not a finding.
+* An exposure run (mode ``exposure``: the pack cannot serve the release, no head tree was built)
+  reads the pristine tree as its own head: the release stays as upstream shipped it, so an
+  unsafe case is ``still-unsafe`` (a finding) and a safe one ``held``.
 
 A run passes when no case is ``regressed`` or ``error`` and no case outside the
 must-preserve set is ``still-unsafe``. Must-preserve cases (valid, retracted, preempted,
@@ -33,7 +36,7 @@ that no release has yet, or carry later changes), not a pass/fail criterion.
 
 from __future__ import annotations
 
-from backport.evidence.layout import BASE, HEAD, REFERENCE, ROLES
+from backport.evidence.layout import BASE, HEAD, REFERENCE, ROLES, product_role
 
 from . import coverage as cov
 
@@ -79,6 +82,7 @@ def case_rows(probes: dict[str, dict]) -> list[dict]:
                 meta[key] = {"must_preserve": bool(case.get("must_preserve")), "expect": case.get("expect", ""),
                              "beyond_upstream": bool(case.get("beyond_upstream"))}
             verdicts.setdefault(key, {})[role] = case.get("verdict")
+    head = product_role(probes)  # no head tree (an exposure run): the pristine tree stays as it is
     rows = []
     for key in order:
         seen = verdicts[key]
@@ -88,7 +92,7 @@ def case_rows(probes: dict[str, dict]) -> list[dict]:
             "must_preserve": meta[key]["must_preserve"],
             "expect": meta[key]["expect"],
             "verdicts": {role: seen.get(role) for role in ROLES if role in probes},
-            "pair": pair_verdict(seen.get(BASE), seen.get(HEAD)),
+            "pair": pair_verdict(seen.get(BASE), seen.get(head)),
         }
         # A case of this pack's own fix (no release has it) is not compared with the reference.
         compared = REFERENCE in probes and not meta[key]["beyond_upstream"]

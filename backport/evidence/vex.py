@@ -35,7 +35,7 @@ from backport.evidence.identifiers import (  # noqa: F401 - the names scanners m
     vulnerability_iri,
     wheel_purl,
 )
-from backport.evidence.layout import canonical_json
+from backport.evidence.layout import canonical_json, product_role
 from backport.evidence.problem import Problem
 from backport.evidence.statement import first_schema_error, schema_place
 from backport.evidence.vulnerabilities import action_statement, class_status
@@ -59,7 +59,8 @@ def products(statement: dict) -> list[dict]:
     if wheel:
         purl = wheel_purl(wheel["version"])
         found.append({"@id": purl, "identifiers": {"purl": purl}, "hashes": {"sha-256": wheel["sha256"]}})
-    found.append({"@id": tree_iri(p["inputs"]["trees"]["patched"]["tree_digest"])})
+    trees = p["inputs"]["trees"]
+    found.append({"@id": tree_iri(trees[product_role(trees)]["tree_digest"])})
     return found
 
 
@@ -70,7 +71,7 @@ def products(statement: dict) -> list[dict]:
 def build_vex(statement: dict, standards: dict) -> dict:
     """The OpenVEX document of one bundle: one statement per vulnerability class."""
     p = statement["predicate"]
-    version = p["inputs"]["trees"]["patched"]["version"]
+    version = p["inputs"]["trees"][product_role(p["inputs"]["trees"])]["version"]
     toolkit = p["toolkit"]
     statements = []
     for row in standards["classes"]:

@@ -10,10 +10,12 @@ function of that file and the receipt, so `verify` rebuilds them and compares.
 
 The status of a class on the patched tree, from the pair verdicts of the class's cases:
 
-- ``under_investigation``: a case errored (the probe could not judge the tree), or only a
-  must-preserve case regressed (the exposure is closed, something the fix must keep broke),
+- ``under_investigation``: no case shows the exposure and a case errored (the probe could not
+  judge the tree), or only a must-preserve case regressed (the exposure is closed, something the fix must keep broke),
   or no case of the class ran at all (every one `not-applicable`);
-- ``affected``: a case outside the must-preserve set is unsafe on the patched tree;
+- ``affected``: a case outside the must-preserve set is unsafe on the patched tree, whatever else
+  errored (in an exposure
+  run, where the pack has no variant for the release, on the pristine tree: the one that runs);
 - ``fixed``: every case is fixed, held or added (or not-applicable), and at least one ran.
 """
 
@@ -138,6 +140,7 @@ class ClassStatus:
     cases: tuple[str, ...]      # probe/case of the class, in receipt order
     notes: str                  # how the status follows from the cases
     unsafe: tuple[str, ...] = ()
+    tree: str = "patched"       # the tree the status speaks for (pristine in an exposure run)
 
 
 def class_status(row: dict, cases: list[dict]) -> ClassStatus:
@@ -149,34 +152,41 @@ def class_status(row: dict, cases: list[dict]) -> ClassStatus:
         by_pair.setdefault(c["pair"], []).append(f"{c['probe']}/{c['case']}")
     counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_pair.items()))
     errored = [f"{c['probe']}/{c['case']}" for c in own if c["pair"] == "error"]
+    role = _product(own)
     exposed = [f"{c['probe']}/{c['case']}" for c in own
-               if not c["must_preserve"] and c["verdicts"].get("patched") == "unsafe"]
+               if not c["must_preserve"] and c["verdicts"].get(role) == "unsafe"]
     broken = [f"{c['probe']}/{c['case']}" for c in own if c["must_preserve"] and c["pair"] not in _CLEAN]
     ran = [c for c in own if c["pair"] != "not-applicable"]
+    if exposed:  # an unsafe case shows the exposure whatever another case could not judge
+        unjudged = f"; {len(errored)} case(s) could not be judged (first: {errored[0]})" if errored else ""
+        return ClassStatus("affected", names, f"{len(exposed)} case(s) unsafe on the {role} tree "
+                           f"(first: {exposed[0]}){unjudged}; cases: {counts}", tuple(exposed), role)
     if errored:
         return ClassStatus("under_investigation", names, f"{len(errored)} case(s) could not be judged "
                            f"(first: {errored[0]}); cases: {counts}")
-    if exposed:
-        return ClassStatus("affected", names, f"{len(exposed)} case(s) unsafe on the patched tree "
-                           f"(first: {exposed[0]}); cases: {counts}", tuple(exposed))
     if broken:
         return ClassStatus("under_investigation", names, f"must-preserve case(s) regressed (first: "
                            f"{broken[0]}); cases: {counts}")
     if not ran:
         return ClassStatus("under_investigation", names, "no case of this class ran on these trees "
                            f"({len(own)} not-applicable)")
-    return ClassStatus("fixed", names, f"every case of the class is fixed or held on the patched tree: {counts}")
+    return ClassStatus("fixed", names, f"every case of the class is fixed or held on the {role} tree: {counts}")
+
+
+def _product(cases: list[dict]) -> str:
+    """The tree the statuses speak for: patched, or pristine in an exposure run (no patched tree)."""
+    return "patched" if not cases or "patched" in cases[0]["verdicts"] else "pristine"
 
 
 def action_statement(row: dict, status: ClassStatus, version: str, apply_report: dict | None) -> str:
     """What an operator of this exposed release does (an `affected` statement must say)."""
     lacking = [p["fix"] for p in (apply_report or {}).get("patches", [])
-               if p.get("fix") in row["fixes"] and p.get("status") == "not-applicable"
-               and "fixed_in" not in (p.get("reason") or "")]
+               if p.get("fix") in row["fixes"] and (p.get("status") == "not-applicable" and "fixed_in" not in (
+                   p.get("reason") or "") or p.get("status") == "failed" and not p.get("variant"))]
     parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]
     if lacking:
         parts[0] += f": it carries no backport of {', '.join(lacking)} for this release"
-    parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the patched tree, first {status.unsafe[0]})"
+    parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the {status.tree} tree, first {status.unsafe[0]})"
     if row.get("pack_reach"):
         parts.append(f"move to sglang {row['pack_reach']} or later and install its backport wheel "
                      f"(sglang-backport run sglang==X --export)")

@@ -4,8 +4,10 @@
 
 Each step is a small function with typed inputs and outputs; `run` calls them in order, as
 nox's workflow does with its tasks. The CLI only parses arguments, calls `run` and prints.
-A series that does not apply raises `SeriesDoesNotApply` (a finding: there is no patched tree
-to prove, so no bundle is written).
+A release the pack cannot serve (a fix with no variant for it) makes an exposure run: no
+patched tree is built, the pristine tree is probed alone and the bundle (mode `exposure`)
+shows what the release, as shipped, stays exposed to (exit 1). A variant that exists but does
+not place raises `SeriesDoesNotApply` (a finding: no patched tree to prove, no bundle).
 """
 
 from __future__ import annotations
@@ -92,11 +94,19 @@ def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
     if report.status == "failed":
         failed = [p for p in report.patches if p.status == "failed"]
         first = failed[0] if failed else None
-        raise SeriesDoesNotApply(
-            f"{the_plan.options.spec}: the series does not apply"
-            + (f": {first.fix} ({first.variant}) {first.reason}" if first else "")
-            + "; no bundle written (there is no patched tree to prove)", report)
+        what = "" if first is None else f": {first.fix} ({first.variant or 'no variant'}) {first.reason}"
+        raise SeriesDoesNotApply(f"{the_plan.options.spec}: the series does not apply{what}; no bundle written "
+                                 f"(there is no patched tree to prove)", report)
     return report
+
+
+def unserved(report: ApplyReport) -> bool:
+    """The pack cannot serve the release: a fix has no variant for it (and every other failure is a
+    fix that depends on such a one). A variant that exists and does not place is a defect of the
+    pack, refused as before."""
+    failed = [p for p in report.patches if p.status == "failed"]
+    return any(p.variant is None for p in failed) and all(
+        p.variant is None or p.reason.startswith("missing dependency") for p in failed)
 
 
 def tree_input(role: str, tree: Tree, *, digest: str | None = None, commit: str | None = None) -> evidence.TreeInput:
@@ -170,6 +180,11 @@ class Prepared:
     apply_json: dict | None
     patches: list[dict]
     work: list[Path]
+    mode: str = "backport"             # the plan's mode, or "exposure": the pack could not serve the release
+
+    @property
+    def exposure(self) -> bool:
+        return self.mode == "exposure"
 
 
 def prepare(the_plan: Plan, progress: Progress) -> Prepared:
@@ -185,33 +200,42 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
             source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
         evidence.check_bundle_target(out, replace=options.replace_bundle)
     trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
-    apply_json, patches = None, []
+    apply_json, patches, mode = None, [], the_plan.mode
     try:
         if head is None:
             with progress.step("clone", "cloning a fresh work tree"):
                 patched = clone(source)
                 work.append(patched.path)
-            with progress.step("apply", f"applying the series of {the_plan.series_dir} to sglang {source.version}"):
-                report = apply_pack(the_plan, patched)
+            try:
+                with progress.step("apply", f"applying the series of {the_plan.series_dir} to sglang {source.version}"):
+                    report = apply_pack(the_plan, patched)
+            except SeriesDoesNotApply as refused:
+                if not unserved(refused.report):
+                    raise
+                # No patched tree: the release is probed as shipped, to show what it stays exposed to.
+                apply_json, mode = refused.report.to_json(), "exposure"
+                discard(work, keep=False)
+                work = []
+            else:
                 apply_json = report.to_json()
-            patches = patch_inputs(the_plan, apply_json)
-            trees["patched"] = tree_input("patched", patched, commit=report.head_commit)
+                patches = patch_inputs(the_plan, apply_json)
+                trees["patched"] = tree_input("patched", patched, commit=report.head_commit)
         else:
             trees["patched"] = tree_input("patched", head)
-        if the_plan.reference_spec is not None:
+        if the_plan.reference_spec is not None and mode != "exposure":
             with progress.step("fetch-reference", f"fetching the reference {the_plan.reference_spec}"):
                 trees["reference"] = tree_input("reference", fetch(the_plan.reference_spec, the_plan))
     except BaseException:
         discard(work, keep=False)
         raise
-    return Prepared(the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work)
+    return Prepared(the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work, mode)
 
 
 def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
     """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
     roots = [t.package_root for run in runs for t in run.trees.values()]
     labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
-    files = sorted({f for run in runs for f in touched_files(run.apply_json)})
+    files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply_json)})
     first = runs[0].progress
     with first.step("probe", f"probing {len(set(roots))} tree(s) in one probe matrix"):
         documents = iter(run_matrix(python, roots, jobs=jobs, labels=labels, coverage=files))
@@ -226,6 +250,9 @@ def export_files(run: Prepared) -> evidence.Exported | None:
     from backport.export import build_wheel, read_lineage, write_series
 
     if not run.plan.options.export:
+        return None
+    if run.exposure:
+        log.warning("--export: the pack cannot serve %s; nothing to export", run.plan.options.spec)
         return None
     if not any(p.get("status") == "applied" for p in (run.apply_json or {}).get("patches", [])):
         log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
@@ -243,11 +270,16 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
     """Upstream's tests (when asked), the live tier (when asked) and the bundle of one run."""
     the_plan, options, progress = run.plan, run.plan.options, run.progress
     live = None
-    if options.live:
+    if options.live and run.exposure:
+        log.warning("--live: not run on %s (an exposure run: no patched tree to compare)", options.spec)
+    elif options.live:
         with progress.step("live", f"live tier: a PD deployment per tree ({len(run.trees)} trees)"):
             live = live_documents(run.trees, options.python)
     upstream = {"skipped": "disabled with --no-upstream-tests", "trees": []}
-    if options.upstream_tests:
+    if run.exposure:
+        upstream = {"skipped": "an exposure run: the pack has no variant for this release, no patched tree "
+                               "to test", "trees": []}
+    elif options.upstream_tests:
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
             upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
                                       touched_files(run.apply_json))
@@ -257,7 +289,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
         exported = export_files(run)
         source, trees = run.source, run.trees
         bundle = evidence.assemble(
-            mode=the_plan.mode,
+            mode=run.mode,
             target={"spec": options.spec, "kind": the_plan.kind, "version": source.version,
                     "artifact_sha256": source.artifact_sha256,
                     "commit": source.base_commit if the_plan.kind in ("git", "path") else None,
@@ -273,7 +305,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
                           "series": str(the_plan.series_dir.resolve()), "cache": str(cache.cache_root()),
                           **{role: str(t.tree_path) for role, t in trees.items()}},
             },
-            reference_choice=the_plan.reference_choice,
+            reference_choice=None if run.exposure else the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
             coverage=coverage, export=exported, live=live,
             vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases))
@@ -295,8 +327,9 @@ def discard(work: list[Path], *, keep: bool) -> None:
 def run_many(many: list[RunOptions], *, jobs: int | None = None) -> list[RunOutcome]:
     """The main job for several targets: each fetched and patched, all probed in one matrix.
 
-    Every input is checked before anything is fetched or built; a series that does not apply
-    to one target stops the whole call (SeriesDoesNotApply names it) and leaves no bundle.
+    Every input is checked before anything is fetched or built; a target the pack cannot serve
+    gets an exposure bundle (its pristine tree only); a variant that does not place stops the
+    whole call (SeriesDoesNotApply names it) and leaves no bundle.
     """
     plans = [plan(options) for options in many]
     outs = [p.options.out for p in plans if p.options.out is not None]
@@ -319,5 +352,6 @@ def run_many(many: list[RunOptions], *, jobs: int | None = None) -> list[RunOutc
 
 
 def run(options: RunOptions) -> RunOutcome:
-    """The main job. Raises BadInput (exit 2), SeriesDoesNotApply / Finding (exit 1)."""
+    """The main job. Raises BadInput (exit 2), SeriesDoesNotApply / Finding (exit 1); an exposure
+    run returns exit 1."""
     return run_many([options])[0]

@@ -208,3 +208,36 @@ def test_live_section_pairs_and_summary():
                                            "must_preserve": False}]
     still["scenarios"][1]["pair"] = "fixed"  # a receipt edited by hand
     assert "does not follow" in live_evidence.section_problems(still)[0]
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+HOLDS_ON = "    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool(True)\n"
+IDLE_COUNTS_HOLDS = "                idle &= not self.disagg_decode_transfer_queue.has_pending_deferred_releases()\n"
+
+
+@pytest.mark.parametrize("environ, scheduler, hazard", [
+    (HOLDS_ON, "", True),                      # 0.5.21, 0.5.22: holds by default, idle check blind to them
+    (HOLDS_ON, IDLE_COUNTS_HOLDS, False),      # 0.5.23, or sbp-flush-holds applied
+    (HOLDS_ON.replace("True", "False"), "", False),  # 0.5.19, 0.5.20: no hold unless asked for
+    ("", "", False),                           # no deferral at all
+])
+def test_a_tree_whose_flush_frees_held_pages_is_read_from_its_code(tmp_path, environ, scheduler, hazard):
+    from backport.live.deployment import flush_frees_held_pages
+
+    root = _package(tmp_path, {"sglang/srt/environ.py": environ, "sglang/srt/managers/scheduler.py": scheduler})
+    assert flush_frees_held_pages(root) is hazard
+
+
+def test_decode_gets_the_retraction_backup_option_only_where_the_release_defines_it(tmp_path):
+    from backport.live.deployment import DECODE_FLAGS, RETRACTION_BACKUP_FLAGS, decode_flags
+
+    old = _package(tmp_path / "old", {"sglang/srt/server_args.py": "class ServerArgs: pass\n"})
+    new = _package(tmp_path / "new", {"sglang/srt/configs/disagg.py": "disaggregation_decode_retraction_backup: str\n"})
+    assert decode_flags(old) == DECODE_FLAGS
+    assert decode_flags(new) == DECODE_FLAGS + RETRACTION_BACKUP_FLAGS

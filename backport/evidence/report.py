@@ -67,7 +67,7 @@ def render_report(statement: dict) -> str:
                                    "`*` marks a must-preserve case (behaviour every fix must keep). "
                                    "patched = reference: `yes` the patched tree's verdict equals the reference's, "
                                    "`**no**` it differs"
-                                   + (", `own check` a case of this pack's own check, which no release has "
+                                   + (", `own check` a case of one of this pack's own checks, which the reference lacks "
                                       "(not compared: the reference is unsafe there by design)"
                                       if REFERENCE in roles else ", `-` no reference tree was probed")
                                    + ". A `-` in a tree's column: that tree was not probed for the case."), ""]

@@ -560,3 +560,101 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
     if all(committed) and all(o["finish"] is None for o in obs):
         return Outcome(SAFE, "Both ranks committed the complete handoff.", details)
     return Outcome(UNSAFE, f"The ranks did not both commit (committed per rank: {committed}).", details)
+
+
+# --- decode host receive (0.5.21+): the reservation is made after Success ---
+
+
+class HostStagedPreallocStandIn:
+    """Stands for ``DecodePreallocQueue.allocate_host_staged`` when the device
+    has room: it reserves the device pages and, as its ``_pre_alloc`` does,
+    records the tree's own ``_pre_alloc_fill_len`` in ``kv_committed_len``."""
+
+    def __init__(self, ledger: Ledger, pages) -> None:
+        self.ledger, self.pages = ledger, pages
+
+    def allocate_host_staged(self, decode_req) -> bool:
+        req = decode_req.req
+        reserved = tree_fill_len(req)
+        self.pages.reserve(req.rid, reserved)
+        set_reservation(req, reserved)
+        give_kv_row(req, 0, reserved)
+        decode_req.host_staged = False
+        self.ledger.record("allocate_host_staged", rid=req.rid, reserved=reserved)
+        return True
+
+
+def _host_receive_or_skip() -> None:
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
+
+    if not hasattr(DecodePreallocQueue, "allocate_host_staged") or "host_staged" not in getattr(
+            DecodeRequest, "__dataclass_fields__", {}):
+        raise NotApplicable("decode has no host receive (allocate_host_staged) in this release")
+
+
+def host_staged_handoff(ctx, *, prompt_tokens: int, prefill_tokens: int, rid: str, room: int) -> dict[str, Any]:
+    """Decode admitted the request to host pages (``_pre_alloc_host``: no device
+    reservation yet, ``kv_committed_len`` unset); prefill writes a
+    ``prefill_tokens`` sequence there; decode's real transfer queue polls it."""
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    _host_receive_or_skip()
+    collective = coverage_rig(ctx)
+    ledger = Ledger()
+    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), None)
+    decode = DecodeSide(ctx, ledger)
+    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), decode.pages)
+    decode.queue.enable_host_receive = True
+    decode.shell.disagg_decode_prealloc_queue = HostStagedPreallocStandIn(ledger, decode.pages)
+    ctx.patch_if_present(sg("disaggregation.decode"), "discard_kv_cache_backup",
+                         lambda req, *a, **k: ledger.record("discard_host_backup", rid=req.rid))
+    prefill = PrefillSide(ctx, ledger)
+    req = make_req(rid, prompt_tokens, room=room)
+    receiver = CompletedTransferReceiver(ledger, room)
+    receiver.supports_host_destination = True
+    decode_req = DecodeRequest(req=req, kv_receiver=receiver)
+    decode_req.host_staged = True
+    decode_req.metadata_buffer_index = decode.metadata.alloc()
+    decode.queue.queue.append(decode_req)
+    preq = prefill.handoff(f"p-{rid}", prefill_tokens, room)
+    decode.land(prefill, preq, decode_req)
+    committed = decode.pop(collective)
+    obs = decode.outcome(decode_req, committed)
+    obs["prefill_last_chunk_tokens"] = int(preq.start_send_idx)
+    obs["reserved_tokens"] = reservation(req)
+    obs["device_reservations"] = ledger.of("allocate_host_staged", rid=rid)
+    obs["held_for_drain"] = any(entry[0] is decode_req for entry in getattr(decode.queue, "_deferred_releases", []))
+    obs["host_released"] = ledger.count("discard_host_backup", rid=rid)
+    return obs
+
+
+@case(
+    proves=("sbp-transfer-coverage",), needs=(">=0.5.21",), beyond_upstream=True,
+    must_preserve=False,
+    expect="With decode host receive, a host-staged handoff whose recorded coverage is short of the prompt decode will reserve for it is refused (500, never committed, no device pages reserved, host pages held for the drain), not compared with the still-unset kv_committed_len.",
+)
+def host_staged_short_coverage_refused(ctx) -> Outcome:
+    """The incident's 1-token handoff into host pages staged for a 640-token prompt."""
+    obs = host_staged_handoff(ctx, prompt_tokens=640, prefill_tokens=1, rid="host-short", room=631)
+    finish = obs["finish"] or {}
+    refused_cleanly = (
+        not obs["committed"] and finish.get("type") == "FINISH_ABORT"
+        and int(finish.get("status_code") or 0) >= 500 and len(obs["streamed"]) == 1
+        and not obs["device_reservations"] and obs["pages_held"] == 0
+        and (obs["held_for_drain"] or obs["host_released"] == 1)
+        and "short of the reservation" in (obs["refusal_message"] or "")
+    )
+    if refused_cleanly:
+        return Outcome(SAFE, "The short host-staged handoff (1 of 640 tokens) refused: 500, no device pages "
+                             f"reserved, host pages {'held for the drain ACK' if obs['held_for_drain'] else 'released once'}.", obs)
+    if obs["committed"]:
+        return Outcome(UNSAFE, f"The short host-staged handoff committed: decode reserved {obs['reserved_tokens']} "
+                               f"device tokens after Success with {obs['prefill_last_chunk_tokens']} written.", obs)
+    return Outcome(UNSAFE, "The short host-staged handoff not refused cleanly (status, pages or message).", obs)
+
+
+@case(needs=(">=0.5.21",), beyond_upstream=True, must_preserve=True,
+      expect="With decode host receive, a complete host-staged handoff is committed with the device pages allocate_host_staged reserves.")
+def host_staged_full_coverage_committed(ctx) -> Outcome:
+    obs = host_staged_handoff(ctx, prompt_tokens=200, prefill_tokens=200, rid="host-full", room=632)
+    return _commit(obs, "The complete host-staged handoff")

@@ -702,6 +702,11 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
     if {"hicache_restore_lock_receipt", "hicache_restore_lock"} & set(fields):
         raise NotApplicable("decode releases the restore through lock receipts here (0.5.20+), "
                             "which this rig does not build")
+    from packaging.version import Version
+    from sglang.version import __version__
+
+    if Version(__version__) < Version("0.5.16"):
+        raise NotApplicable("before 0.5.16 decode's restore state machine differs from the one this rig drives")
 
 
 @case(

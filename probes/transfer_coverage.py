@@ -710,7 +710,7 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
 
 
 @case(
-    needs=("sbp-transfer-coverage", ">=0.5.16,<0.5.20"), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",), needs=("sbp-transfer-coverage", ">=0.5.16,<0.5.20"), beyond_upstream=True,
     must_preserve=False,
     expect="When the coverage check on one attention-TP rank refuses a request while another rank's HiCache load-back for it is still copying, that rank's Failed path (_clean_hicache_prefetch_resources) releases only decode's own lock: the tree's in-flight lock keeps the copy's device pages from eviction and reuse until the copy finishes, then they are reclaimed.",
 )

@@ -35,6 +35,10 @@ NEW_CASES = {
     "retracted_request_committed": True,
     "speculative_transfer_committed": True,
     "tp_ranks_commit_together": True,
+    "host_staged_short_coverage_refused": False,
+    "host_staged_full_coverage_committed": True,
+    "refusal_during_pending_restore_keeps_restore_pages": False,
+    "restored_handoff_committed": True,
 }
 
 
@@ -173,7 +177,11 @@ def test_the_fix_alone_refuses_the_incident_handoff(version, release_tree, probe
         assert before[f"transfer_coverage/{name}"] == "unsafe"
         assert after[f"transfer_coverage/{name}"] == "safe"
     must = [c for c in after_doc["cases"] if c["must_preserve"]]
-    assert must and all(c["verdict"] == "safe" for c in must), [c["case"] for c in must if c["verdict"] != "safe"]
+    # decode host receive arrived in 0.5.21: its must-preserve case has no code here
+    absent = {c["case"] for c in must if c["verdict"] == "not-applicable"}
+    assert absent == {"host_staged_full_coverage_committed"}, absent
+    assert all(c["verdict"] == "safe" for c in must if c["case"] not in absent), [
+        c["case"] for c in must if c["verdict"] != "safe"]
     refused = next(c for c in after_doc["cases"] if c["case"] == "short_coverage_refused")["details"]
     assert refused["refusal_counter"] == 1 and int(refused["finish"]["status_code"]) == 500
 

@@ -911,3 +911,17 @@ def test_report_states_its_scope_before_the_result(bundle_dir):
     assert f"patched differs from the reference in {differs} of {compared} compared cases" in lines[result_at]
     assert set(agree) <= {"yes", "**no**", "own check"}
     assert "`own check` a case of one of this pack's own checks" in report and "`**no**` it differs" in report
+
+
+def test_a_report_from_other_toolkit_code_names_both_codes_and_still_fails():
+    from backport.evidence.agreement import _other_renderer_named
+    from backport.evidence.environment import code_digests
+    from backport.evidence.problem import Problem
+
+    problem = Problem("REPORT.md", "inconsistent", "line 7 is 'a', the receipt renders 'b'")
+    other = {"predicate": {"toolkit": {"code": {"backport_sha256": "ab" * 32}}}}
+    same = {"predicate": {"toolkit": {"code": {"backport_sha256": code_digests()["backport_sha256"]}}}}
+    [named] = _other_renderer_named(other, [problem])
+    assert named.kind == "inconsistent" and "written by toolkit code abababababab" in named.detail
+    assert _other_renderer_named(same, [problem]) == [problem]  # same code: a plain mismatch, no excuse
+    assert _other_renderer_named(other, []) == []

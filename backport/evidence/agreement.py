@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from backport.evidence.environment import code_digests
 from backport.evidence.layout import (
     APPLY_REPORT,
     RECEIPT,
@@ -199,6 +200,18 @@ def report_problems(statement: dict, report: bytes) -> list[Problem]:
                     f"{got[i]!r}; only these two files hold the value, so either may have been edited")]
 
 
+def _other_renderer_named(statement: dict, problems: list[Problem]) -> list[Problem]:
+    """A REPORT.md that differs from this toolkit's rendering may come from another toolkit's code:
+    say so (the bundle still fails: only the code that wrote it can confirm its rendering)."""
+    wrote = ((statement["predicate"].get("toolkit") or {}).get("code") or {}).get("backport_sha256")
+    here = code_digests()["backport_sha256"]
+    if not problems or wrote in (None, here):
+        return problems
+    hint = (f" (written by toolkit code {wrote[:12]}, this toolkit is {here[:12]}: verify with the toolkit "
+            f"that wrote it, named in receipt.json's predicate.toolkit)")
+    return [Problem(pr.file, pr.kind, pr.detail + hint) if pr.file == REPORT else pr for pr in problems]
+
+
 def agreement_problems(bundle: Path, statement: dict, names: set[str]) -> list[Problem]:
     """The files against the receipt's copies of them, then REPORT.md against the receipt's rendering."""
     if REPORT not in names:
@@ -209,6 +222,6 @@ def agreement_problems(bundle: Path, statement: dict, names: set[str]) -> list[P
     if problems:
         return problems
     try:
-        return report_problems(statement, report)
+        return _other_renderer_named(statement, report_problems(statement, report))
     except _RESTATE_ERRORS as exc:
         return [Problem(RECEIPT, "inconsistent", f"cannot be rendered as REPORT.md ({type(exc).__name__}: {exc})")]

@@ -57,6 +57,7 @@ Absent structures, decided per case:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -252,13 +253,8 @@ class TransferRig:
             return False
         # 0.5.23 logs and drops an exception of one release so the others still run: here that
         # is a stand-in the tree's code does not fit, an error, never a verdict on the pages.
-        recorder = _RaisedRecorder()
-        decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
-        decode_logger.addHandler(recorder)
-        try:
+        with _decode_log(_RaisedRecorder()) as recorder:
             self.queue.resolve_deferred_releases()
-        finally:
-            decode_logger.removeHandler(recorder)
         if recorder.raised:
             raise RuntimeError(f"the release isolated an exception while resolving: {recorder.raised[0]}")
         return True
@@ -474,6 +470,17 @@ class _RaisedRecorder(logging.Handler):
             self.raised.append(f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
 
 
+@contextlib.contextmanager
+def _decode_log(recorder: logging.Handler):
+    """`recorder` attached to the tree's decode module logger for the block."""
+    decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
+    decode_logger.addHandler(recorder)
+    try:
+        yield recorder
+    finally:
+        decode_logger.removeHandler(recorder)
+
+
 class _WarningRecorder(logging.Handler):
     """Collects the WARNING records of the decode module's logger."""
 
@@ -503,13 +510,8 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
     rcv = _drain_acking_receiver(rig.ledger, mgr, room=505, prefill_ranks=1)
     req = rig.enqueue(rcv, "incapable-aborted", 505)
     rcv.abort()  # decode aborts the request mid-transfer
-    recorder = _WarningRecorder()
-    decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
-    decode_logger.addHandler(recorder)
-    try:
+    with _decode_log(_WarningRecorder()) as recorder:
         rig.queue.pop_transferred()
-    finally:
-        decode_logger.removeHandler(recorder)
     after_pop = rig.snapshot(req)
     warnings = [m for m in recorder.messages if DEFERRED_ENV in m]
     details = {
@@ -559,18 +561,13 @@ def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
             rcv.bootstrap_infos = None
         else:
             rcv.abort()  # decode aborts the request mid-transfer
-    recorder = _WarningRecorder()
-    decode_logger = logging.getLogger(sg("disaggregation.decode").__name__)
-    decode_logger.addHandler(recorder)
     fates = {}
-    try:
+    with _decode_log(_WarningRecorder()) as recorder:
         for _backend, req in transfers:  # one failed transfer per scheduler step
             rig.queue.pop_transferred()
             snap = rig.snapshot(req)
             held = snap["pages_held"] > 0
             fates[req.rid] = "held" if held else ("released once" if snap["release_calls"] == 1 else "neither")
-    finally:
-        decode_logger.removeHandler(recorder)
     warnings = [m for m in recorder.messages if DEFERRED_ENV in m]
     per_backend = {name: sum(1 for m in warnings if name in m) for name in {b for b, _ in transfers}}
     details = {

@@ -70,17 +70,18 @@ def restore_tree(ledger) -> SimpleNamespace:
     controller.layer_done_counter = SimpleNamespace(events=[SimpleNamespace(finish_event=dma)], producer_index=0,
                                                     num_counters=1)
     tree = object.__new__(HiRadixCache)
-    attrs = dict(disable=False, cache_controller=controller, evictable_size_=0, protected_size_=0,
-                 evictable_leaves=set(), evictable_host_leaves=set(), ongoing_load_back={}, load_back_threshold=1,
-                 pp_rank=0, metrics_collector=None, page_size=1, enable_storage=False, enable_kv_cache_events=False,
-                 kv_events=SimpleNamespace(record_store=lambda *a, **k: None, record_remove=lambda *a, **k: None))
+    attrs = {"disable": False, "cache_controller": controller, "evictable_size_": 0, "protected_size_": 0,
+             "evictable_leaves": set(), "evictable_host_leaves": set(), "ongoing_load_back": {},
+             "load_back_threshold": 1, "pp_rank": 0, "metrics_collector": None, "page_size": 1,
+             "enable_storage": False, "enable_kv_cache_events": False,
+             "kv_events": SimpleNamespace(record_store=lambda *a, **k: None, record_remove=lambda *a, **k: None)}
     for name, value in attrs.items():
         setattr(tree, name, value)
     from sglang.srt.mem_cache import radix_cache
 
     tree.eviction_strategy = radix_cache.get_eviction_strategy("lru")  # the default policy
     tree._all_reduce = lambda tensor, op: None  # one rank
-    tree._get_extra_pools = lambda: {}
+    tree._get_extra_pools = dict
     tree.update_eviction_metrics = lambda *a, **k: None
     tree.release_aborted_request = lambda rid: ledger.record("tree_release_aborted", rid=rid)
     root = TreeNode()

@@ -338,6 +338,20 @@ def coverage_rig(ctx, ranks: int = 1) -> MinAllReduce:
     return collective
 
 
+def _release_from_every_rank(ctx, ledger: Ledger, sides) -> None:
+    """The decode module's ``release_kv_cache`` frees a request's pages on whichever rank's pool
+    holds them (each side has its own pool), and records the call."""
+    pools = [s.pages for s in sides]
+
+    def release_kv_cache(req, tree_cache, *args, **kwargs):
+        for pool in pools:
+            if pool.held_by(req.rid):
+                pool.release(req.rid)
+        ledger.record("release_kv_cache", rid=req.rid)
+
+    ctx.patch_if_present(sg("disaggregation.decode"), "release_kv_cache", release_kv_cache)
+
+
 def _run_ranks(sides, collective) -> list[list]:
     """Each decode rank's ``pop_transferred``, concurrently (they meet in the all-reduce)."""
     results: list[Any] = [None] * len(sides)
@@ -540,15 +554,7 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
     collective = coverage_rig(ctx, ranks=2)
     ledger = Ledger()
     sides = [DecodeSide(ctx, ledger, rank=r) for r in range(2)]
-    pools = {s.pages.name: s.pages for s in sides}
-
-    def release_kv_cache(req, tree_cache, *args, **kwargs):
-        for pool in pools.values():
-            if pool.held_by(req.rid):
-                pool.release(req.rid)
-        ledger.record("release_kv_cache", rid=req.rid)
-
-    ctx.patch_if_present(sg("disaggregation.decode"), "release_kv_cache", release_kv_cache)
+    _release_from_every_rank(ctx, ledger, sides)
     prefills = [PrefillSide(ctx, ledger) for _ in range(2)]
     obs = []
     decode_reqs = [s.expect(f"tp-r{s.rank}", 621, 200) for s in sides]
@@ -679,10 +685,11 @@ def host_staged_full_coverage_committed(ctx) -> Outcome:
 def _restore_side(ctx, ledger, rank: int, prompt_tokens: int, room: int):
     """A decode rank with HiCache on whose request restores a 32-token prefix
     from host memory: the load-back is queued and its copy still running."""
+    import torch
     from sglang.srt.disaggregation.decode import HiCacheRestoreResult
     from sglang.srt.disaggregation.decode_hicache_mixin import DecodePrefixMatch
+
     from probes.standins_hicache import restore_tree, start_load_back
-    import torch
 
     side = DecodeSide(ctx, ledger, rank=rank)
     hc = restore_tree(ledger)
@@ -740,15 +747,7 @@ def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     ledger = Ledger()
     plain = DecodeSide(ctx, ledger, rank=0)
     restoring, rdreq, hc = _restore_side(ctx, ledger, 1, 200, 641)
-    pools = {s.pages.name: s.pages for s in (plain, restoring)}
-
-    def release_kv_cache(req, tree_cache, *args, **kwargs):
-        for pool in pools.values():
-            if pool.held_by(req.rid):
-                pool.release(req.rid)
-        ledger.record("release_kv_cache", rid=req.rid)
-
-    ctx.patch_if_present(sg("disaggregation.decode"), "release_kv_cache", release_kv_cache)
+    _release_from_every_rank(ctx, ledger, (plain, restoring))
     pdreq = plain.expect("restore-r0", 641, 200)
     for side, dreq, written, prefix in ((plain, pdreq, 16, 0), (restoring, rdreq, 200, 32)):
         prefill = PrefillSide(ctx, ledger)

@@ -235,7 +235,7 @@ def fast_import(root: Path, ref: str, base: str, commits: Sequence[tuple[str, st
         marks = Path(tmp) / "marks"
         # keep fast-import's pack as written (no unpacking into loose objects), stored
         # uncompressed: git gc recompresses later, the run pays no heavy zlib
-        run(root, "-c", "fastimport.unpackLimit=1", "-c", "core.compression=0", "fast-import", "--quiet",
+        run(root, "-c", "fastimport.unpackLimit=1", "-c", "core.compression=0", "-c", "pack.depth=0", "fast-import", "--quiet",
             "--done", f"--export-marks={marks}", input=bytes(stream))
         ids = dict(line.split() for line in marks.read_text().splitlines())
     return [ids[f":{n}"] for n in range(1, len(commits) + 1)]

@@ -386,7 +386,7 @@ def test_dirty_tree_refused_then_allowed_but_protected(tmp_path, repo):
     before = snapshot(repo)
     with pytest.raises(BadInput, match="uncommitted changes"):
         apply_series(repo, pack, "0.5.19")
-    assert snapshot(repo) == before
+    assert snapshot(repo) == before and leftovers(repo) == []  # the objects written alongside status are rolled back
     rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
     assert rep.status == "applied"
     assert (repo / OTHER).read_text() == "local work\n"  # untouched, and not committed
@@ -401,6 +401,20 @@ def test_allow_dirty_never_touches_a_dirty_file(tmp_path, repo):
     rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
     assert rep.status == "failed" and "uncommitted" in rep.patches[0].reason
     assert snapshot(repo) == before
+
+
+def test_staged_change_to_a_touched_file_fails_its_fix(tmp_path, repo):
+    """Only git status sees a staged change whose work-tree file is back at the committed bytes:
+    the series was already written alongside status, so it is rolled back and decided again."""
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    committed = (repo / MOD).read_bytes()
+    (repo / MOD).write_text(BASE + "# staged edit\n")
+    run_git(repo, "add", MOD)
+    (repo / MOD).write_bytes(committed)
+    before = snapshot(repo)
+    rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
+    assert rep.status == "failed" and rep.patches[0].reason.endswith("uncommitted changes"), rep.to_json()
+    assert snapshot(repo) == before and leftovers(repo) == []
 
 
 def test_staged_change_counts_as_dirty(tmp_path, repo):

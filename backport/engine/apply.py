@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import gitops
@@ -156,17 +156,38 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
         if any(prefix + rel not in base_entries and existed for rel, existed in decision.changed_paths()):
             decision = decide(repo, prefix, pack, v, selected, {}, base_entries)  # an untracked file
         blocked = _untouchable(repo, prefix, decision, touched, base_entries, procs[2].result())
-        dirty = gitops.dirty_paths(procs[0].result())
-        if dirty and not allow_dirty:
-            raise BadInput(f"{repo}: uncommitted changes in {len(dirty)} tracked file(s) (e.g. {min(dirty)}); "
-                           f"commit or stash them, or allow dirty trees")
-        blocked.update({p: "uncommitted changes" for p in dirty if p in set(touched)})
         if blocked:
             decision = decide(repo, prefix, pack, v, selected, blocked, base_entries)
+
+        def dirty_gate() -> None:
+            """Refuse a dirty checkout, or send the decision back when a touched path has
+            uncommitted changes (only with allow_dirty); status is still running until here."""
+            dirty = gitops.dirty_paths(procs[0].result())
+            if dirty and not allow_dirty:
+                raise BadInput(f"{repo}: uncommitted changes in {len(dirty)} tracked file(s) (e.g. {min(dirty)}); "
+                               f"commit or stash them, or allow dirty trees")
+            found = {p: "uncommitted changes" for p in dirty & set(touched)}
+            if any(blocked.get(p) != why for p, why in found.items()):
+                raise _Redecide(found)
+
+        try:
+            if check or not decision.pending or decision.failed:
+                dirty_gate()  # nothing is written: decide it now
+            return _finish(repo, git_dir, prefix, str(v), base, check, decision, base_entries, recovery, dirty_gate)
+        except _Redecide as again:  # rare: the speculative objects were rolled back
+            decision = decide(repo, prefix, pack, v, selected, {**blocked, **again.blocked}, base_entries)
+            return _finish(repo, git_dir, prefix, str(v), base, check, decision, base_entries, recovery, None)
     finally:
         for p in procs:
             p.reap()
-    return _finish(repo, git_dir, prefix, str(v), base, check, decision, base_entries, recovery)
+
+
+class _Redecide(Exception):
+    """Touched paths git status found changed: decide again with them blocked."""
+
+    def __init__(self, blocked: dict[str, str]):
+        super().__init__(f"{len(blocked)} touched path(s) with uncommitted changes")
+        self.blocked = blocked
 
 
 def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[str],
@@ -185,13 +206,14 @@ def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[
 
 
 def _finish(repo: Path, git_dir: Path, prefix: str, version: str, base: str, check: bool, decision: Decision,
-            base_entries: dict[str, tuple[str, str]], recovery: str) -> ApplyReport:
+            base_entries: dict[str, tuple[str, str]], recovery: str,
+            gate: Callable[[], None] | None) -> ApplyReport:
     status = FAILED if decision.failed else (APPLIED if decision.pending else NOTHING_TO_DO)
     report = ApplyReport(str(repo.resolve()), version, base, base, status, decision.results, check, prefix,
                          recovery)
     if status != APPLIED or check:
         return report
-    commits = write_series(repo, git_dir, prefix, base, decision, base_entries)
+    commits = write_series(repo, git_dir, prefix, base, decision, base_entries, gate)
     by_fix = dict(zip((f.id for f, _, _ in decision.pending), commits))
     patches = tuple(PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
                     for r in decision.results)

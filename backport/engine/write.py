@@ -7,6 +7,9 @@ The order (each step a crash point the next run recovers from):
    also the lock against a second apply), phase ``objects``;
 2. ``git fast-import`` writes every blob, tree and commit, onto the pending
    ref ``refs/sglang-backport/pending``; nothing in the work tree moves yet;
+   then the caller's ``gate`` runs (apply.py waits there for ``git status``,
+   which ran alongside: the slowest git step and the objects overlap); a gate
+   that raises rolls the objects back (step 2 is undone like any crash in it);
 3. the journal becomes phase ``files``: base and series commits, and per path
    the sha256 of its bytes before and after, and its modes;
 4. each file is replaced whole (a temporary file renamed over it: a file is
@@ -41,6 +44,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import gitops
@@ -120,9 +124,11 @@ def plan_moves(repo: Path, prefix: str, decision: Decision) -> tuple[FileMove, .
 
 
 def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: Decision,
-                 base_entries: dict[str, tuple[str, str]]) -> list[str]:
+                 base_entries: dict[str, tuple[str, str]], gate: Callable[[], None] | None = None) -> list[str]:
     """Commit the decided series and move the work tree, index and HEAD to it
-    (see the module docstring); the commits' ids, in series order."""
+    (see the module docstring); the commits' ids, in series order. ``gate``: called once
+    the objects are written and before anything else moves; what it raises is raised
+    after the objects are rolled back."""
     commits = plan_commits(prefix, decision, base_entries)
     moves = plan_moves(repo, prefix, decision)
     final = {prefix + rel: data for rel, data in decision.final_contents().items()}
@@ -135,6 +141,8 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
         try:
             steps("objects")
             shas = gitops.fast_import(repo, PENDING_REF, base, commits)
+            if gate is not None:
+                gate()
             steps("journal")
             journal = journal.with_files(shas[-1], moves)
             journal.save(git_dir)

@@ -241,3 +241,39 @@ def test_decode_gets_the_retraction_backup_option_only_where_the_release_defines
     new = _package(tmp_path / "new", {"sglang/srt/configs/disagg.py": "disaggregation_decode_retraction_backup: str\n"})
     assert decode_flags(old) == DECODE_FLAGS
     assert decode_flags(new) == DECODE_FLAGS + RETRACTION_BACKUP_FLAGS
+
+
+def test_one_invocation_deploys_the_reference_once(monkeypatch, tmp_path):
+    """`run A B --live`: every target names the same reference tree (same digest), so its
+    deployment runs for the first target only; a reference scenario that broke runs again."""
+    import backport.live as live_pkg
+    from backport.evidence import TreeInput
+    from backport.job import live as job_live
+
+    served: list[list[str]] = []
+
+    def fake_run_live(env, model, trees):
+        served.append([role for role, _, _ in trees])
+        verdict = "error" if len(served) == 1 and trees[-1][0] == "reference" and breaks else "safe"
+        return [{"tree": role, "scenarios": [{"verdict": verdict}]} for role, _, _ in trees]
+
+    monkeypatch.setattr(job_live, "_REFERENCE_RUNS", {})
+    monkeypatch.setattr(live_pkg, "ensure_serving_env", lambda python: type("Env", (), {"python": "/srv/python"}))
+    monkeypatch.setattr(live_pkg, "ensure_model", lambda python: None)
+    monkeypatch.setattr(live_pkg, "run_live", fake_run_live)
+
+    def trees(version, ref_digest="d" * 64):
+        return {role: TreeInput(role, f"sglang=={v}", v, digest, package_root=tmp_path / role)
+                for role, v, digest in (("pristine", version, "a" * 64), ("patched", version, "b" * 64),
+                                        ("reference", "0.5.22", ref_digest))}
+
+    breaks = True
+    first = job_live.live_documents(trees("0.5.19"), None)
+    second = job_live.live_documents(trees("0.5.20"), None)  # the broken reference run is not reused
+    third = job_live.live_documents(trees("0.5.21"), None)
+    fourth = job_live.live_documents(trees("0.5.21", ref_digest="e" * 64), None)  # another reference tree
+    assert served == [["pristine", "patched", "reference"], ["pristine", "patched", "reference"],
+                      ["pristine", "patched"], ["pristine", "patched", "reference"]]
+    assert first["reference"]["scenarios"][0]["verdict"] == "error"
+    assert third["reference"] is second["reference"] and list(third) == ["pristine", "patched", "reference"]
+    assert fourth["reference"] is not second["reference"]

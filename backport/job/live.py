@@ -13,7 +13,6 @@ from pathlib import Path
 
 from backport import evidence
 
-
 # (serving interpreter, reference tree digest) -> its live document, for this process only
 _REFERENCE_RUNS: dict[tuple[str, str], dict] = {}
 

@@ -38,7 +38,7 @@ from backport.evidence.layout import (
 )
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.report import render_report
-from backport.evidence.scope import exposure_line
+from backport.evidence.scope import exposure_line, unserved_fixes
 from backport.evidence.statement import PREDICATE_TYPE, STATEMENT_TYPE, TreeInput, check_statement
 from backport.evidence.verdicts import PAIR_VERDICTS, PASSING, ROLES, TREE_VERDICTS, is_finding, pair_verdict
 from backport.evidence.verify import verify
@@ -47,6 +47,7 @@ __all__ = [
     "APPLY_REPORT", "KEY_PACKAGES", "PAIR_VERDICTS", "PASSING", "PREDICATE_TYPE", "RECEIPT", "REPORT", "ROLES",
     "STATEMENT_TYPE", "SUMS", "TOOLKIT_PACKAGES", "TREE_VERDICTS", "UPSTREAM_TESTS", "Bundle", "Exported", "Problem",
     "TreeInput", "VerifyResult", "Written", "assemble", "canonical_json", "check_bundle_target", "check_statement",
-    "environment_record", "export_of", "exposure_line", "interpreter_environment", "is_bundle", "is_finding", "pair_verdict", "place_bundle", "probe_file",
-    "render_report", "sha256_bytes", "sha256_file", "sums_text", "toolkit_info", "verify", "write_bundle",
+    "environment_record", "export_of", "exposure_line", "interpreter_environment", "is_bundle", "is_finding", "pair_verdict", "place_bundle",
+    "probe_file", "render_report", "sha256_bytes", "sha256_file", "sums_text", "toolkit_info", "unserved_fixes", "verify",
+    "write_bundle",
 ]

@@ -110,14 +110,26 @@ def render(statement: dict) -> list[str]:
     return lines + rollout(statement)
 
 
+def unserved_fixes(apply: dict | None) -> tuple[list[str], list[str]] | None:
+    """The one reading of "the pack cannot serve this release" (apply-report.json's form):
+    (fixes with no variant for it, fixes that failed only because they depend on one), or None
+    when it can. A variant that exists and does not place is a defect of the pack, not this."""
+    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
+    lacking = [x["fix"] for x in failed if not x.get("variant")]
+    waiting = [x["fix"] for x in failed if x.get("variant")]
+    if not lacking or any(not x.get("reason", "").startswith("missing dependency")
+                          for x in failed if x.get("variant")):
+        return None
+    return lacking, waiting
+
+
 def unserved_reason(apply: dict | None) -> str:
     """Why the pack cannot serve a release: the fixes with no variant for it (apply-report.json
     lists the variants each one has)."""
-    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
-    lacking = [x["fix"] for x in failed if not x.get("variant")]
-    if not lacking:
+    fixes = unserved_fixes(apply)
+    if fixes is None:
         return "the series does not apply"
-    waiting = [x["fix"] for x in failed if x.get("variant")]
+    lacking, waiting = fixes
     return (f"no variant of {', '.join(lacking)} for this release"
             + (f", and {', '.join(waiting)} depend(s) on it" if waiting else ""))
 

@@ -101,12 +101,9 @@ def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
 
 
 def unserved(report: ApplyReport) -> bool:
-    """The pack cannot serve the release: a fix has no variant for it (and every other failure is a
-    fix that depends on such a one). A variant that exists and does not place is a defect of the
-    pack, refused as before."""
-    failed = [p for p in report.patches if p.status == "failed"]
-    return any(p.variant is None for p in failed) and all(
-        p.variant is None or p.reason.startswith("missing dependency") for p in failed)
+    """The pack cannot serve the release (evidence.scope.unserved_fixes): an exposure run; any
+    other failed apply is refused as before."""
+    return evidence.unserved_fixes(report.to_json()) is not None
 
 
 def tree_input(role: str, tree: Tree, *, digest: str | None = None, commit: str | None = None) -> evidence.TreeInput:

@@ -143,7 +143,8 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     status = class_status(page, rows)
     assert status.status == "affected" and status.tree == "pristine" and "on the pristine tree" in status.notes
     apply = {"status": "failed", "patches": [{"fix": "pr36988", "variant": None, "status": "failed"},
-                                             {"fix": "pr38935", "variant": "v.patch", "status": "failed"}]}
+                                             {"fix": "pr38935", "variant": "v.patch", "status": "failed",
+                                              "reason": "missing dependency: pr36988"}]}
     line = exposure_line("0.5.9", apply)
     assert line.startswith("sglang 0.5.9 stays exposed: ") and "no variant of pr36988" in line
     assert "None" not in line and "pr38935 depend(s) on it" in line
@@ -158,6 +159,55 @@ def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
     text = action_statement(page, class_status(page, rows), "0.5.16", apply_report)
     assert "sglang 0.5.16 stays exposed" in text and "no backport of pr35049" in text
     assert "sglang 0.5.17 or later" in text and "upstream sglang 0.5.22" in text
+
+
+FLUSH_CASE = "flush_during_deferred_hold_frees_nothing_twice"
+
+
+@pytest.mark.parametrize("pr35049, status", [
+    ({"status": "not-applicable", "reason": "no backport for sglang 0.5.9: the pack carries it for >=0.5.17"},
+     "not_affected"),
+    ({"status": "failed", "variant": None, "reason": "no variant applies"}, "not_affected"),
+    ({"status": "applied", "reason": ""}, "under_investigation"),  # the code is there: a case must run
+    ({"status": "not-applicable", "reason": "0.5.19 is in fixed_in >=0.5.19"}, "under_investigation"),
+    (None, "under_investigation"),  # the apply report does not say: nothing is known absent
+])
+def test_a_class_whose_code_is_absent_is_not_affected(classes, pr35049, status):
+    """SBP-2026-0003 is `introduced_with` #35049's code: where the tree has none, no case can run
+    and the vulnerable code is not present; anywhere else a case that did not run proves nothing."""
+    flush = next(c for c in classes if c["name"] == "flush-during-deferred-hold")
+    assert flush["introduced_with"] == "pr35049"
+    apply = {"patches": [] if pr35049 is None else [{"fix": "pr35049", **pr35049}]}
+    got = class_status(flush, [_row("flush_holds", FLUSH_CASE, "not-applicable", "not-applicable")], apply)
+    assert got.status == status, got
+    if status == "not_affected":
+        assert "vulnerable code not present" in got.notes and "no pr35049 code" in got.notes
+    ran = class_status(flush, [_row("flush_holds", FLUSH_CASE, "unsafe", "unsafe")], apply)
+    assert ran.status == "affected"  # a case that ran decides, whatever the apply report says
+
+
+def test_not_affected_is_valid_openvex_and_cyclonedx(bundle, classes):
+    receipt = _receipt(bundle)
+    receipt["predicate"]["apply"]["patches"].append(
+        {"fix": "pr35049", "status": "not-applicable", "reason": "no backport for sglang 0.5.16", "variant": None})
+    standards = json.loads((bundle / "standards.json").read_text())
+    document = vex.build_vex(receipt, standards)
+    assert vex.schema_errors(document) is None
+    [flush] = [s for s in document["statements"] if s["vulnerability"]["name"] == "SBP-2026-0003"]
+    assert flush["status"] == "not_affected" and flush["justification"] == "vulnerable_code_not_present"
+    bom = cyclonedx.build_bytes(receipt, standards)
+    assert cyclonedx.validation_error(bom) is None
+    [analysis] = [v["analysis"] for v in json.loads(bom)["vulnerabilities"] if v["id"] == "SBP-2026-0003"]
+    assert analysis["state"] == "not_affected" and analysis["justification"] == "code_not_present"
+
+
+def test_introduced_with_must_name_a_fix(tmp_path):
+    text = (resources.pack_dir() / "vulnerabilities.toml").read_text()
+    (tmp_path / "vulnerabilities.toml").write_text(text.replace('introduced_with = "pr35049"',
+                                                                'introduced_with = "pr99999"'))
+    fixes = list(load_pack(resources.pack_dir()).fixes)
+    with pytest.raises(BadInput, match="introduced_with 'pr99999' is not in fixes.toml"):
+        load_classes(tmp_path, fixes)
 
 
 # ---- the documents in a bundle -------------------------------------------------------------------

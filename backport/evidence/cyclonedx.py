@@ -10,7 +10,8 @@ offline with cyclonedx-python-lib.
   with the upstream PR) and its vulnerability class (a security issue);
 - ``vulnerabilities``: one per class, ``analysis.state`` from the same case-derived status as
   the OpenVEX statement (vulnerabilities.py): `fixed` -> `resolved_with_pedigree`, `affected`
-  -> `exploitable` (response `update`), `under_investigation` -> `in_triage`.
+  -> `exploitable` (response `update`), `under_investigation` -> `in_triage`, `not_affected`
+  -> `not_affected` (justification `code_not_present`).
 
 The serial number is a UUID5 of the OpenVEX document's id and the timestamp the receipt's, so
 the document is a function of the bundle; the tools entry that the library adds (its own
@@ -35,7 +36,8 @@ from backport.evidence.problem import Problem
 from backport.evidence.vulnerabilities import action_statement, class_status
 
 SBOM = "sbom.cdx.json"
-_STATES = {"fixed": "resolved_with_pedigree", "affected": "exploitable", "under_investigation": "in_triage"}
+_STATES = {"fixed": "resolved_with_pedigree", "affected": "exploitable", "under_investigation": "in_triage",
+           "not_affected": "not_affected"}
 
 
 def _component(statement: dict, standards: dict):
@@ -88,7 +90,11 @@ def _component(statement: dict, standards: dict):
 
 def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     from cyclonedx.model import XsUri
-    from cyclonedx.model.impact_analysis import ImpactAnalysisResponse, ImpactAnalysisState
+    from cyclonedx.model.impact_analysis import (
+        ImpactAnalysisJustification,
+        ImpactAnalysisResponse,
+        ImpactAnalysisState,
+    )
     from cyclonedx.model.vulnerability import (
         BomTarget,
         Vulnerability,
@@ -102,7 +108,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     p = statement["predicate"]
     found = []
     for row in standards["classes"]:
-        status = class_status(row, p["cases"])
+        status = class_status(row, p["cases"], p["apply"])
         own = VulnerabilitySource(name="sglang-backport", url=XsUri(vulnerability_iri(row["id"])))
         references = [VulnerabilityReference(id=alias, source=VulnerabilitySource(
             name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD")) for alias in row["aliases"]]
@@ -116,6 +122,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
             advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row["references"]],
             analysis=VulnerabilityAnalysis(
                 state=ImpactAnalysisState(_STATES[status.status]), detail=detail,
+                justification=ImpactAnalysisJustification.CODE_NOT_PRESENT if status.status == "not_affected" else None,
                 responses=[ImpactAnalysisResponse.UPDATE] if status.status == "affected" else None),
             affects=[BomTarget(ref=ref)]))
     return found

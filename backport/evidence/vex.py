@@ -75,7 +75,7 @@ def build_vex(statement: dict, standards: dict) -> dict:
     toolkit = p["toolkit"]
     statements = []
     for row in standards["classes"]:
-        status = class_status(row, p["cases"])
+        status = class_status(row, p["cases"], p["apply"])
         vulnerability = {"@id": vulnerability_iri(row["id"]), "name": row["id"], "description": row["title"]}
         if row["aliases"]:
             vulnerability["aliases"] = list(row["aliases"])
@@ -84,6 +84,8 @@ def build_vex(statement: dict, standards: dict) -> dict:
                                 f"References: {' '.join(row['references'])}"}
         if status.status == "affected":
             item["action_statement"] = action_statement(row, status, version, p["apply"])
+        if status.status == "not_affected":
+            item["justification"] = "vulnerable_code_not_present"
         statements.append(item)
     return {"@context": CONTEXT, "@id": document_id(statement), "author": AUTHOR, "role": "backport maintainer",
             "timestamp": p["timestamps"]["started"], "version": 1,

@@ -16,7 +16,12 @@ The status of a class on the patched tree, from the pair verdicts of the class's
 - ``affected``: a case outside the must-preserve set is unsafe on the patched tree, whatever else
   errored (in an exposure
   run, where the pack has no variant for the release, on the pristine tree: the one that runs);
-- ``fixed``: every case is fixed, held or added (or not-applicable), and at least one ran.
+- ``fixed``: every case is fixed, held or added (or not-applicable), and at least one ran;
+- ``not_affected`` (justification ``vulnerable_code_not_present``): no case ran and the class
+  names the fix whose code brings the vulnerable code (`introduced_with`, an OSV "introduced"
+  event stated as a fix), and the tree the status speaks for has none of it: the release does
+  not ship it (`fixed_in`) and the pack applied none. A class without `introduced_with` stays
+  ``under_investigation`` when nothing ran: a case that could not run proves nothing absent.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ CLASS_ID = re.compile(r"^SBP-\d{4}-\d{4}$")
 ALIAS = re.compile(r"^(CVE-\d{4}-\d{4,}|GHSA(-[23456789cfghjmpqrvwx]{4}){3})$")
 _KEYS = {"id": str, "name": str, "title": str, "description": str, "fixes": list, "probes": list,
          "references": list, "aliases": list}
+_OPTIONAL = {"introduced_with": str}  # the fix whose code brings the vulnerable code (see the docstring)
 _CLEAN = {"fixed", "held", "added", "not-applicable"}
 
 
@@ -60,8 +66,13 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
     classes = []
     for index, row in enumerate(rows):
         where = f"class #{index + 1}"
-        if not isinstance(row, dict) or set(row) != set(_KEYS):
-            raise _fail(path, where, f"needs exactly the keys {', '.join(_KEYS)}")
+        if not isinstance(row, dict) or not set(_KEYS) <= set(row) <= set(_KEYS) | set(_OPTIONAL):
+            raise _fail(path, where, f"needs exactly the keys {', '.join(_KEYS)} (and may have "
+                                     f"{', '.join(_OPTIONAL)})")
+        if not isinstance(row.get("introduced_with", ""), str):
+            raise _fail(path, where, "introduced_with must be a string")
+        if fix_ids is not None and "introduced_with" in row and row["introduced_with"] not in fix_ids:
+            raise _fail(path, where, f"introduced_with {row['introduced_with']!r} is not in fixes.toml")
         for key, kind in _KEYS.items():
             if not isinstance(row[key], kind) or (kind is list and not all(isinstance(x, str) for x in row[key])):
                 raise _fail(path, where, f"{key} must be a {kind.__name__} of strings" if kind is list
@@ -143,8 +154,9 @@ class ClassStatus:
     tree: str = "patched"       # the tree the status speaks for (pristine in an exposure run)
 
 
-def class_status(row: dict, cases: list[dict]) -> ClassStatus:
-    """The status the receipt's case rows support for one class (module docstring)."""
+def class_status(row: dict, cases: list[dict], apply: dict | None = None) -> ClassStatus:
+    """The status the receipt's case rows (and its apply report, for `introduced_with`) support
+    for one class (module docstring)."""
     own = [c for c in cases if c["probe"] in row["probes"]]
     names = tuple(f"{c['probe']}/{c['case']}" for c in own)
     by_pair: dict[str, list[str]] = {}
@@ -168,9 +180,25 @@ def class_status(row: dict, cases: list[dict]) -> ClassStatus:
         return ClassStatus("under_investigation", names, f"must-preserve case(s) regressed (first: "
                            f"{broken[0]}); cases: {counts}")
     if not ran:
+        absent = _code_absent(row.get("introduced_with"), apply)
+        if absent:
+            return ClassStatus("not_affected", names, f"vulnerable code not present: {absent}; the "
+                               f"{len(own)} case(s) of the class need it and did not run", tree=role)
         return ClassStatus("under_investigation", names, "no case of this class ran on these trees "
                            f"({len(own)} not-applicable)")
     return ClassStatus("fixed", names, f"every case of the class is fixed or held on the {role} tree: {counts}")
+
+
+def _code_absent(fix: str | None, apply: dict | None) -> str:
+    """Why the product tree has no code of `fix` ("" when it may have some): the release does not
+    ship it and the pack did not apply it (the apply report's reason says which)."""
+    entry = next((p for p in (apply or {}).get("patches", []) if p.get("fix") == fix), None)
+    if fix is None or entry is None:
+        return ""
+    shipped = entry.get("status") == "not-applicable" and "fixed_in" in (entry.get("reason") or "")
+    if shipped or entry.get("status") in ("applied", "already-present"):
+        return ""
+    return f"the tree has no {fix} code (the release does not ship it; the pack: {entry.get('status')})"
 
 
 def _product(cases: list[dict]) -> str:

@@ -73,6 +73,10 @@ class ConstructedMoriDecodeManager:
             ctx.patch_if_present(module, "get_attention_dp_size", lambda: 1)
             ctx.patch_if_present(module, "get_attention_dp_rank", lambda: 0)
             ctx.patch_if_present(module, "get_pp_group", lambda: PipelineGroupStandIn())
+            # 0.5.10 - 0.5.15 read the attention groups' ranks from dp_attention's getters
+            for group in ("tp", "cp"):
+                ctx.patch_if_present(module, f"get_attention_{group}_size", lambda: 1)
+                ctx.patch_if_present(module, f"get_attention_{group}_rank", lambda: 0)
 
         class OfflineMoriDecodeManager(mori.MoriKVManager):
             """The tree's Mori manager with its listener threads left unstarted."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROBE_NAMES = ("admission", "prefill_retire", "handoff", "page_lifetime", "prefill_drain", "transfer_coverage",
-               "flush_holds")
+               "flush_holds", "mori_hold")
 
 SAFE = "safe"
 UNSAFE = "unsafe"

@@ -45,9 +45,8 @@ Absent structures, decided per case:
   backend exists in every release).
 - ``explicit_deferral_on_incapable_backend_is_reported`` is ``not-applicable``
   where the release has no deferral variable (before 0.5.19). Its backend is
-  a ``CommonKVManager`` without an opt-in of its own, standing for Mori on
-  0.5.19 - 0.5.21 (Mori's module needs the ``mori`` package); Mori itself
-  opts in from 0.5.22.
+  a ``CommonKVManager`` without an opt-in of its own (any backend without
+  the capability); Mori's own decode is judged by the ``mori_hold`` probe.
 - ``waiting_timeout_holds_pages_until_drain`` runs the real
   ``CommonKVReceiver._check_waiting_timeout``; ``scheduler_abort_keeps_raced_ack``
   the real ``Scheduler.abort_request`` on a decode scheduler shell, with a
@@ -445,9 +444,8 @@ def no_capability_backend_releases_at_once(ctx) -> Outcome:
 
 
 def _no_capability_manager(ledger: Ledger):
-    """A KV manager of a backend without the drain-ACK capability: Mori on
-    0.5.19 - 0.5.21 (its module needs the ``mori`` package, which a CPU cannot
-    have), or any other ``CommonKVManager`` that does not opt in."""
+    """A KV manager of a backend without the drain-ACK capability: any
+    ``CommonKVManager`` that does not opt in (Mori itself: probes/mori_hold.py)."""
     from sglang.srt.disaggregation.common.conn import CommonKVManager
 
     # No opt-in of its own: the release's CommonKVManager default decides.

@@ -108,7 +108,7 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert all(len(s["products"]) == 1 for s in document["statements"])
     # both bundles are of one product (the same patched tree): each class is stated once for it
     assert [s["vulnerability"]["name"] for s in document["statements"]] == ["SBP-2026-0001", "SBP-2026-0002",
-                                                                                "SBP-2026-0003"]
+                                                                                "SBP-2026-0003", "SBP-2026-0004"]
     assert document["timestamp"] == "2026-11-30T11:00:00+00:00"
     lines = (out / "attestations.intoto.jsonl").read_text().splitlines()
     expected = sum(len(p.read_text().splitlines()) for b in two_bundles for p in b.rglob("*.intoto.jsonl"))
@@ -117,10 +117,10 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert [r["release"] for r in table["rows"]] == ["0.5.19", "0.5.19"]
     assert table["rows"][0]["fixes"] == {"pr36988": "applied", "pr38935": "applied"}
     assert table["rows"][0]["vex"] == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
-                                       "SBP-2026-0003": "under_investigation"}
+                                       "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation"}
     markdown = (out / "summary.md").read_text()
-    assert "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | result | signed |" in markdown
-    assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation | pass | yes |") == 2
+    assert "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 | result | signed |" in markdown
+    assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation | under_investigation | pass | yes |") == 2
 
 
 def test_merge_refuses_what_does_not_verify_or_is_no_bundle(two_bundles, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The stand-in packages of probes/shims/ for older releases (vllm, decord): importable, and every
+"""The stand-in packages of probes/shims/ (vllm, decord for older releases; mori): importable, and every
 kernel, layer or decoder in them raises when used, so a case that reached one is an error."""
 
 from __future__ import annotations
@@ -29,4 +29,32 @@ def test_vllm_and_decord_stand_ins_raise_when_used():
     path = [str(SHIMS / "vllm"), str(SHIMS / "decord")]
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False,
                           env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+MORI_SCRIPT = """
+import pytest
+from mori.cpp import TransferStatus
+from mori.io import (BackendType, IOEngine, IOEngineConfig, MemoryDesc, MemoryLocationType, PollCqMode,
+                     RdmaBackendConfig)
+engine = IOEngine("io-decode-probe", IOEngineConfig(host="127.0.0.1", port=0))
+engine.create_backend(BackendType.RDMA, RdmaBackendConfig(1, 1, 1, PollCqMode.POLLING, False))
+desc = engine.get_engine_desc()
+assert desc.port > 0 and type(desc).unpack(desc.pack()) == desc
+mem = engine.register_memory(4096, 256, 0, MemoryLocationType.GPU)
+assert MemoryDesc.unpack(mem.pack()) == mem
+for call in (lambda: engine.allocate_transfer_uid(), lambda: engine.batch_write([], [], [], [], [], []),
+             lambda: engine.wait_all([], timeout_ms=1), lambda: engine.register_remote_engine(desc),
+             lambda: TransferStatus()):
+    with pytest.raises(RuntimeError, match="stand-in"):
+        call()
+print("ok")
+"""
+
+
+def test_mori_stand_in_builds_an_engine_without_a_nic_and_raises_on_transfers():
+    """What a Mori manager's constructor does works (engine, backend, local registration); every
+    data-path call, which needs an RDMA NIC, raises."""
+    proc = subprocess.run([sys.executable, "-c", MORI_SCRIPT], capture_output=True, text=True, timeout=60,
+                          check=False, env={"PYTHONPATH": str(SHIMS / "mori"), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

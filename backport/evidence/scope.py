@@ -12,9 +12,9 @@ from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 # Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
 STAND_INS = ("`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
              "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
-             "engines and a NIXL agent (RDMA), `probes/shims/` (`torchvision`, `sgl_kernel`, `vllm`, `decord`) where "
-             "absent, and `probes/addons.py` (names older releases read that torch 2.13 and triton dropped) "
-             "where missing")
+             "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/shims/` (`torchvision`, "
+             "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/addons.py` (names older "
+             "releases read that torch 2.13 and triton dropped) where missing")
 # The rollback of an exported wheel: `==X` alone is satisfied by `X+backport.N` (PEP 440), hence the flags.
 ROLLBACK = "pip install --force-reinstall --no-deps 'sglang=={version}'"
 COVERAGE_SWITCH = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=0"

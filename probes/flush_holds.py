@@ -45,6 +45,7 @@ def _idle_decode_shell(rig: TransferRig) -> None:
         running_batch=SimpleNamespace(is_empty=lambda: True, reqs=[]),
         last_batch=None,
         cur_batch_for_debug=None,
+        cur_batch=None,  # its name up to 0.5.15.post1
         result_queue=deque(),
         dllm_manager=SimpleNamespace(any_staging_reqs=lambda: False),
         grammar_manager=InertCollaborator("grammar_manager", grammar_queue=[]),

@@ -152,7 +152,7 @@ class ConstructedPrefillManager:
         self.writes = _NoWrites()
         self.writes.mgr = self.mgr
         self.wire = DecodePeerWire(self.ledger, self.writes)
-        self.mgr._send_multipart_locked = self.wire.send
+        self.wire.attach(self.mgr)
 
     # -- the real registry, as the ABORT handler and the worker use it ---------
 

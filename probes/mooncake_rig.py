@@ -116,7 +116,7 @@ class PrefillRig:
         mgr.send_kvcache_slice = lambda *a, **k: engine.submit("kv", ROOM)
         mgr.maybe_send_extra = lambda *a, **k: engine.submit("state", ROOM)
         mgr.send_aux = lambda *a, **k: engine.submit("aux", ROOM)
-        mgr._send_multipart_locked = self.wire.send
+        self.wire.attach(mgr)
         mgr._make_worker_recv = lambda sock: self._next_frames
         mgr._get_dsa_cache_transfer_skip_flags = lambda info: (False, False)
         self.mgr = mgr

@@ -170,7 +170,7 @@ class NixlPrefillRig:
         mgr.send_kvcache_slice = lambda *a, **k: agent.post("kv")
         mgr.send_aux = lambda *a, **k: agent.post("aux")
         mgr.maybe_send_extra = lambda *a, **k: [agent.post("state")]
-        mgr._send_multipart_locked = self.wire.send
+        self.wire.attach(mgr)
         self.mgr = mgr
         self.abort_reason = None  # what the ABORT handler records: not a failure of the worker
         self._open_room()
@@ -221,7 +221,11 @@ class NixlPrefillRig:
         chunk_cls = sg("disaggregation.common.utils").TransferKVChunk
         start = 4 * chunk_id
         # 0.5.23 dropped the chunk's (unread) chunk_id field; earlier releases carry it.
-        numbered = {"chunk_id": chunk_id} if "chunk_id" in {f.name for f in dataclasses.fields(chunk_cls)} else {}
+        fields = {f.name for f in dataclasses.fields(chunk_cls)}
+        numbered = {"chunk_id": chunk_id} if "chunk_id" in fields else {}
+        # 0.5.16's chunk has no num_kv_tokens (0.5.17 added it).
+        if "num_kv_tokens" in fields:
+            numbered["num_kv_tokens"] = 4
         return chunk_cls(
             room=ROOM,
             prefill_kv_indices=np.arange(start, start + 4, dtype=np.int32),
@@ -229,7 +233,6 @@ class NixlPrefillRig:
             is_last_chunk=last,
             prefill_aux_index=0 if last else None,
             state_indices=None,
-            num_kv_tokens=4,
             **numbered,
         )
 

@@ -688,8 +688,10 @@ def scheduler_abort_keeps_raced_ack(ctx) -> Outcome:
         mm_receiver=None,
         dllm_config=None,
         grammar_manager=InertCollaborator("grammar_manager"),
-        running_batch=None,
+        # nothing running (up to 0.5.15.post1 abort_request reads its reqs unguarded)
+        running_batch=SimpleNamespace(reqs=[], is_empty=lambda: True),
         last_batch=None,
+        cur_batch=None,  # abort_request reads it up to 0.5.15.post1
         enable_continuous_input_polling=False,  # 0.5.22: no batch waits in a result queue
         result_queue=[],
     )

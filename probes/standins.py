@@ -206,6 +206,8 @@ def pin_runtime(ctx) -> None:
         "get_tensor_model_parallel_world_size": lambda: parallel.tp_size,
         "get_attention_tp_rank": lambda: parallel.attn_tp_rank,
         "get_attention_tp_size": lambda: parallel.attn_tp_size,
+        "get_attention_cp_rank": lambda: parallel.attn_cp_rank,
+        "get_attention_cp_size": lambda: parallel.attn_cp_size,
         # 0.5.23's width of linear attention's group: attention TP here (no CP-TP sharing)
         "linear_attn_tp_size": lambda: parallel.attn_tp_size,
     }

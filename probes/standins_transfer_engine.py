@@ -90,6 +90,28 @@ class DecodePeerWire:
         else:
             self.ledger.record("status_to_decode", endpoint=str(endpoint))
 
+    def connect(self, endpoint: str, is_ipv6: bool = False) -> "_PushSocket":
+        """Stands for ``_connect`` where a release pushes through the cached
+        socket itself (0.5.16 has no ``_send_multipart_locked``)."""
+        return _PushSocket(self, endpoint)
+
+    def attach(self, mgr) -> None:
+        """Route the manager's pushes to decode through this wire: its locked
+        send where the release has one, else its socket cache (``_connect``)."""
+        mgr._send_multipart_locked = self.send
+        if not hasattr(type(mgr), "_send_multipart_locked"):
+            mgr._connect = self.connect
+
+
+class _PushSocket:
+    """One cached PUSH socket to a decode endpoint, as ``_connect`` returns it."""
+
+    def __init__(self, wire: DecodePeerWire, endpoint: str) -> None:
+        self.wire, self.endpoint = wire, endpoint
+
+    def send_multipart(self, parts) -> None:
+        self.wire.send(self.endpoint, parts)
+
 
 class PerLayerEngineStandIn:
     """Stands for the Mooncake transfer engine under the per-layer send path

@@ -23,7 +23,7 @@ from tests.engine_helpers import FIX_COMMIT, make_fix_table
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-transfer-coverage"
-SUPPORTED = ("0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SUPPORTED = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 NEW_CASES = {
     "short_coverage_refused": False,
     "unpatched_peer_refused": False,

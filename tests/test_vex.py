@@ -68,7 +68,7 @@ def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
         assert {pack.fixes[f].bug for f in c["fixes"]} - {""} <= set(c["references"]), c["id"]
     by_name = {c["name"]: c for c in classes}
     assert by_name["page-lifetime-release-race"]["upstream_fixed_in"] == "0.5.22"
-    assert by_name["page-lifetime-release-race"]["pack_reach"] == "0.5.17"
+    assert by_name["page-lifetime-release-race"]["pack_reach"] == "0.5.13"
     assert by_name["rejected-request-handoff"]["upstream_fixed_in"] is None  # the coverage check is ours
     assert by_name["flush-during-deferred-hold"]["upstream_fixed_in"] is None  # ours (0.5.23: an exception)
 
@@ -151,14 +151,14 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
 
 
 def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
-    apply_report = {"patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.16 is outside scope"}]}
+    apply_report = {"patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.12 is outside scope"}]}
     rows = [_row("page_lifetime", "failed_transfer_holds_pages_until_drain", "unsafe", "unsafe")]
     page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
     from backport.evidence.vulnerabilities import action_statement
 
-    text = action_statement(page, class_status(page, rows), "0.5.16", apply_report)
-    assert "sglang 0.5.16 stays exposed" in text and "no backport of pr35049" in text
-    assert "sglang 0.5.17 or later" in text and "upstream sglang 0.5.22" in text
+    text = action_statement(page, class_status(page, rows), "0.5.12", apply_report)
+    assert "sglang 0.5.12 stays exposed" in text and "no backport of pr35049" in text
+    assert "sglang 0.5.13 or later" in text and "upstream sglang 0.5.22" in text
 
 
 FLUSH_CASE = "flush_during_deferred_hold_frees_nothing_twice"

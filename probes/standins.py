@@ -239,6 +239,12 @@ def make_req(rid: str, num_tokens: int, *, room: int, max_new_tokens: int = 8):
     req.bootstrap_host = "10.0.0.2"
     req.bootstrap_port = 8998
     req.bootstrap_room = room
+    # A served request's sampling parameters are normalized by the tokenizer manager, and it
+    # carries the model's vocabulary size: 0.5.5's decode transfer queue runs check_finished on
+    # the first output token, which reads both.
+    req.sampling_params.normalize(None)
+    if getattr(req, "vocab_size", 0) is None:
+        req.vocab_size = 32000
     return req
 
 

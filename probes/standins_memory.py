@@ -126,10 +126,11 @@ class RecordingRadixCache:
 
     pages = None  # the shell's page pool (make_scheduler_shell), for the call below
 
-    def cache_finished_req(self, req, *args, **kwargs):
+    def cache_finished_req(self, req, is_insert=True, *args, **kwargs):
         """Up to 0.5.5 (before the `release_kv_cache` helper) the tree frees a finished request's
-        KV itself: recorded as that helper's stand-in records it (patch_cache_helpers)."""
-        insert = kwargs.get("is_insert", args[0] if args else True)
+        KV itself: recorded as that helper's stand-in records it (patch_cache_helpers). The real
+        caches name `is_insert` in their signature (a patch may ask for it), so this one does."""
+        insert = is_insert
         freed = self.pages.release(req.rid) if self.pages is not None else 0
         drop_kv_row(req)
         self.ledger.record("release_kv_cache", rid=req.rid, insert=bool(insert), pages=freed)

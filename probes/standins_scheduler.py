@@ -131,6 +131,7 @@ def make_scheduler_shell(ledger: Ledger, **attrs: Any):
         # Up to 0.5.12.post1 the scheduler reports stats itself (the metrics mixin).
         "is_stats_logging_rank": False,
         "current_scheduler_metrics_enabled": False,
+        "temp_prefill_info": None,  # 0.5.7 logs a prefill batch's stats after its result; none gathered
     }
     if callable(getattr(Scheduler, "stream_output", None)):
         # Up to 0.5.12.post1 the scheduler streams itself (no output_streamer).

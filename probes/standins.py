@@ -58,6 +58,16 @@ def has_method(cls_path: str, name: str) -> bool:
     return cls is not None and callable(getattr(cls, name, None))
 
 
+def aborted_prefetch_releasable() -> bool:
+    """Whether the tree can drop the HiCache storage prefetch of an aborted request. 0.4.9.post3 -
+    0.5.1.post3 prefetch (`HiRadixCache.prefetch_from_storage`) but have no way to drop one early
+    (`release_aborted_request` from 0.5.2): there a fix cannot release it, and a probe asks it not to."""
+    cls = sg_attr("mem_cache.hiradix_cache", "HiRadixCache")
+    if cls is None or not callable(getattr(cls, "prefetch_from_storage", None)):
+        return True
+    return callable(getattr(cls, "release_aborted_request", None))
+
+
 def construct_with(cls, **available: Any):
     """Call ``cls(...)`` passing, by name, the parameters its constructor of this
     release asks for (constructors drift between releases)."""
@@ -246,6 +256,15 @@ def make_req(rid: str, num_tokens: int, *, room: int, max_new_tokens: int = 8):
     if getattr(req, "vocab_size", 0) is None:
         req.vocab_size = 32000
     return req
+
+
+def mark_aborted(req, finish) -> None:
+    """Abort a running request as the release's scheduler does: a pending ``to_finish`` from 0.5.4.post2,
+    written into ``finished_reason`` at once before (no ``to_finish`` field)."""
+    if hasattr(req, "to_finish"):
+        req.to_finish = finish
+    else:
+        req.finished_reason = finish
 
 
 def reject_at_intake(req, message: str) -> None:

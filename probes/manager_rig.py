@@ -84,6 +84,18 @@ def _kv_args():
     return args
 
 
+def pin_manager_runtime(ctx, module) -> None:
+    """A manager module's runtime getters answered for one rank on this host (where it has them)."""
+    parallel = _runtime_parallel()
+    serving = SimpleNamespace(host=LOCALHOST, port=30000)
+    ctx.patch_if_present(module, "get_parallel", lambda: parallel)
+    ctx.patch_if_present(module, "get_serving", lambda: serving)
+    ctx.patch_if_present(module, "get_local_ip_auto", lambda *a, **k: LOCALHOST)
+    ctx.patch_if_present(module, "get_attention_dp_size", lambda: 1)
+    ctx.patch_if_present(module, "get_attention_dp_rank", lambda: 0)
+    ctx.patch_if_present(module, "get_pp_group", lambda: PipelineGroupStandIn())
+
+
 def _runtime_parallel() -> SimpleNamespace:
     """``get_parallel()`` as the manager's constructor reads it: one rank, no
     DP attention, no decode context parallelism, no DSA layer split."""
@@ -114,14 +126,7 @@ class ConstructedPrefillManager:
         module = sg("disaggregation.common.conn")
         self.module = module
         self.ledger = Ledger()
-        parallel = _runtime_parallel()
-        serving = SimpleNamespace(host=LOCALHOST, port=30000)
-        ctx.patch_if_present(module, "get_parallel", lambda: parallel)
-        ctx.patch_if_present(module, "get_serving", lambda: serving)
-        ctx.patch_if_present(module, "get_local_ip_auto", lambda *a, **k: LOCALHOST)
-        ctx.patch_if_present(module, "get_attention_dp_size", lambda: 1)
-        ctx.patch_if_present(module, "get_attention_dp_rank", lambda: 0)
-        ctx.patch_if_present(module, "get_pp_group", lambda: PipelineGroupStandIn())
+        pin_manager_runtime(ctx, module)
         ledger = self.ledger
 
         class OfflineBootstrapPrefillManager(common):

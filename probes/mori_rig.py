@@ -24,11 +24,10 @@ Stand-ins, each for what needs a cluster:
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 from probes import NotApplicable
-from probes.manager_rig import LOCALHOST, _kv_args, _runtime_parallel
-from probes.standins import Ledger, PipelineGroupStandIn, pin_runtime, release_disagg_defaults, sg
+from probes.manager_rig import LOCALHOST, _kv_args, pin_manager_runtime
+from probes.standins import Ledger, pin_runtime, release_disagg_defaults, sg
 
 PREFILL_ADDR = "10.0.0.2:8998"
 
@@ -64,15 +63,8 @@ class ConstructedMoriDecodeManager:
         mori = mori_module()
         common = sg("disaggregation.common.conn")
         self.ledger = ledger
-        parallel = _runtime_parallel()
-        serving = SimpleNamespace(host=LOCALHOST, port=30000)
         for module in (common, mori):
-            ctx.patch_if_present(module, "get_parallel", lambda: parallel)
-            ctx.patch_if_present(module, "get_serving", lambda: serving)
-            ctx.patch_if_present(module, "get_local_ip_auto", lambda *a, **k: LOCALHOST)
-            ctx.patch_if_present(module, "get_attention_dp_size", lambda: 1)
-            ctx.patch_if_present(module, "get_attention_dp_rank", lambda: 0)
-            ctx.patch_if_present(module, "get_pp_group", lambda: PipelineGroupStandIn())
+            pin_manager_runtime(ctx, module)
             # 0.5.10 - 0.5.15 read the attention groups' ranks from dp_attention's getters
             for group in ("tp", "cp"):
                 ctx.patch_if_present(module, f"get_attention_{group}_size", lambda: 1)

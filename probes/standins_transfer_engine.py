@@ -90,7 +90,7 @@ class DecodePeerWire:
         else:
             self.ledger.record("status_to_decode", endpoint=str(endpoint))
 
-    def connect(self, endpoint: str, is_ipv6: bool = False) -> "_PushSocket":
+    def connect(self, endpoint: str, is_ipv6: bool = False) -> _PushSocket:
         """Stands for ``_connect`` where a release pushes through the cached
         socket itself (0.5.16 has no ``_send_multipart_locked``)."""
         return _PushSocket(self, endpoint)

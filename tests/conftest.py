@@ -89,6 +89,26 @@ def probe_python(shared_cache) -> str:
         return str(ensure_env())
 
 
+@pytest.fixture(scope="session")
+def probe_cases(probe_python, release_tree, patched_tree):
+    """probe_cases("prefill_drain", "0.5.21", "pristine"|"patched") -> {case name: case result}:
+    one harness run of that probe per tree, cached for the session."""
+    from backport.probing import run_harness
+
+    runs: dict[tuple[str, str, str], dict[str, dict]] = {}
+
+    def get(probe: str, version: str, kind: str) -> dict[str, dict]:
+        key = (probe, version, kind)
+        if key not in runs:
+            tree = release_tree(version) if kind == "pristine" else patched_tree(version)[0]
+            doc = run_harness(probe_python, tree.package_root, [probe], label=f"{kind} {version}")
+            assert doc["version"] == version
+            runs[key] = {c["case"]: c for c in doc["cases"]}
+        return runs[key]
+
+    return get
+
+
 @pytest.fixture
 def scratch_copy(tmp_path):
     def copy(src: Path, name: str = "copy") -> Path:

@@ -10,24 +10,10 @@ pytestmark = pytest.mark.probe_env
 
 HOLD = "aborted_mori_transfer_holds_pages"
 OFF = "mori_off_switch_releases_at_once"
-_RUNS: dict[tuple[str, str], dict[str, dict]] = {}
-
-
 @pytest.fixture(scope="session")
-def mori(probe_python, release_tree, patched_tree):
-    """mori("0.5.21", "pristine"|"patched") -> {case name: case result}."""
-    from backport.probing import run_harness
-
-    def get(version: str, kind: str) -> dict[str, dict]:
-        key = (version, kind)
-        if key not in _RUNS:
-            tree = release_tree(version) if kind == "pristine" else patched_tree(version)[0]
-            doc = run_harness(probe_python, tree.package_root, ["mori_hold"], label=f"{kind} {version}")
-            assert doc["version"] == version
-            _RUNS[key] = {c["case"]: c for c in doc["cases"]}
-        return _RUNS[key]
-
-    return get
+def mori(probe_cases):
+    """mori("0.5.21", "pristine"|"patched") -> {case name: case result} of the mori_hold probe."""
+    return lambda version, kind: probe_cases("mori_hold", version, kind)
 
 
 def test_pristine_0_5_21_releases_a_decode_aborted_mori_transfer_at_once(mori):

@@ -16,24 +16,10 @@ MUST_PRESERVE = ("successful_transfer_untouched", "without_capability_keeps_imme
 LATE_BOOTSTRAP = "aborted_room_stays_failed_on_late_bootstrap"
 PER_LAYER = "per_layer_send_reports_failure_after_every_write"  # needs no drain accounting: runs on 0.5.18
 
-_RUNS: dict[tuple[str, str], dict[str, dict]] = {}
-
-
 @pytest.fixture(scope="session")
-def drain(probe_python, release_tree, patched_tree):
-    """drain("0.5.21", "pristine"|"patched") -> {case name: case result}."""
-    from backport.probing import run_harness
-
-    def get(version: str, kind: str) -> dict[str, dict]:
-        key = (version, kind)
-        if key not in _RUNS:
-            tree = release_tree(version) if kind == "pristine" else patched_tree(version)[0]
-            doc = run_harness(probe_python, tree.package_root, ["prefill_drain"], label=f"{kind} {version}")
-            assert doc["version"] == version
-            _RUNS[key] = {c["case"]: c for c in doc["cases"]}
-        return _RUNS[key]
-
-    return get
+def drain(probe_cases):
+    """drain("0.5.21", "pristine"|"patched") -> {case name: case result} of the prefill_drain probe."""
+    return lambda version, kind: probe_cases("prefill_drain", version, kind)
 
 
 def verdicts(cases: dict[str, dict]) -> dict[str, str]:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_NAMES = ("admission", "prefill_retire", "hybrid_retire", "handoff", "page_lifetime", "prefill_drain",
+PROBE_NAMES = ("admission", "prefill_retire", "tree_release", "handoff", "page_lifetime", "prefill_drain",
                "transfer_coverage", "flush_holds", "mori_hold")
 
 SAFE = "safe"

@@ -94,6 +94,7 @@ class DoorRig:
         self.prefill_queue = self._prefill_queue()
         self.decode_queue = self._decode_queue()
         self.shell.disagg_prefill_bootstrap_queue = self.prefill_queue
+        self.shell.disagg_prefill_pending_queue = self.prefill_queue  # its name up to 0.4.5.post3
         self.shell.disagg_decode_prealloc_queue = self.decode_queue
 
     def _release_aborted_request(self, req) -> None:
@@ -143,6 +144,7 @@ class DoorRig:
             metadata_buffers=MetadataBuffersStandIn(),
             tree_cache=self.shell.tree_cache,
             tp_rank=0,
+            bootstrap_port=8998,  # up to 0.4.5.post3 the decode door reads the queue's port, not the request's
         )
         q._check_if_req_exceed_kv_capacity = lambda req: False
         return q
@@ -274,9 +276,10 @@ class _ClientStream:
 
     def stream_output(self, reqs, return_logprob=False, *args, **kwargs):
         for req in reqs:
-            if req.finished() and req.finished_output:
+            # up to 0.4.6.post4 requests have no finished_output: the tree's streamer sends every call
+            if req.finished() and getattr(req, "finished_output", False):
                 continue
-            if req.finished():
+            if req.finished() and hasattr(req, "finished_output"):
                 req.finished_output = True
             self.ledger.record("stream", rid=req.rid, finish=describe_finish(req.finished_reason))
 

@@ -38,15 +38,30 @@ with the metadata row prefill wrote.
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, Outcome, case
 from probes.admission import DoorRig, size_prefill_pool
-from probes.standins import describe_finish, give_kv_row, make_req, sg
-from probes.standins_memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
-from probes.standins_scheduler import deliver_prefill_result
+from probes.standins import (
+    construct_with,
+    describe_finish,
+    give_kv_row,
+    make_req,
+    reject_at_intake,
+    sg,
+    sg_attr,
+)
+from probes.standins_memory import (
+    CountingTokenToKVPoolAllocator,
+    RecordingReqToMetadataIdxAllocator,
+    patch_cache_helpers,
+)
+from probes.standins_scheduler import deliver_prefill_result, make_scheduler_shell
 from probes.transfer_coverage import (
     DecodeSide,
+    PagePoolStandIn,
     PrefillSide,
     copy_metadata_row,
     coverage_rig,
@@ -66,6 +81,64 @@ class DeviceKVPoolStandIn:
         self.page_size = page_size
 
 
+def list_metadata_buffers():
+    """Up to 0.4.6.post4 (no ``MetadataBuffers``) the metadata is a list of per-request rows, as the
+    scheduler of those releases builds it: one int32 output-id buffer, padded to 16 per row."""
+    import torch
+
+    return [torch.zeros((8, 16), dtype=torch.int32)]
+
+
+class ListMetadataPrefillSide:
+    """Prefill's real ``send_kv_chunk`` of 0.4.5.post1 - 0.4.6.post4 on a scheduler shell: its last
+    chunk stores the sampled token through the tree's ``PrefillBootstrapQueue.store_prefill_results``
+    (the queue is ``disagg_prefill_pending_queue`` up to 0.4.5.post3)."""
+
+    def __init__(self, ledger) -> None:
+        import torch
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        self.buffers = list_metadata_buffers()
+        queue = object.__new__(PrefillBootstrapQueue)
+        queue.metadata_buffers = self.buffers
+        self.shell = make_scheduler_shell(
+            ledger,
+            token_to_kv_pool_allocator=PagePoolStandIn(ledger, "prefill", 256, PAGE_SIZE),
+            req_to_token_pool=SimpleNamespace(req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)),
+            disagg_prefill_bootstrap_queue=queue,
+            disagg_prefill_pending_queue=queue,
+        )
+
+
+class ListMetadataDecodeSide(DecodeSide):
+    """``DecodeSide`` on the tree's ``DecodeTransferQueue`` of 0.4.5.post1 - 0.4.6.post4, whose metadata
+    is the list of rows above (its pop reads the transferred output id from row 0)."""
+
+    def __init__(self, ctx, ledger, pages) -> None:
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+        self.ledger, self.rank, self.pages = ledger, 0, pages
+        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
+        self.buffers = list_metadata_buffers()
+        self.shell = make_scheduler_shell(ledger, token_to_kv_pool_allocator=pages)
+        self.queue = construct_with(DecodeTransferQueue, gloo_group=None,
+                                    req_to_metadata_buffer_idx_allocator=self.metadata,
+                                    metadata_buffers=self.buffers)
+
+    def pop(self, collective) -> list:
+        # 0.4.6 - 0.4.6.post4 return the DecodeRequest entries they commit, 0.4.5.x their requests
+        return [getattr(r, "req", r) for r in super().pop(collective)]
+
+
+def copy_handoff_row(src, src_idx: int, dst, dst_idx: int) -> None:
+    """The RDMA write of the request's metadata row (a list of row buffers up to 0.4.6.post4)."""
+    if isinstance(src, list):
+        for s, d in zip(src, dst):
+            d[dst_idx].copy_(s[src_idx])
+    else:
+        copy_metadata_row(src, src_idx, dst, dst_idx)
+
+
 class HandoffRig(DoorRig):
     """Both PD doors of DoorRig, plus prefill's page pool and result path."""
 
@@ -73,26 +146,33 @@ class HandoffRig(DoorRig):
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         super().__init__(ctx)
-        self.prefill_pages = CountingTokenToKVPoolAllocator(
-            self.ledger, "prefill", PREFILL_POOL_TOKENS // PAGE_SIZE, PAGE_SIZE
-        )
-        self.decode_pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096, PAGE_SIZE)
+        # Up to 0.4.5.post3 PD moves KV by token index (no kv_to_page_num): a page is one token.
+        page = self.page_size = PAGE_SIZE if sg_attr("disaggregation.utils", "kv_to_page_num") else 1
+        self.prefill_pages = CountingTokenToKVPoolAllocator(self.ledger, "prefill", PREFILL_POOL_TOKENS // page, page)
+        self.decode_pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096 * PAGE_SIZE // page, page)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL
         size_prefill_pool(self.prefill_queue, PREFILL_POOL_TOKENS)
-        self.prefill_queue.token_to_kv_pool = DeviceKVPoolStandIn(PAGE_SIZE)
+        self.prefill_queue.token_to_kv_pool = DeviceKVPoolStandIn(page)
         # Prefill's last chunk also runs the tree's real send_kv_chunk (what it
         # records in the metadata row reaches decode); decode's transfer queue.
         self.collective = coverage_rig(ctx)
-        self.wire = PrefillSide(ctx, self.ledger)
-        self.decode_side = DecodeSide(ctx, self.ledger, pages=self.decode_pages)
+        if sg_attr("disaggregation.utils", "MetadataBuffers") is not None:
+            self.wire = PrefillSide(ctx, self.ledger)
+            self.decode_side = DecodeSide(ctx, self.ledger, pages=self.decode_pages)
+        else:  # up to 0.4.6.post4: list-of-rows metadata
+            self.wire = ListMetadataPrefillSide(self.ledger)
+            self.decode_side = ListMetadataDecodeSide(ctx, self.ledger, self.decode_pages)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.decode_pages)
         counting_send = type(self.shell).send_kv_chunk
 
         def send_kv_chunk(req, last_chunk=False, end_idx=None, *args, **kwargs):
             from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
+            real_send = SchedulerDisaggregationPrefillMixin.send_kv_chunk
+            token_id = kwargs.get("token_id")  # up to 0.4.6.post4 the last chunk carries the sampled token
+            last_chunk = last_chunk or token_id is not None
             counting_send(self.shell, req, last_chunk, end_idx)
             if last_chunk:
                 set_forward_range(req, len(req.origin_input_ids))
@@ -102,7 +182,10 @@ class HandoffRig(DoorRig):
                     req.fill_len = len(req.origin_input_ids)
                 elif hasattr(req, "fill_ids") and req.fill_ids in ([], None):  # None up to 0.4.7
                     req.fill_ids = list(req.origin_input_ids)
-                SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.wire.shell, req, last_chunk=True)
+                if "token_id" in inspect.signature(real_send).parameters:
+                    real_send(self.wire.shell, req, token_id=token_id)
+                else:
+                    real_send(self.wire.shell, req, last_chunk=True)
 
         self.shell.send_kv_chunk = send_kv_chunk
 
@@ -120,7 +203,7 @@ class HandoffRig(DoorRig):
         req = make_req(f"prefill-{room}", prompt_tokens, room=room)
         error = validate_input_length(req, MAX_REQ_INPUT_LEN, False)
         if error:
-            req.set_finish_with_abort(error)
+            reject_at_intake(req, error)
         type(self.shell)._add_request_to_queue(self.shell, req)
         admitted = any(r is req for r in self.prefill_queue.queue)
 
@@ -149,8 +232,8 @@ class HandoffRig(DoorRig):
         if last_chunks and not decode_req.finished():
             # 7. the transfer completed: the metadata row lands, decode polls.
             dreq = self.decode_side.admit(decode_req)
-            copy_metadata_row(self.wire.buffers, req.metadata_buffer_index,
-                              self.decode_side.buffers, dreq.metadata_buffer_index)
+            copy_handoff_row(self.wire.buffers, req.metadata_buffer_index,
+                             self.decode_side.buffers, dreq.metadata_buffer_index)
             decode = self.decode_side.outcome(dreq, self.decode_side.pop(self.collective))
         reserved_tokens = len(decode_req.origin_input_ids)
         reserved_pages = self.decode_pages.held_by(decode_req.rid)
@@ -168,7 +251,7 @@ class HandoffRig(DoorRig):
             "transfer_complete_signalled": bool(last_chunks),
             "tokens_handed_over": handed_tokens if last_chunks else 0,
             "reserved_pages_never_written": (
-                reserved_pages - -(-handed_tokens // PAGE_SIZE) if last_chunks else None
+                reserved_pages - -(-handed_tokens // self.page_size) if last_chunks else None
             ),
             "prefill_streamed": [s["finish"] for s in led.of("stream", rid=req.rid)],
             "prefill_finished_reason": describe_finish(req.finished_reason),

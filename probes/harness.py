@@ -78,7 +78,30 @@ def jsonable(value: Any) -> Any:
     return _ADDRESS.sub("0x?", repr(value))
 
 
-def run_case(probe: str, case: Case) -> dict[str, Any]:
+def outside_needs(case: Case, version: str | None) -> str | None:
+    """The release range of the case's `needs` that ``version`` is outside (its code is not in such a
+    release), or None. Fix ids in `needs` are not judged here (the harness cannot tell which fixes a
+    tree has); neither is an unknown version or an interpreter without `packaging`."""
+    try:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+        from packaging.version import InvalidVersion, Version
+    except ImportError:
+        return None
+    try:
+        v = Version(version or "")
+    except InvalidVersion:
+        return None
+    for need in case.needs:
+        try:
+            spec = SpecifierSet(need)
+        except InvalidSpecifier:
+            continue  # a fix id
+        if not spec.contains(v, prereleases=True):
+            return need
+    return None
+
+
+def run_case(probe: str, case: Case, version: str | None = None) -> dict[str, Any]:
     ctx = ProbeContext()
     try:
         outcome = case.run(ctx)
@@ -90,11 +113,19 @@ def run_case(probe: str, case: Case) -> dict[str, Any]:
         print(f"[probe {probe}/{case.name}] error:", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         message = _ADDRESS.sub("0x?", str(exc))
-        outcome = Outcome(
-            ERROR,
-            f"The case raised {type(exc).__name__}: {message}",
-            {"exception_type": type(exc).__name__, "message": message},
-        )
+        need = outside_needs(case, version)
+        if need is not None:
+            # The missing-code path: the case declares that its code needs releases `need`, this tree's
+            # release is outside them, and the case failed on what is not there (never a verdict on it).
+            reason = (f"the case's code needs SGLang {need} (this tree is {version}); here it raised "
+                      f"{type(exc).__name__}: {message}")
+            outcome = Outcome(NOT_APPLICABLE, f"Not applicable: {reason}", {"reason": reason})
+        else:
+            outcome = Outcome(
+                ERROR,
+                f"The case raised {type(exc).__name__}: {message}",
+                {"exception_type": type(exc).__name__, "message": message},
+            )
     finally:
         try:
             ctx.close()
@@ -230,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases_of(probe):
             if cov is not None:
                 cov.switch_context(f"{probe}/{case.name}")
-            cases.append(run_case(probe, case))
+            cases.append(run_case(probe, case, str(version)))
     if cov is not None:
         cov.switch_context("")
 

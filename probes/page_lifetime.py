@@ -277,7 +277,8 @@ class TransferRig:
 
 
 @case(
-    proves=("pr35049", "pr41023", "pr41404"),
+    # disaggregation.common (the receiver this case drives) arrives in 0.4.7
+    proves=("pr35049", "pr41023", "pr41404"), needs=(">=0.4.7",),
     must_preserve=False,
     expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
 )
@@ -349,7 +350,7 @@ def _tracker_or_skip():
 
 
 @case(
-    proves=("pr35049",), needs=("pr35049",),
+    proves=("pr35049",), needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect='A drain ACK that arrives before the room is registered does not count toward its release.',
 )
@@ -376,7 +377,7 @@ def ack_before_registration_not_counted(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr35049",), needs=("pr35049",),
+    proves=("pr35049",), needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="A drain ACK that arrives after the room was released does not count for the room's next request.",
 )
@@ -407,6 +408,8 @@ def ack_after_release_not_counted(ctx) -> Outcome:
 
 
 @case(
+    # up to 0.4.6.post4 decode has no failed-transfer path (pop_transferred raises "Transfer failed")
+    needs=(">=0.4.6.post5",),
     must_preserve=True,
     expect="A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly once.",
 )
@@ -655,7 +658,7 @@ class _QuiescentPrefillSocket(_PrefillPeerSocket):
 
 
 @case(
-    proves=("pr40645",), needs=("pr35049",),
+    proves=("pr40645",), needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
     "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "

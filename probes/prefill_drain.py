@@ -291,7 +291,7 @@ def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl",),
+    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes holds decode's "
     "pages (the backend defers release) and no drain ACK leaves while the sibling runs: not for a later chunk of "
@@ -341,7 +341,7 @@ def _writes_after_first_ack(ledger) -> int:
 
 
 @case(
-    proves=("pr35049-nixl",), needs=("pr35049-nixl",),
+    proves=("pr35049-nixl",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room stays Failed "
     "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
@@ -437,7 +437,8 @@ DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
 
 
 @case(
-    proves=("pr35049-inflight",),
+    # send_kvcache takes the thread pool as an argument from 0.4.7 (before: self.executor, not driven here)
+    proves=("pr35049-inflight",), needs=(">=0.4.7",),
     must_preserve=False,
     expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's write is "
     "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write finished.",
@@ -535,7 +536,7 @@ def _constructed_details(rig) -> dict[str, Any]:
 
 
 @case(
-    proves=("pr40645",), needs=("pr35049-ack",),
+    proves=("pr40645",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a chunk "
     "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets its ACK "
@@ -578,7 +579,7 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr41402",), needs=("pr41402",),
+    proves=("pr41402",), needs=("pr41402", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held ACK "
     "targets, a later ABORT for it is neither held nor ACKed, and the room's next request clears the poison "
@@ -637,7 +638,7 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
 
 
 @case(
-    proves=("pr35049-ack",), needs=("pr35049-ack",),
+    proves=("pr35049-ack",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor (no transfer backend's write count added), clearing an "
     "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where the "
@@ -691,7 +692,7 @@ def _nixl_targets_left(rig, room: int) -> list[str]:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl",),
+    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when a chunk's handle fails (ERR) and every other handle of the batch has settled, the chunk "
     "is uncounted and the decode peers' ABORTs for the failed room are each ACKed, with no count or target left.",
@@ -743,7 +744,7 @@ def nixl_settled_error_uncounts_and_acks(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl",),
+    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT it "
     "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded.",
@@ -803,7 +804,7 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-ack",),
+    proves=("pr41402",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, a room reopened by its next request starts without the "
     "previous request's in-flight count and ACK targets: an ABORT with nothing in flight is ACKed at once.",

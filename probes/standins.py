@@ -268,8 +268,19 @@ def mark_aborted(req, finish) -> None:
 
 
 def reject_at_intake(req, message: str) -> None:
-    """The intake rejection of the incident: ``Req.set_finish_with_abort``."""
-    req.set_finish_with_abort(message)
+    """The intake rejection of the incident: ``Req.set_finish_with_abort``. Up to 0.4.6.post5 (no such
+    method) the scheduler rejects an over-long prompt inline, as here: ``validate_input_length`` writes
+    the 400 into ``finished_reason``, then the prompt becomes the one-token stub and ``max_new_tokens`` 0."""
+    if callable(getattr(req, "set_finish_with_abort", None)):
+        req.set_finish_with_abort(message)
+        return
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.finished_reason = FINISH_ABORT(message, HTTPStatus.BAD_REQUEST, "BadRequestError")
+    req.origin_input_ids = [0]
+    req.sampling_params.max_new_tokens = 0
 
 
 def holds_kv(req) -> bool:

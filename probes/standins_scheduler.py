@@ -60,6 +60,8 @@ class SchedulerShellBase:
     def send_kv_chunk(self, req, last_chunk: bool = False, end_idx=None, *args, **kwargs):
         # The real sender hands over [start_send_idx, len(origin_input_ids)) on
         # the last chunk; after set_finish_with_abort that is the 1-token stub.
+        # Up to 0.4.6.post4 the last chunk is the call that carries the sampled token (`token_id=`).
+        last_chunk = last_chunk or kwargs.get("token_id") is not None
         start = int(getattr(req, "start_send_idx", 0) or 0)
         if last_chunk:
             tokens = len(req.origin_input_ids) - start

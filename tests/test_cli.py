@@ -38,7 +38,7 @@ BAD = {
     "run-unpinned": ["run", "sglang==9.9.9"],
     "run-version-typo": ["run", "sglang==0.5.91"],
     "run-version-newer-than-the-matrix": ["run", "sglang==9.0.1"],
-    "run-version-below-the-range": ["run", "sglang==0.4.6"],
+    "run-version-below-the-range": ["run", "sglang==0.4.5"],
     "run-path-without-sglang": ["run", "{tmp}/release"],
     "run-bad-reference": ["run", "sglang==0.5.19", "--reference", "sglang==9.9.9"],
     "run-no-series": ["run", "sglang==0.5.19", "--series", "{tmp}/no-pack"],
@@ -136,7 +136,7 @@ NEWER = ".".join(NEWEST.split(".")[:2] + [str(int(NEWEST.split(".")[2]) + 1)])
     ("0.5.16.post1", "did you mean sglang==0.5.16?"),
     (NEWER, (f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this pack "
              "carries, so only this pack's own check (sbp-transfer-coverage) applies")),
-    ("0.4.6", f"below the supported range (0.4.7 - {NEWEST})"),
+    ("0.4.4.post2", f"below the supported range (0.4.5.post1 - {NEWEST})"),
 ])
 def test_version_mistakes_are_answered_precisely(version, says, workspace, capsys):
     assert main(["fetch", f"sglang=={version}"]) == 2

@@ -110,7 +110,7 @@ def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, 
 
 @pytest.mark.parametrize(("fix", "release", "message"), [
     ("pr99999", "0.5.16", "no such fix"),
-    ("pr36988", "0.4.6", "not pinned"),
+    ("pr36988", "0.4.5", "not pinned"),
     ("pr36988", "0.5.20", "already contains the fix"),
     ("pr36988", "0.5.17", "exists"),
     ("pr36988", "latest", "not a PEP 440 version"),

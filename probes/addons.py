@@ -12,6 +12,10 @@ which releases need it and what it stands for.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -79,3 +83,51 @@ def install(addons: tuple[AddOn, ...] = ADDONS) -> list[str]:
         setattr(target, addon.name, addon.value())
         added.append(f"{addon.module}.{addon.name}")
     return added
+
+
+# ---------------------------------------------------------------------------
+# a module of the tree that its own wheel cannot import on any machine
+
+HF3FS_CLIENT = "sglang.srt.mem_cache.storage.hf3fs.client_hf3fs"
+
+
+class Hf3fsClientModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stands for ``client_hf3fs`` (the 3FS storage client) where the tree lacks the C++ source it builds.
+
+    The module compiles ``hf3fs_utils.cpp`` beside it at import (torch's ``cpp_extension.load``).
+    0.4.10's wheel ships the module without that file, and 0.4.10's ``cache_controller`` imports the
+    3FS backend at module level (lazily before and after it), so the scheduler cannot be imported
+    from that wheel on any machine. Only where the tree's ``client_hf3fs.py`` has no
+    ``hf3fs_utils.cpp`` beside it is the module this stand-in, whose ``Hf3fsClient`` raises when
+    constructed (no probe uses the 3FS backend); a tree that has the source imports its own module.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != HF3FS_CLIENT:
+            return None
+        for entry in path or ():
+            if os.path.isfile(os.path.join(entry, "client_hf3fs.py")):
+                if os.path.isfile(os.path.join(entry, "hf3fs_utils.cpp")):
+                    return None  # the tree's own module
+                return importlib.util.spec_from_loader(fullname, self, origin="probes.addons stand-in")
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        class Hf3fsClient:
+            """Stands for the 3FS client; the probes never use the 3FS storage backend."""
+
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("probe stand-in: the tree's wheel lacks hf3fs_utils.cpp, which the 3FS "
+                                   "client compiles; it cannot be used here")
+
+        module.Hf3fsClient = Hf3fsClient
+
+
+def install_module_standins() -> list[str]:
+    """Put the stand-in finders ahead of the path finders, once; returns the modules they may stand for."""
+    if not any(isinstance(f, Hf3fsClientModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, Hf3fsClientModuleFinder())
+    return [HF3FS_CLIENT]

@@ -218,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from probes.addons import install as install_addons
+    from probes.addons import install_module_standins
 
     install_addons()  # names older releases read from torch/triton that today's lack (probes/addons.py)
+    install_module_standins()  # 0.4.10's 3FS client, whose C++ source its wheel lacks (probes/addons.py)
     coverage_missing = None
     try:
         cov = start_coverage(tree, args.coverage)

@@ -23,7 +23,8 @@ radix cache (RecordingRadixCache plus recorders for the module's
 object that rejects the sampled token. ``grammar_rejected_result_sends_no_kv``
 is not applicable where the final-result path never asks a grammar;
 ``pending_bootstrap_middle_chunk_requeued`` before 0.5.13 (no optimistic
-prefill).
+prefill); ``sender_abort_failure_does_not_skip_cleanup`` before 0.4.9.post5,
+where no KV sender has ``abort()`` (nor has the stand-in there).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class RetireRig:
         """A request that went through bootstrap and a forward: it owns a
         sender, a metadata buffer and a KV row with its prompt's pages."""
         req = make_req(rid, num_tokens, room=room)
+        if getattr(req, "fill_ids", []) is None:  # a new Req's is None up to 0.4.7.post1, [] after
+            req.fill_ids = []
         req.disagg_kv_sender = self.sender_cls(bootstrap_room=room)
         req.metadata_buffer_index = self.shell.req_to_metadata_buffer_idx_allocator.alloc()
         req.pending_bootstrap = False
@@ -171,7 +174,7 @@ def final_aborted_result_retired(ctx) -> Outcome:
         "tree_finish", outcome="ABORT"
     )
     problems = _retired_once(obs)
-    if not obs["sender_aborted"]:
+    if not obs["sender_aborted"] and hasattr(rig.sender_cls, "abort"):  # no sender abort() before 0.4.9.post5
         problems.append("sender not aborted")
     # Where the tree cannot drop an aborted prefetch (0.4.9.post3 - 0.5.1.post3) there is nothing to release.
     releases_due = 1 if aborted_prefetch_releasable() else 0
@@ -221,7 +224,7 @@ def delayed_result_after_retirement_ignored(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr36988",),
+    proves=("pr36988",), needs=(">=0.4.9.post5",),
     must_preserve=False,
     expect="When the sender's abort() raises, the request is still retired once with all local cleanup.",
 )
@@ -231,6 +234,8 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     rig = RetireRig(ctx, abort_raises=True)
+    if not hasattr(rig.sender_cls, "abort"):
+        raise NotApplicable("no KV sender of this release has abort() (MooncakeKVSender.abort from 0.4.9.post5)")
     req = rig.prefilled_req("abort-raises", 64, room=303)
     mark_aborted(req, FINISH_ABORT("Multimodal encoder failed."))
     rig.deliver_result([req])
@@ -320,7 +325,7 @@ class _RejectingGrammar:
 
 
 @case(
-    proves=("pr36988",), needs=(">=0.4.10",),
+    proves=("pr36988",), needs=(">=0.4.9.post5",),
     must_preserve=False,
     expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
 )
@@ -339,7 +344,7 @@ def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
         if not grammar.accept_calls or "not allowed by the grammar" not in str(exc):
             raise
         raise NotApplicable("the prefill result path does not handle a grammar's rejection of the sampled "
-                            "token in this release (accept_token's ValueError escapes it; handled from 0.4.10)") from None
+                            "token in this release (accept_token's ValueError escapes it; handled from 0.4.9.post5)") from None
     if not grammar.accept_calls:
         raise NotApplicable(
             "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this release"

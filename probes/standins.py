@@ -61,7 +61,11 @@ def has_method(cls_path: str, name: str) -> bool:
 def aborted_prefetch_releasable() -> bool:
     """Whether the tree can drop the HiCache storage prefetch of an aborted request. 0.4.9.post3 -
     0.5.1.post3 prefetch (`HiRadixCache.prefetch_from_storage`) but have no way to drop one early
-    (`release_aborted_request` from 0.5.2): there a fix cannot release it, and a probe asks it not to."""
+    (`release_aborted_request` from 0.5.2): there a fix cannot release it, and a probe asks it not to.
+    Before 0.4.9.post3 there is no HiCache storage layer at all (no `mem_cache.hicache_storage`): no
+    prefetch can have started, so there is nothing to drop either."""
+    if sg_attr("mem_cache.hicache_storage", "HiCacheStorage") is None:
+        return False
     cls = sg_attr("mem_cache.hiradix_cache", "HiRadixCache")
     if cls is None or not callable(getattr(cls, "prefetch_from_storage", None)):
         return True

@@ -7,15 +7,23 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, sg
+from probes.standins import Ledger, has_method, sg
 
 
 class _TransferFailed(Exception):
     """What a failed transport reports through ``failure_exception``."""
 
 
+def tree_sender_can_abort() -> bool:
+    """Whether a KV sender of the tree has ``abort()``: Mooncake's from 0.4.9.post5 (the base class
+    declares it later). Before, no sender can be told of an abort, and the stand-in has none either."""
+    return has_method("disaggregation.base.conn.BaseKVSender", "abort") or has_method(
+        "disaggregation.mooncake.conn.MooncakeKVSender", "abort")
+
+
 def recording_sender_class(ledger: Ledger, *, abort_raises: bool = False):
-    """A KV sender class for ``get_kv_class(..., SENDER)``."""
+    """A KV sender class for ``get_kv_class(..., SENDER)``; with ``abort()`` only where the tree's
+    senders have one (``tree_sender_can_abort``)."""
 
     class RecordingKVSender:
         """Stands for a Mooncake/NIXL sender: records that prefill created a
@@ -68,6 +76,8 @@ def recording_sender_class(ledger: Ledger, *, abort_raises: bool = False):
         def get_transfer_metric(self):
             return None
 
+    if not tree_sender_can_abort():  # 0.4.5.post1 - 0.4.9.post4
+        del RecordingKVSender.abort
     return RecordingKVSender
 
 

@@ -76,3 +76,24 @@ def test_in_the_probe_environment_only_the_missing_names_are_added(probe_python)
     assert result["kept"] and result["again"] == [] and result["amx"]
     assert set(result["added"]) | set(result["had"]) == {f"{a.module}.{a.name}" for a in ADDONS}
     assert not set(result["added"]) & set(result["had"])
+
+
+def test_the_3fs_client_is_stood_in_for_only_where_its_cpp_source_is_missing(tmp_path):
+    """0.4.10's wheel ships client_hf3fs.py without the hf3fs_utils.cpp it compiles at import: only
+    there does the finder answer; a tree with the source (0.4.10.post2) imports its own module."""
+    import importlib.util
+
+    from probes.addons import HF3FS_CLIENT, Hf3fsClientModuleFinder
+
+    finder = Hf3fsClientModuleFinder()
+    (tmp_path / "client_hf3fs.py").write_text("raise AssertionError('the tree module ran')\n")
+    assert finder.find_spec("sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs", [str(tmp_path)]) is None
+    assert finder.find_spec(HF3FS_CLIENT, [str(tmp_path / "elsewhere")]) is None
+    spec = finder.find_spec(HF3FS_CLIENT, [str(tmp_path)])
+    assert spec is not None and spec.loader is finder
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(RuntimeError, match="lacks hf3fs_utils.cpp"):
+        module.Hf3fsClient()
+    (tmp_path / "hf3fs_utils.cpp").write_text("// the source the module compiles\n")
+    assert finder.find_spec(HF3FS_CLIENT, [str(tmp_path)]) is None

@@ -14,7 +14,8 @@ STAND_INS = ("`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `Coun
              "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
              "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/shims/` (`torchvision`, "
              "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/addons.py` (names older "
-             "releases read that torch 2.13 and triton dropped) where missing")
+             "releases read that torch 2.13 and triton dropped) where missing, and its 3FS client module where "
+             "a wheel lacks the C++ source that module compiles at import (0.4.10)")
 # The rollback of an exported wheel: `==X` alone is satisfied by `X+backport.N` (PEP 440), hence the flags.
 ROLLBACK = "pip install --force-reinstall --no-deps 'sglang=={version}'"
 COVERAGE_SWITCH = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=0"

@@ -91,7 +91,7 @@ def _tree_counts_by_prompt() -> None:
 
 
 def _release_rig(ctx, cache_cls, row: list[int]) -> RetireRig:
-    _tree_counts_by_prompt()
+    """A RetireRig whose tree cache is ``tree_cache_shell``; the caller has checked _tree_counts_by_prompt."""
     rig = RetireRig(ctx)
     rig.shell.tree_cache = tree_cache_shell(rig.ledger, cache_cls, row)
     # The patched tree's own release helper runs (0.5.1 - 0.5.3.post1 add it), not the recorder.
@@ -145,6 +145,7 @@ def aborted_middle_chunk_frees_only_written_slots(ctx) -> Outcome:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
+    _tree_counts_by_prompt()
     prompt, prefix, written = 64, 16, 32
     own = list(range(1000, 1000 + written))
     row = own + list(range(OTHER_REQUEST_SLOTS, OTHER_REQUEST_SLOTS + prompt - written))

@@ -1,10 +1,10 @@
 """Every git process the toolkit starts, behind one small module.
 
-The engine talks to git through plumbing only (status, ls-files, ls-tree,
-cat-file, fast-import, update-index, update-ref) and parses its ``-z``
-output; git does all hashing, tree building and pack writing. The one
-exception is ``blob_id``: the id git gives a file's bytes, computed here to
-check that a file on disk is exactly its committed blob without a process.
+The engine talks to git through plumbing only (status, ls-files, cat-file,
+update-index, update-ref) and parses its ``-z`` / batch output. It hashes in
+process twice: ``blob_id`` (the id git gives a file's bytes, to check that a
+file on disk is exactly its committed blob without a process) and the loose
+objects of a series (engine/objects.py, which replaced ``git fast-import``).
 """
 
 from __future__ import annotations
@@ -167,78 +167,51 @@ def flagged_paths(ls_files_out: bytes) -> dict[str, str]:
     return out
 
 
-def ls_tree_args(commit: str, paths: Sequence[str]) -> tuple[str, ...]:
-    return ("ls-tree", "-z", "--full-tree", commit, "--", *paths)
-
-
-def ls_tree(ls_tree_out: bytes) -> dict[str, tuple[str, str]]:
-    """``git ls-tree -z`` output as {path: (mode, object id)}, regular files only."""
-    out: dict[str, tuple[str, str]] = {}
-    for entry in ls_tree_out.split(b"\0"):
-        if not entry:
-            continue
-        meta, _, path = entry.partition(b"\t")
-        mode, kind, oid = meta.decode().split(" ")
-        if kind == "blob" and mode in REGULAR_MODES:
-            out[_decode(path)] = (mode, oid)
-    return out
-
-
 def blob_id(data: bytes) -> str:
     """The SHA-1 object id git gives a file with these bytes (no filters)."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
-def read_blobs(root: Path, specs: Sequence[str]) -> dict[str, bytes | None]:
-    """{spec: content} for ``rev:path`` specs (None: no such blob), one ``cat-file --batch``."""
-    out = run(root, "cat-file", "--batch", input="".join(s + "\n" for s in specs).encode("utf-8", "surrogateescape"))
-    got: dict[str, bytes | None] = {}
+def batch_args() -> tuple[str, ...]:
+    return ("cat-file", "--batch")
+
+
+def batch_input(specs: Sequence[str]) -> bytes:
+    return "".join(s + "\n" for s in specs).encode("utf-8", "surrogateescape")
+
+
+def batch_objects(out: bytes, specs: Sequence[str]) -> dict[str, tuple[str, bytes] | None]:
+    """``cat-file --batch`` output for ``specs``: {spec: (type, content)}, None where git has no such object."""
+    got: dict[str, tuple[str, bytes] | None] = {}
     pos = 0
     for spec in specs:
         eol = out.index(b"\n", pos)
         head = out[pos:eol].split()
         pos = eol + 1
-        if len(head) == 3 and head[1] == b"blob":
+        if len(head) == 3 and head[1] != b"missing":
             size = int(head[2])
-            got[spec] = out[pos:pos + size]
+            got[spec] = (head[1].decode(), out[pos:pos + size])
             pos += size + 1
         else:
             got[spec] = None
     return got
 
 
+def read_blobs(root: Path, specs: Sequence[str]) -> dict[str, bytes | None]:
+    """{spec: content} for ``rev:path`` specs (None: no such blob), one ``cat-file --batch``."""
+    out = batch_objects(run(root, *batch_args(), input=batch_input(specs)), specs)
+    return {spec: obj[1] if obj and obj[0] == "blob" else None for spec, obj in out.items()}
+
+
+def objects_dir(git_dir: Path) -> Path:
+    """Where the repository of ``git_dir`` keeps its objects (a linked work tree's are in the common dir)."""
+    common = git_dir / "commondir"
+    if common.is_file():
+        return (git_dir / common.read_text().strip()).resolve() / "objects"
+    return git_dir / "objects"
+
+
 # ----------------------------------------------------------------- writing
-
-
-def fast_import(root: Path, ref: str, base: str, commits: Sequence[tuple[str, str, int, dict]]) -> list[str]:
-    """Write commits with ``git fast-import`` onto ``ref``, the first on top of
-    ``base``: one per (author "Name <email>", message, epoch, {repo path: (mode,
-    data) | None}). Returns their ids in order."""
-    stream = bytearray()
-    for n, (who, message, epoch, changes) in enumerate(commits, start=1):
-        text = message.encode("utf-8")
-        stream += b"commit %s\nmark :%d\n" % (ref.encode(), n)
-        stream += b"author %s %d +0000\ncommitter %s %d +0000\n" % (who.encode(), epoch, who.encode(), epoch)
-        stream += b"data %d\n%s\n" % (len(text), text)
-        if n == 1:
-            stream += b"from %s\n" % base.encode()
-        for path, val in changes.items():
-            quoted = path.encode("utf-8", "surrogateescape")
-            if val is None:
-                stream += b"D %s\n" % quoted
-            else:
-                mode, data = val
-                stream += b"M %s inline %s\ndata %d\n%s\n" % (mode.encode(), quoted, len(data), data)
-        stream += b"\n"
-    stream += b"done\n"
-    with tempfile.TemporaryDirectory(prefix="sglang-backport-marks-") as tmp:
-        marks = Path(tmp) / "marks"
-        # keep fast-import's pack as written (no unpacking into loose objects), stored
-        # uncompressed: git gc recompresses later, the run pays no heavy zlib
-        run(root, "-c", "fastimport.unpackLimit=1", "-c", "core.compression=0", "-c", "pack.depth=0", "fast-import", "--quiet",
-            "--done", f"--export-marks={marks}", input=bytes(stream))
-        ids = dict(line.split() for line in marks.read_text().splitlines())
-    return [ids[f":{n}"] for n in range(1, len(commits) + 1)]
 
 
 def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:

@@ -15,8 +15,8 @@ in the same run:
   engine does.
 
 Then one more engine run on a fresh clone under cProfile prints where the engine's time goes
-(loading the pack, the symlink checks, the decision loop, waiting for git's status/ls-tree/
-ls-files, fast-import, the journal, whole-file replacement, the index built in a copy, the ref
+(loading the pack, the symlink checks, the decision loop, waiting for git's status/cat-file/
+ls-files, the series' pack, the journal, whole-file replacement, the index built in a copy, the ref
 transaction): cProfile's overhead inflates the Python parts, so read it as shares, not as times.
 
 Each clone is settled first (one ``git status`` a second after the clone,
@@ -112,8 +112,8 @@ STAGES = (
     ("load the pack (parse variants)", "pack/load.py", "load_pack"),
     ("symlink checks", "engine/apply.py", "_check_symlinks"),
     ("decision loop (placement in memory)", "engine/decide.py", "decide"),
-    ("wait for status / ls-tree / ls-files", "backport/gitops.py", "result"),
-    ("git fast-import (objects, pending ref)", "backport/gitops.py", "fast_import"),
+    ("wait for status / cat-file / ls-files", "backport/gitops.py", "result"),
+    ("objects: one pack (blobs, trees, commits)", "engine/objects.py", "write_commits"),
     ("journal (create, files phase)", "engine/journal.py", "create"),
     ("journal save", "engine/journal.py", "save"),
     ("whole-file replacement (put_file)", "engine/journal.py", "put_file"),

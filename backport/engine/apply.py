@@ -15,8 +15,10 @@
 4. the decision loop on an in-memory overlay (decide.py) while git reports,
    in the background, the dirty paths (``status``, with
    ``--no-optional-locks`` so that even a refused run leaves the index file
-   byte for byte as it was), the base commit's entries of the touched paths
-   (``ls-tree``) and their index flags (``ls-files -v``);
+   byte for byte as it was), the base commit's trees on the way to the
+   touched paths (``cat-file --batch``: the touched files' committed entries,
+   and what objects.py builds the commits from) and their index flags
+   (``ls-files -v``);
 5. the paths the engine must not touch: uncommitted changes, a
    skip-worktree or assume-unchanged entry, bytes that differ from the
    committed blob (a change ``status`` cannot see). A fix that would change
@@ -48,6 +50,7 @@ from ..errors import BadInput
 from ..pack.model import Pack, PatchVariant, check_rel_path, parse_version
 from .decide import Decision, decide
 from .journal import JOURNAL_NAME, NEXT_INDEX, recover
+from .objects import Trees, base_tree_specs
 from .report import APPLIED, FAILED, NOTHING_TO_DO, ApplyReport, PatchResult
 from .write import PENDING_REF, write_series
 
@@ -140,8 +143,9 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
                        f"(or remove a stale lock)")
     touched = sorted({prefix + fp.path for fid in selected for pv in pack.variants.get(fid, ())
                       for fp in pv.files})
+    specs = base_tree_specs(base, touched)
     procs = [gitops.Background(repo, *gitops.STATUS_ARGS),  # the slowest step: start it first
-             gitops.Background(repo, *gitops.ls_tree_args(base, touched)),
+             gitops.Background(repo, *gitops.batch_args(), input=gitops.batch_input(list(specs.values()))),
              gitops.Background(repo, *gitops.flags_args(touched))]
     try:
         seen: dict[str, bool] = {}
@@ -150,9 +154,10 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
                 _check_symlinks(repo, prefix, pv, seen)
         decision = decide(repo, prefix, pack, v, selected, {}, None)
         try:
-            base_entries = gitops.ls_tree(procs[1].result())
+            trees = _base_trees(repo, base, specs, procs[1].result())
         except gitops.GitError:
             raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository") from None
+        base_entries = trees.entries(touched)
         if any(prefix + rel not in base_entries and existed for rel, existed in decision.changed_paths()):
             decision = decide(repo, prefix, pack, v, selected, {}, base_entries)  # an untracked file
         blocked = _untouchable(repo, prefix, decision, touched, base_entries, procs[2].result())
@@ -173,13 +178,22 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
         try:
             if check or not decision.pending or decision.failed:
                 dirty_gate()  # nothing is written: decide it now
-            return _finish(repo, git_dir, prefix, str(v), base, check, decision, base_entries, recovery, dirty_gate)
+            return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, dirty_gate)
         except _Redecide as again:  # rare: the speculative objects were rolled back
             decision = decide(repo, prefix, pack, v, selected, {**blocked, **again.blocked}, base_entries)
-            return _finish(repo, git_dir, prefix, str(v), base, check, decision, base_entries, recovery, None)
+            return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, None)
     finally:
         for p in procs:
             p.reap()
+
+
+def _base_trees(repo: Path, base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
+    """The base commit's trees on the way to the touched paths (a directory it lacks: None)."""
+    objs = gitops.batch_objects(batch_out, list(specs.values()))
+    if objs[specs[""]] is None or objs[specs[""]][0] != "tree":
+        raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository")
+    return Trees({d: obj[1] if obj and obj[0] == "tree" else None for d, obj in
+                  ((d, objs[spec]) for d, spec in specs.items())})
 
 
 class _Redecide(Exception):
@@ -206,14 +220,14 @@ def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[
 
 
 def _finish(repo: Path, git_dir: Path, prefix: str, version: str, base: str, check: bool, decision: Decision,
-            base_entries: dict[str, tuple[str, str]], recovery: str,
+            trees: Trees, recovery: str,
             gate: Callable[[], None] | None) -> ApplyReport:
     status = FAILED if decision.failed else (APPLIED if decision.pending else NOTHING_TO_DO)
     report = ApplyReport(str(repo.resolve()), version, base, base, status, decision.results, check, prefix,
                          recovery)
     if status != APPLIED or check:
         return report
-    commits = write_series(repo, git_dir, prefix, base, decision, base_entries, gate)
+    commits = write_series(repo, git_dir, prefix, base, decision, trees, gate)
     by_fix = dict(zip((f.id for f, _, _ in decision.pending), commits))
     patches = tuple(PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
                     for r in decision.results)

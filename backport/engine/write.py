@@ -5,19 +5,20 @@ The order (each step a crash point the next run recovers from):
 
 1. create the journal ``<git dir>/sglang-backport-apply.json`` (O_EXCL: it is
    also the lock against a second apply), phase ``objects``;
-2. ``git fast-import`` writes every blob, tree and commit, onto the pending
-   ref ``refs/sglang-backport/pending``; nothing in the work tree moves yet;
-   then the caller's ``gate`` runs (apply.py waits there for ``git status``,
-   which ran alongside: the slowest git step and the objects overlap); a gate
-   that raises rolls the objects back (step 2 is undone like any crash in it);
+2. every blob, tree and commit is written as a loose object (objects.py);
+   nothing points at them and nothing in the work tree moves yet; then the
+   caller's ``gate`` runs (apply.py waits there for ``git status``, which ran
+   alongside: the slowest git step and the objects overlap); a gate that
+   raises leaves only unreachable objects (step 2 is undone like any crash in
+   it: git gc prunes them);
 3. the journal becomes phase ``files``: base and series commits, and per path
    the sha256 of its bytes before and after, and its modes;
 4. each file is replaced whole (a temporary file renamed over it: a file is
    always either as before or as after, never torn); deletions unlink;
 5. a copy of the index gets the new entries (``GIT_INDEX_FILE``: git's own
    ``index.lock`` is never taken, so none can be left behind);
-6. one ref transaction moves HEAD from the base to the last commit and drops
-   the pending ref: this is the commit point;
+6. one ref transaction moves HEAD from the base to the last commit: this is
+   the commit point;
 7. the new index replaces the old (rename), the journal is removed.
 
 Recovery (``recover``: the next run, or this one after an error) reads the
@@ -52,8 +53,9 @@ from ..errors import BadInput
 from ..pack.model import Fix, PatchVariant
 from .decide import Decision
 from .journal import JOURNAL_NAME, NEXT_INDEX, FileMove, Journal, put_file, recover
+from .objects import Trees, write_commits
 
-PENDING_REF = "refs/sglang-backport/pending"
+PENDING_REF = "refs/sglang-backport/pending"  # an earlier version kept its objects here: recovery still drops it
 AUTHOR = "sglang-backport <sglang-backport@localhost>"
 UPSTREAM_REPO = "sgl-project/sglang"
 VENDOR_TRAILER = "Vendor-Fix:"  # tree.py knows a toolkit commit by this or Backport-Of:
@@ -91,11 +93,12 @@ def _mode_bits(mode: str) -> int:
     return 0o755 if mode == "100755" else 0o644
 
 
-def plan_commits(prefix: str, decision: Decision, base_entries: dict[str, tuple[str, str]]) -> list[tuple]:
-    """The series' commits for gitops.fast_import: (author, message, epoch,
+def plan_commits(prefix: str, decision: Decision, trees: Trees) -> list[tuple]:
+    """The series' commits for objects.write_commits: (author, message, epoch,
     {repo path: (mode, data) | None}); a file keeps its mode in the base
     commit, a created file gets the patch's."""
-    modes = {p: m for p, (m, _) in base_entries.items()}
+    paths = [prefix + rel for _, _, changes in decision.pending for rel in changes]
+    modes = {p: m for p, (m, _) in trees.entries(paths).items()}
     commits = []
     for fix, variant, changes in decision.pending:
         cc: dict[str, tuple[str, bytes] | None] = {}
@@ -124,12 +127,12 @@ def plan_moves(repo: Path, prefix: str, decision: Decision) -> tuple[FileMove, .
 
 
 def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: Decision,
-                 base_entries: dict[str, tuple[str, str]], gate: Callable[[], None] | None = None) -> list[str]:
+                 trees: Trees, gate: Callable[[], None] | None = None) -> list[str]:
     """Commit the decided series and move the work tree, index and HEAD to it
     (see the module docstring); the commits' ids, in series order. ``gate``: called once
     the objects are written and before anything else moves; what it raises is raised
     after the objects are rolled back."""
-    commits = plan_commits(prefix, decision, base_entries)
+    commits = plan_commits(prefix, decision, trees)
     moves = plan_moves(repo, prefix, decision)
     final = {prefix + rel: data for rel, data in decision.final_contents().items()}
     message = f"sglang-backport: apply {len(commits)} patch(es)"
@@ -140,7 +143,7 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
         journal.create(git_dir)
         try:
             steps("objects")
-            shas = gitops.fast_import(repo, PENDING_REF, base, commits)
+            shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits)
             if gate is not None:
                 gate()
             steps("journal")
@@ -154,7 +157,7 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
             shutil.copyfile(git_dir / "index", next_index)
             gitops.update_index(repo, [mv.path for mv in moves], next_index)
             steps("head")
-            gitops.move_refs(repo, message, [("HEAD", shas[-1], base), (PENDING_REF, None, None)])
+            gitops.move_refs(repo, message, [("HEAD", shas[-1], base)])
             steps("swap index")
             os.replace(next_index, git_dir / "index")
             steps("done")

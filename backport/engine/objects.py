@@ -129,7 +129,7 @@ def write_commits(objects_dir: Path, base: str, trees: Trees,
                 dirs.setdefault(up, {}).pop(name, None)
         root = _tree(out, dirs[""]).hex()
         text = (f"tree {root}\nparent {parent}\nauthor {who} {epoch} +0000\n"
-                f"committer {who} {epoch} +0000\n\n{message}").encode("utf-8")
+                f"committer {who} {epoch} +0000\n\n{message}").encode()
         parent = out.write(b"commit", text).hex()
         ids.append(parent)
     out.close()

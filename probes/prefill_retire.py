@@ -29,6 +29,7 @@ where no KV sender has ``abort()`` (nor has the stand-in there).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -68,6 +69,11 @@ class RetireRig:
             token_to_kv_pool_allocator=self.pages,
             disaggregation_mode=DisaggregationMode.PREFILL,
         )
+        # Up to 0.4.7 the scheduler keeps no metadata allocator of its own: the bootstrap queue's
+        # (`disagg_prefill_pending_queue` up to 0.4.5.post3) is the one its inflight queue frees through.
+        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator)
+        self.shell.disagg_prefill_bootstrap_queue = queue
+        self.shell.disagg_prefill_pending_queue = queue
         self._next_row = 0
 
     def prefilled_req(self, rid: str, num_tokens: int, room: int):

@@ -49,6 +49,7 @@ from probes.standins import (
     has_retraction_backup_slot,
     make_req,
     pin_runtime,
+    prefill_bootstrap_queue_attr,
     reject_at_intake,
     set_retraction_backup,
     sg,
@@ -93,8 +94,7 @@ class DoorRig:
         self.shell._release_aborted_request = self._release_aborted_request
         self.prefill_queue = self._prefill_queue()
         self.decode_queue = self._decode_queue()
-        self.shell.disagg_prefill_bootstrap_queue = self.prefill_queue
-        self.shell.disagg_prefill_pending_queue = self.prefill_queue  # its name up to 0.4.5.post3
+        setattr(self.shell, prefill_bootstrap_queue_attr(), self.prefill_queue)
         self.shell.disagg_decode_prealloc_queue = self.decode_queue
 
     def _release_aborted_request(self, req) -> None:

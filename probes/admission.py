@@ -31,7 +31,10 @@ whose requests cannot hold a host retraction backup (added in 0.5.18);
 has no ``is_rebootstrap`` flag (PD rebootstrap arrives in 0.5.16);
 ``rejected_session_request_releases_session_and_cache`` up to 0.5.10.post1,
 whose streaming sessions keep no in-flight state (the real ``Session`` from
-0.5.11 stands in the case, marked in flight as ``create_req`` marks it).
+0.5.11 stands in the case, marked in flight as ``create_req`` marks it);
+``finished_abort_retired_at_doors`` up to 0.4.6.post3, whose requests carry no
+``finished_output`` (nothing records that a finish went out, and no path of
+those releases streams a request before its door).
 """
 
 from __future__ import annotations
@@ -276,7 +279,6 @@ class _ClientStream:
 
     def stream_output(self, reqs, return_logprob=False, *args, **kwargs):
         for req in reqs:
-            # up to 0.4.6.post4 requests have no finished_output: the tree's streamer sends every call
             if req.finished() and getattr(req, "finished_output", False):
                 continue
             if req.finished() and hasattr(req, "finished_output"):
@@ -285,7 +287,7 @@ class _ClientStream:
 
 
 @case(
-    proves=("pr38935",),
+    proves=("pr38935",), needs=(">=0.4.6.post4",),
     must_preserve=False,
     expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
 )
@@ -295,6 +297,12 @@ def finished_abort_retired_at_doors(ctx) -> Outcome:
     reaches each door; it gets no handoff object and no queue entry, and is
     not streamed a second time."""
     rig = DoorRig(ctx)
+    if not hasattr(make_req("probe-finished-output", 1, room=0), "finished_output"):
+        raise NotApplicable(
+            "requests of this release carry no finished_output (from 0.4.6.post4): nothing records that a "
+            "finish went out, the streamer sends a finished request on every call, and no path streams a "
+            "request before its door, so an already-streamed abort cannot reach one"
+        )
     client = _ClientStream(rig.ledger)
     rig.shell.output_streamer = client
     if "stream_output" in rig.shell.__dict__:  # up to 0.5.12.post1 the scheduler streams itself

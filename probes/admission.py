@@ -51,6 +51,7 @@ from probes.standins import (
     has_method,
     has_retraction_backup_slot,
     make_req,
+    mark_aborted,
     pin_runtime,
     prefill_bootstrap_queue_attr,
     reject_at_intake,
@@ -460,7 +461,7 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("reenter-mb", 64, room=203)
     req.metadata_buffer_index = rig.shell.req_to_metadata_buffer_idx_allocator.alloc()
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     mark = rig.ledger.mark()
     rig.prefill_door(req)
     obs = rig.observe(req)
@@ -481,7 +482,7 @@ def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
     if not has_retraction_backup_slot(req):
         raise NotApplicable("requests of this release cannot hold a host retraction backup (added in 0.5.18)")
     set_retraction_backup(req, object())
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.prefill_door(req)
     obs = rig.observe(req)
     set_retraction_backup(req, None)
@@ -499,7 +500,7 @@ def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("preempted-p", 1, room=205)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.prefill_door(req)
     return _not_retired_outcome(rig.observe(req), "prefill", "A preempted re-entry")
 
@@ -516,7 +517,7 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("retracted-d", 64, room=206)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req, is_retracted=True)
     return _not_retired_outcome(rig.observe(req), "decode_retracted", "A retracted request")
 
@@ -537,7 +538,7 @@ def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
         raise NotApplicable("DecodePreallocQueue.add has no is_rebootstrap flag: no PD rebootstrap in this release")
     rig = DoorRig(ctx)
     req = make_req("rebootstrap-d", 64, room=207)
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req, is_rebootstrap=True)
     return _not_retired_outcome(rig.observe(req), "decode", "A rebootstrapping request")
 
@@ -552,7 +553,7 @@ def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("preempted-d", 1, room=208)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req)
     return _not_retired_outcome(rig.observe(req), "decode", "A preempted re-entry")
 

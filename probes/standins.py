@@ -275,8 +275,10 @@ def make_req(rid: str, num_tokens: int, *, room: int, max_new_tokens: int = 8):
 
 
 def mark_aborted(req, finish) -> None:
-    """Abort a running request as the release's scheduler does: a pending ``to_finish`` from 0.5.4.post2,
-    written into ``finished_reason`` at once before (no ``to_finish`` field)."""
+    """Abort a running request: a pending ``to_finish`` from 0.5.4.post2, written into ``finished_reason``
+    at once before (no ``to_finish`` field). Up to 0.5.4.post1 a client's abort of a running request is the
+    scheduler's ``to_abort`` flag instead, which only ``check_finished`` promotes (the disaggregated prefill
+    path never calls it); that pending abort is not modelled here."""
     if hasattr(req, "to_finish"):
         req.to_finish = finish
     else:

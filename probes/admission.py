@@ -31,7 +31,10 @@ whose requests cannot hold a host retraction backup (added in 0.5.18);
 has no ``is_rebootstrap`` flag (PD rebootstrap arrives in 0.5.16);
 ``rejected_session_request_releases_session_and_cache`` up to 0.5.10.post1,
 whose streaming sessions keep no in-flight state (the real ``Session`` from
-0.5.11 stands in the case, marked in flight as ``create_req`` marks it).
+0.5.11 stands in the case, marked in flight as ``create_req`` marks it);
+``finished_abort_retired_at_doors`` up to 0.4.6.post3, whose requests carry no
+``finished_output`` (nothing records that a finish went out, and no path of
+those releases streams a request before its door).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ from probes.standins import (
     has_method,
     has_retraction_backup_slot,
     make_req,
+    mark_aborted,
     pin_runtime,
+    prefill_bootstrap_queue_attr,
     reject_at_intake,
     set_retraction_backup,
     sg,
@@ -93,8 +98,7 @@ class DoorRig:
         self.shell._release_aborted_request = self._release_aborted_request
         self.prefill_queue = self._prefill_queue()
         self.decode_queue = self._decode_queue()
-        self.shell.disagg_prefill_bootstrap_queue = self.prefill_queue
-        self.shell.disagg_prefill_pending_queue = self.prefill_queue  # its name up to 0.4.5.post3
+        setattr(self.shell, prefill_bootstrap_queue_attr(), self.prefill_queue)
         self.shell.disagg_decode_prealloc_queue = self.decode_queue
 
     def _release_aborted_request(self, req) -> None:
@@ -276,7 +280,6 @@ class _ClientStream:
 
     def stream_output(self, reqs, return_logprob=False, *args, **kwargs):
         for req in reqs:
-            # up to 0.4.6.post4 requests have no finished_output: the tree's streamer sends every call
             if req.finished() and getattr(req, "finished_output", False):
                 continue
             if req.finished() and hasattr(req, "finished_output"):
@@ -285,7 +288,7 @@ class _ClientStream:
 
 
 @case(
-    proves=("pr38935",),
+    proves=("pr38935",), needs=(">=0.4.6.post4",),
     must_preserve=False,
     expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
 )
@@ -295,6 +298,12 @@ def finished_abort_retired_at_doors(ctx) -> Outcome:
     reaches each door; it gets no handoff object and no queue entry, and is
     not streamed a second time."""
     rig = DoorRig(ctx)
+    if not hasattr(make_req("probe-finished-output", 1, room=0), "finished_output"):
+        raise NotApplicable(
+            "requests of this release carry no finished_output (from 0.4.6.post4): nothing records that a "
+            "finish went out, the streamer sends a finished request on every call, and no path streams a "
+            "request before its door, so an already-streamed abort cannot reach one"
+        )
     client = _ClientStream(rig.ledger)
     rig.shell.output_streamer = client
     if "stream_output" in rig.shell.__dict__:  # up to 0.5.12.post1 the scheduler streams itself
@@ -452,7 +461,7 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("reenter-mb", 64, room=203)
     req.metadata_buffer_index = rig.shell.req_to_metadata_buffer_idx_allocator.alloc()
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     mark = rig.ledger.mark()
     rig.prefill_door(req)
     obs = rig.observe(req)
@@ -473,7 +482,7 @@ def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
     if not has_retraction_backup_slot(req):
         raise NotApplicable("requests of this release cannot hold a host retraction backup (added in 0.5.18)")
     set_retraction_backup(req, object())
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.prefill_door(req)
     obs = rig.observe(req)
     set_retraction_backup(req, None)
@@ -491,7 +500,7 @@ def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("preempted-p", 1, room=205)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.prefill_door(req)
     return _not_retired_outcome(rig.observe(req), "prefill", "A preempted re-entry")
 
@@ -508,7 +517,7 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("retracted-d", 64, room=206)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req, is_retracted=True)
     return _not_retired_outcome(rig.observe(req), "decode_retracted", "A retracted request")
 
@@ -529,7 +538,7 @@ def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
         raise NotApplicable("DecodePreallocQueue.add has no is_rebootstrap flag: no PD rebootstrap in this release")
     rig = DoorRig(ctx)
     req = make_req("rebootstrap-d", 64, room=207)
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req, is_rebootstrap=True)
     return _not_retired_outcome(rig.observe(req), "decode", "A rebootstrapping request")
 
@@ -544,7 +553,7 @@ def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
     rig = DoorRig(ctx)
     req = make_req("preempted-d", 1, room=208)
     req.is_retracted = True
-    req.to_finish = _finish_abort("Abort in running batch.")
+    mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2
     rig.decode_door(req)
     return _not_retired_outcome(rig.observe(req), "decode", "A preempted re-entry")
 

@@ -49,6 +49,7 @@ from probes.standins import (
     describe_finish,
     give_kv_row,
     make_req,
+    prefill_bootstrap_queue_attr,
     reject_at_intake,
     sg,
     sg_attr,
@@ -105,8 +106,7 @@ class ListMetadataPrefillSide:
             ledger,
             token_to_kv_pool_allocator=PagePoolStandIn(ledger, "prefill", 256, PAGE_SIZE),
             req_to_token_pool=SimpleNamespace(req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)),
-            disagg_prefill_bootstrap_queue=queue,
-            disagg_prefill_pending_queue=queue,
+            **{prefill_bootstrap_queue_attr(): queue},
         )
 
 

@@ -29,6 +29,7 @@ where no KV sender has ``abort()`` (nor has the stand-in there).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
@@ -41,6 +42,7 @@ from probes.standins import (
     make_req,
     mark_aborted,
     pin_runtime,
+    prefill_bootstrap_queue_attr,
     reject_at_intake,
     sg,
 )
@@ -68,6 +70,10 @@ class RetireRig:
             token_to_kv_pool_allocator=self.pages,
             disaggregation_mode=DisaggregationMode.PREFILL,
         )
+        # Up to 0.4.7 the scheduler keeps no metadata allocator of its own: the bootstrap queue's is the
+        # one its inflight queue frees through (the queue under the release's own name).
+        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator)
+        setattr(self.shell, prefill_bootstrap_queue_attr(), queue)
         self._next_row = 0
 
     def prefilled_req(self, rid: str, num_tokens: int, room: int):

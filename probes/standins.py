@@ -58,6 +58,18 @@ def has_method(cls_path: str, name: str) -> bool:
     return cls is not None and callable(getattr(cls, name, None))
 
 
+def prefill_bootstrap_queue_attr() -> str:
+    """The name the tree's ``Scheduler`` gives its ``PrefillBootstrapQueue``: ``disagg_prefill_pending_queue``
+    up to 0.4.5.post3, ``disagg_prefill_bootstrap_queue`` from 0.4.6. A scheduler shell carries only the
+    release's own name, so code that reaches the queue by the other name fails as it would in a server."""
+    import pathlib
+
+    source = pathlib.Path(sg("managers.scheduler").__file__).read_text(encoding="utf-8")
+    if "self.disagg_prefill_pending_queue = " in source:
+        return "disagg_prefill_pending_queue"
+    return "disagg_prefill_bootstrap_queue"
+
+
 def aborted_prefetch_releasable() -> bool:
     """Whether the tree can drop the HiCache storage prefetch of an aborted request. 0.4.9.post3 -
     0.5.1.post3 prefetch (`HiRadixCache.prefetch_from_storage`) but have no way to drop one early
@@ -263,8 +275,10 @@ def make_req(rid: str, num_tokens: int, *, room: int, max_new_tokens: int = 8):
 
 
 def mark_aborted(req, finish) -> None:
-    """Abort a running request as the release's scheduler does: a pending ``to_finish`` from 0.5.4.post2,
-    written into ``finished_reason`` at once before (no ``to_finish`` field)."""
+    """Abort a running request: a pending ``to_finish`` from 0.5.4.post2, written into ``finished_reason``
+    at once before (no ``to_finish`` field). Up to 0.5.4.post1 a client's abort of a running request is the
+    scheduler's ``to_abort`` flag instead, which only ``check_finished`` promotes (the disaggregated prefill
+    path never calls it); that pending abort is not modelled here."""
     if hasattr(req, "to_finish"):
         req.to_finish = finish
     else:

@@ -167,7 +167,7 @@ def test_gate2_missing_fix_fails_and_names_the_backport_command():
 
 
 def test_gate2_release_without_backport_says_upgrade():
-    result = gates.gate_rejection_at_admission(code_facts(version="0.4.6", missing=("pr38935",)), PACK)
+    result = gates.gate_rejection_at_admission(code_facts(version="0.4.5", missing=("pr38935",)), PACK)
     assert result.verdict == FAIL and "upgrade to SGLang 0.5.22" in result.remedy
 
 

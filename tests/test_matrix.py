@@ -110,10 +110,12 @@ def test_the_rule_derives_from_fixed_in_scope_and_the_cases():
     proving a fix the release lacks is unsafe on both trees, and one whose code is newer is
     not-applicable."""
     pack = load_pack(REPO / "patches")
-    got = expectations.derive(pack, "0.4.7")  # the newest release the pack still cannot serve (issue 24)
+    # 0.4.5: PD's stub transfer, the last release before the supported range; no variant covers it
+    got = expectations.derive(pack, "0.4.5")
     assert set(got.apply.values()) == {"not-applicable"} | ({"failed"} & set(got.apply.values()))
     for role in ("pristine", "patched"):
-        assert got.verdicts[(role, "prefill_drain/per_layer_send_reports_failure_after_every_write")] == "unsafe"
+        assert got.verdicts[(role, "prefill_retire/final_aborted_result_retired")] == "unsafe"
+        assert got.verdicts[(role, "prefill_drain/per_layer_send_reports_failure_after_every_write")] == "not-applicable"
         assert got.verdicts[(role, "admission/decode_door_rebootstrap_not_retired")] == "not-applicable"
         assert got.verdicts[(role, "admission/prefill_door_valid_admitted")] == "safe"
 

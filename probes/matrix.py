@@ -22,11 +22,14 @@ import os
 import sys
 import time
 
+from probes.bytecode import install as install_bytecode_cache
 from probes.preload import preload
 
 
-def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str) -> None:
+def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str, bytecode: str | None) -> None:
     """In the forked child: this tree's path, stdout to the document, stderr to the log."""
+    if bytecode:
+        install_bytecode_cache(tree, bytecode)
     sys.path.append(tree)  # after the probes and stand-ins, as in a single harness run
     os.environ["PYTHONPATH"] = os.pathsep.join([*os.environ.get("PYTHONPATH", "").split(os.pathsep), tree])
     fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
                         help="passed to every child's harness (relative to each tree)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--bytecode", metavar="DIR", help="cache of the trees' compiled modules (probes/bytecode.py)")
     parser.add_argument("--out", required=True, help="directory for <index>.json and <index>.log")
     args = parser.parse_args(argv)
     if args.jobs < 1 or not os.path.isdir(args.out):
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             pid = os.fork()
             if pid == 0:
                 _child(os.path.abspath(tree), args.probe, args.coverage, os.path.join(args.out, f"{index}.json"),
-                       os.path.join(args.out, f"{index}.log"))
+                       os.path.join(args.out, f"{index}.log"), args.bytecode)
             running[pid] = index
         pid, wait_status = os.wait()
         if pid in running:
@@ -85,4 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # every child is reaped and the summary written: skip torch's 1-2 s of interpreter teardown

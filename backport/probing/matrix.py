@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from backport import cache
 from backport.errors import Finding
 from backport.probing.harness import (
     absolute_interpreter,
@@ -81,7 +82,8 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         out = Path(tmp) / "out"
         out.mkdir()
         python = absolute_interpreter(python)
-        cmd = [python, "-m", "probes.matrix", "--jobs", str(jobs), "--out", str(out)]
+        cmd = [python, "-m", "probes.matrix", "--jobs", str(jobs), "--out", str(out),
+               "--bytecode", str(cache.cache_root() / "bytecode")]
         for root in unique:
             cmd += ["--tree", str(root)]
         for name in probes or []:

@@ -46,7 +46,8 @@ after another rank's ABORT, then offers the room's chunk through the real
 lets a non-last NIXL chunk land after the ABORT. The per-layer wait
 (``per_layer_send_reports_failure_after_every_write``) runs the real
 ``send_kvcache`` on a real thread pool over ``PerLayerEngineStandIn``; it needs
-no drain accounting, so it also runs on 0.5.16-0.5.18.
+no drain accounting, so it runs from 0.4.6 (0.4.5.x writes the layers one
+after another: not-applicable).
 
 The registry as the constructor sets it up (issue 14): the ``constructed_*`` cases and
 ``cleared_sender_drops_target_without_drain_accounting`` build the tree's ``CommonKVManager``

@@ -16,7 +16,9 @@ from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(include=["backport", "backport.*"])
-    + ["sglang_backport_probes", "sglang_backport_data", "sglang_backport_data.patches"],
+    + ["sglang_backport_probes", "sglang_backport_data", "sglang_backport_data.patches"]
+    # the probes that are packages of scenario modules (probes/page_lifetime/, probes/prefill_drain/)
+    + ["sglang_backport_probes.page_lifetime", "sglang_backport_probes.prefill_drain"],
     package_dir={
         "sglang_backport_probes": "probes",
         "sglang_backport_data": "evidence",

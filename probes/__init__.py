@@ -2,8 +2,11 @@
 
 CPU scenarios that import the real SGLang modules of ONE tree (the only
 ``sglang`` on ``sys.path``) and drive them through the steps of the 2026 PD
-cross-request KV exposure. Each probe module lists cases (registered with ``@case``); each case
-states the safe behaviour and reports what it observed.
+cross-request KV exposure. Each probe lists cases (registered with ``@case``); each case
+states the safe behaviour and reports what it observed. A probe is a module of ``probes`` or, where
+its scenarios outgrow one module, a package whose ``__init__`` imports its scenario modules in
+order (``probes/prefill_drain/``): every case is named ``probe/case`` either way. Rigs and
+stand-ins (``*_rig.py``, ``standins*.py``) register no cases.
 
 This package runs inside the probe virtualenv, never in the toolkit's: it uses
 only the standard library, torch and the tree under test. It never imports
@@ -76,7 +79,8 @@ REGISTRY: dict[str, list[Case]] = {}
 
 def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, proves: tuple[str, ...] = (),
          needs: tuple[str, ...] = ()) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
-    """Register the decorated function as a case of the probe whose module defines it.
+    """Register the decorated function as a case of the probe whose module defines it (for a probe
+    that is a package, the package: ``probes.prefill_drain.drain_ack`` registers into ``prefill_drain``).
 
     The case's name is the function's name; `expect` states the safe behaviour; a
     must-preserve case is one that a fix must not break (safe on every tree) and proves no fix.
@@ -89,7 +93,7 @@ def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, pro
         raise ValueError("a must-preserve case proves no fix: it is safe on every tree that has its code")
 
     def register(run: Callable[..., Outcome]) -> Callable[..., Outcome]:
-        probe = run.__module__.rsplit(".", 1)[-1]
+        probe = run.__module__.removeprefix(f"{__name__}.").split(".")[0]
         cases = REGISTRY.setdefault(probe, [])
         if any(c.name == run.__name__ for c in cases):
             raise ValueError(f"probe {probe} registers case {run.__name__} twice")
@@ -100,7 +104,7 @@ def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, pro
 
 
 def cases_of(probe: str) -> list[Case]:
-    """The registered cases of one probe module (imported here so that its decorators run)."""
+    """The registered cases of one probe (its module or package imported here so that its decorators run)."""
     import importlib
 
     importlib.import_module(f"{__name__}.{probe}")

@@ -8,7 +8,7 @@ drain ACKs arrive, the release frees the held pages a second time. A page listed
 given to two requests; decode's idle check then stops the scheduler ("pool memory leak
 detected", available above total).
 
-How it is driven: the failed transfer of ``page_lifetime.TransferRig`` (the tree's real
+How it is driven: the failed transfer of ``failed_transfer_rig.TransferRig`` (the tree's real
 ``DecodeTransferQueue.pop_transferred`` and ``resolve_deferred_releases``, the real
 ``CommonKVReceiver``/``CommonKVManager`` ACK path), with
 ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1`` set as an operator of 0.5.19/0.5.20 who
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable, Outcome, case, judged
-from probes.page_lifetime import TransferRig, _drain_acking_manager, _drain_acking_receiver, note_ack
+from probes.failed_transfer_rig import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
 from probes.standins_scheduler import InertCollaborator
 
 ROOM = 601
@@ -83,8 +83,8 @@ def flush_during_deferred_hold_frees_nothing_twice(ctx) -> Outcome:
     if not hasattr(DecodeTransferQueue, "has_pending_deferred_releases"):
         raise NotApplicable("decode has no deferred KV release in this release (no #35049): no hold to flush over")
     rig = TransferRig(ctx, deferred_env="1")
-    mgr = _drain_acking_manager(rig.ledger)
-    rcv = _drain_acking_receiver(rig.ledger, mgr, room=ROOM, prefill_ranks=2)
+    mgr = drain_acking_manager(rig.ledger)
+    rcv = drain_acking_receiver(rig.ledger, mgr, room=ROOM, prefill_ranks=2)
     req = rig.enqueue(rcv, "held-then-flushed", ROOM)
     rcv.abort()  # the router's abort of the rejected request reaches decode mid-transfer
     rig.queue.pop_transferred()

@@ -11,7 +11,7 @@ a transfer's pages until the timeout (no ACK can come, so always the full timeou
 
 How it is driven: a real decode ``MoriKVManager`` built through its constructor and a real
 ``MoriKVReceiver`` on it (``probes/mori_rig.py``; ``probes/shims/mori`` stands for the RDMA
-library), queued in the tree's ``DecodeTransferQueue`` (``page_lifetime.TransferRig``: its real
+library), queued in the tree's ``DecodeTransferQueue`` (``failed_transfer_rig.TransferRig``: its real
 ``pop_transferred`` and ``resolve_deferred_releases``, a counting page pool). The decode abort is
 the receiver's own ``abort()``. The deferred-release timeout is set to ``TIMEOUT_S`` through its
 environment variable so the case sees the release after it, not 30 s later.
@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 from probes import Outcome, case, judged
+from probes.failed_transfer_rig import TransferRig
 from probes.mori_rig import ConstructedMoriDecodeManager
-from probes.page_lifetime import TransferRig
 
 TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 TIMEOUT_S = 0.5

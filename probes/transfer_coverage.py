@@ -19,7 +19,8 @@ transport poll (``KVPoll.Success``: the transfer completed), the gloo
 all-reduce (two threads meeting at a barrier take the MIN), decode's
 preallocation (the reservation is the tree's own ``_pre_alloc_fill_len``,
 recorded in ``kv_committed_len`` as ``_pre_alloc`` does), the page pools
-(CountingTokenToKVPoolAllocator) and the output streamer.
+(CountingTokenToKVPoolAllocator) and the output streamer. The rig: probes/coverage_rig.py and
+probes/host_memory_rig.py.
 
 The refusal cases are unsafe on every release without the fix (a short
 handoff is committed and decoded: HTTP 200 over stale pages). The
@@ -32,392 +33,27 @@ handoff with its draft metadata, and attention-TP ranks committing together.
 from __future__ import annotations
 
 import inspect
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.standins import (
-    Ledger,
-    construct_with,
-    describe_finish,
-    drop_kv_row,
-    give_kv_row,
-    make_req,
-    pin_runtime,
-    sg,
+from probes.coverage_rig import (
+    DecodeSide,
+    PagePoolStandIn,  # noqa: F401 - probes/handoff.py imports it from here
+    PrefillSide,
+    copy_metadata_row,  # noqa: F401 - probes/handoff.py imports it from here
+    coverage_rig,
+    one_handoff,
+    refused,
+    release_from_every_rank,
+    require_coverage_slot,
+    run_ranks,
+    set_forward_range,  # noqa: F401 - probes/handoff.py imports it from here
+    set_reservation,
+    tree_fill_len,
 )
-from probes.standins_memory import (
-    CountingTokenToKVPoolAllocator,
-    RecordingReqToMetadataIdxAllocator,
-    patch_cache_helpers,
-)
-from probes.standins_scheduler import make_scheduler_shell
-from probes.standins_transport import recording_sender_class
-
-CHECK_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
-COVERAGE_SLOT = 7  # the spare cached_tokens slot the fix uses
-PAGE_SIZE = 16
-HIDDEN = 16
-
-
-def metadata_buffers():
-    """The tree's own ``MetadataBuffers`` (CPU tensors), small."""
-    import torch
-    from sglang.srt.disaggregation.utils import MetadataBuffers
-
-    return construct_with(MetadataBuffers, size=8, hidden_size=HIDDEN, hidden_states_dtype=torch.float32,
-                          dtype=torch.float32,  # the same argument's name up to 0.5.1
-                          max_top_logprobs_num=16, max_sampling_mask_tokens=0)
-
-
-def copy_metadata_row(src, src_idx: int, dst, dst_idx: int) -> None:
-    """Stands for the RDMA write of the request's metadata row (every per-request
-    buffer, ``cached_tokens`` included) from prefill to decode."""
-    import torch
-
-    for name, value in vars(src).items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == src.output_ids.shape[0]:
-            getattr(dst, name)[dst_idx].copy_(value[src_idx])
-
-
-def set_reservation(req, tokens: int) -> None:
-    """What decode's ``_pre_alloc`` records: ``kv_committed_len = fill_len``."""
-    kv = getattr(req, "kv", None)
-    if kv is not None and hasattr(kv, "kv_committed_len"):
-        kv.kv_committed_len = tokens
-    else:
-        req.kv_committed_len = tokens
-
-
-def reservation(req) -> int:
-    """The reservation decode recorded for ``req`` (see ``set_reservation``)."""
-    kv = getattr(req, "kv", None)
-    if kv is not None and hasattr(kv, "kv_committed_len"):
-        return int(kv.kv_committed_len or 0)
-    return int(getattr(req, "kv_committed_len", 0) or 0)
-
-
-def tree_fill_len(req) -> int:
-    """Decode's reservation for ``req``, by the tree's own ``_pre_alloc_fill_len``."""
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue
-
-    fill = getattr(DecodePreallocQueue, "_pre_alloc_fill_len", None)
-    if fill is None:
-        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-    return int(fill(req))
-
-
-class PagePoolStandIn(CountingTokenToKVPoolAllocator):
-    """Prefill's page pool as ``send_kv_chunk`` reads it (identity translation:
-    no unified-memory virtual ids)."""
-
-    def translate_kv_indices_for_transfer(self, kv_indices):
-        return kv_indices
-
-    def get_kvcache(self):
-        """Up to 0.5.11 ``send_kv_chunk`` asks for the device pool to pick hybrid
-        extras (Mamba, SWA, NSA); this one is none of them."""
-        return SimpleNamespace(page_size=self.page_size)
-
-
-class PrefillSide:
-    """Prefill's real ``send_kv_chunk`` on a scheduler shell."""
-
-    def __init__(self, ctx, ledger: Ledger) -> None:
-        import torch
-
-        self.ledger = ledger
-        self.buffers = metadata_buffers()
-        self.pages = PagePoolStandIn(ledger, "prefill", 256, PAGE_SIZE)
-        self.shell = make_scheduler_shell(
-            ledger,
-            token_to_kv_pool_allocator=self.pages,
-            req_to_token_pool=SimpleNamespace(req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)),
-            disagg_metadata_buffers=self.buffers,
-            enable_staging=False,
-            disagg_prefill_bootstrap_queue=SimpleNamespace(
-                kv_manager=SimpleNamespace(kv_args=SimpleNamespace(state_types=[]))
-            ),
-        )
-        self.sender_cls = recording_sender_class(ledger)
-        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
-
-    def handoff(self, rid: str, prompt_tokens: int, room: int, *, chunk_ends=(), decode_prefix: int = 0,
-                cached_prefix: int = 0, spec: bool = False) -> Any:
-        """One request's prefill: chunks ending at ``chunk_ends``, then the last
-        chunk (its forward's extend range reaches the prompt's end)."""
-        import torch
-        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
-
-        send = SchedulerDisaggregationPrefillMixin.send_kv_chunk
-        req = make_req(rid, prompt_tokens, room=room)
-        give_kv_row(req, 0, prompt_tokens)
-        req.disagg_kv_sender = self.sender_cls(bootstrap_room=room)
-        req.metadata_buffer_index = self.metadata.alloc()
-        req.start_send_idx = decode_prefix
-        req.disagg_decode_prefix_len = decode_prefix
-        req.cached_tokens = cached_prefix
-        req.output_ids.append(7)  # the token the forward sampled
-        if spec:  # what an EAGLE target forward leaves for decode's draft model
-            req.hidden_states_tensor = torch.ones(HIDDEN)
-            req.output_topk_p = torch.full((4,), 0.25)
-            req.output_topk_index = torch.arange(4)
-        for end in chunk_ends:
-            send(self.shell, req, last_chunk=False, end_idx=end)
-        set_forward_range(req, prompt_tokens)
-        # Where a release reads the forward's end elsewhere: Req.fill_len
-        # (0.5.13/0.5.14), the length of Req.fill_ids (up to 0.5.12.post1).
-        if isinstance(getattr(req, "fill_len", None), int):
-            req.fill_len = prompt_tokens
-        elif getattr(req, "fill_ids", None) == []:
-            req.fill_ids = list(req.origin_input_ids)
-        send(self.shell, req, last_chunk=True)
-        return req
-
-
-def set_forward_range(req, end: int) -> None:
-    """What the forward over the request's prompt leaves for ``send_kv_chunk``:
-    ``Req.extend_range`` (up to 0.5.21) or ``Req.extend_end`` (0.5.22)."""
-    from sglang.srt.managers import schedule_batch
-
-    rng = getattr(schedule_batch, "Range", None)
-    req.extend_range = rng(0, end) if rng is not None else SimpleNamespace(start=0, end=end)
-    if hasattr(req, "extend_end"):
-        req.extend_end = end
-
-
-class CompletedTransferReceiver:
-    """Stands for a decode KV receiver whose transfer completed (the transport
-    polls ``Success``), on a backend without drain-ACK capability."""
-
-    def __init__(self, ledger: Ledger, room: int) -> None:
-        self.ledger, self.bootstrap_room = ledger, room
-        self.abort_notified = False
-        self.bootstrap_infos: list = []
-        self.require_staging = False
-        self.conclude_state = None
-        self.kv_mgr = SimpleNamespace(enable_deferred_decode_kv_release=False)
-
-    def poll(self):
-        from sglang.srt.disaggregation.base import KVPoll
-
-        return KVPoll.Success
-
-    def failure_exception(self):
-        raise ConnectionError("probe: the transport reported no failure for this room")
-
-    def ensure_abort_notified(self, *args, **kwargs):
-        self.ledger.record("abort_notified", room=self.bootstrap_room)
-
-    def abort(self):
-        self.ledger.record("receiver_abort", room=self.bootstrap_room)
-
-    def clear(self):
-        self.ledger.record("receiver_clear", room=self.bootstrap_room)
-
-
-class MinAllReduce:
-    """Stands for the gloo group's ``all_reduce(MIN)`` across ``ranks`` decode
-    ranks, each running in its own thread: contributions meet at a barrier."""
-
-    def __init__(self, ranks: int) -> None:
-        import torch.distributed as dist
-
-        self.ReduceOp = dist.ReduceOp
-        self.ProcessGroup = dist.ProcessGroup
-        self.ranks = ranks
-        self.barrier = threading.Barrier(ranks)
-        self.slots: dict[int, Any] = {}
-        self.local = threading.local()
-
-    def get_world_size(self, group=None) -> int:
-        return self.ranks
-
-    def all_reduce(self, tensor, op=None, group=None, **kwargs):
-        import torch
-
-        if self.ranks == 1:
-            return
-        self.slots[self.local.rank] = tensor.clone()
-        self.barrier.wait()
-        tensor.copy_(torch.stack([self.slots[r] for r in range(self.ranks)]).min(dim=0).values)
-        self.barrier.wait()
-
-
-class DecodeSide:
-    """Decode's real ``DecodeTransferQueue`` on one attention-TP rank."""
-
-    def __init__(self, ctx, ledger: Ledger, rank: int = 0, spec: bool = False, pages=None) -> None:
-        from sglang.srt.disaggregation.decode import DecodeTransferQueue
-
-        self.ledger, self.rank = ledger, rank
-        self.pages = pages if pages is not None else CountingTokenToKVPoolAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
-        self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
-        self.buffers = metadata_buffers()
-        extra = {}
-        if spec:
-            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-            extra["spec_algorithm"] = SpeculativeAlgorithm.EAGLE
-        self.shell = make_scheduler_shell(ledger, token_to_kv_pool_allocator=self.pages, **extra)
-        self.queue = construct_with(
-            DecodeTransferQueue,
-            gloo_group=None,
-            req_to_metadata_buffer_idx_allocator=self.metadata,
-            tp_rank=rank,
-            metadata_buffers=self.buffers,
-            scheduler=self.shell,
-            tree_cache=self.shell.tree_cache,
-        )
-        self.queue.enable_staging = False
-        self.queue.enable_host_receive = False
-
-    def expect(self, rid: str, room: int, prompt_tokens: int, *, output_ids=(), rebootstrap: bool = False):
-        """Decode admitted the request and reserved pages for it."""
-        req = make_req(rid, prompt_tokens, room=room)
-        req.output_ids.extend(output_ids)
-        if rebootstrap:
-            req.pd_rebootstrap_in_progress = True
-        reserved = tree_fill_len(req)
-        self.pages.reserve(rid, reserved)
-        return self.admit(req, rebootstrap=rebootstrap)
-
-    def admit(self, req, *, rebootstrap: bool = False):
-        """``req`` (its pages already reserved in this side's pool) enters the
-        transfer queue with its reservation recorded as ``_pre_alloc`` does."""
-        from sglang.srt.disaggregation.decode import DecodeRequest
-
-        reserved = tree_fill_len(req)
-        set_reservation(req, reserved)
-        give_kv_row(req, 0, reserved)
-        kwargs = {"is_rebootstrap": True} if rebootstrap and "is_rebootstrap" in inspect.signature(
-            DecodeRequest).parameters else {}
-        decode_req = DecodeRequest(req=req, kv_receiver=CompletedTransferReceiver(self.ledger, req.bootstrap_room),
-                                   **kwargs)
-        decode_req.metadata_buffer_index = self.metadata.alloc()
-        self.queue.queue.append(decode_req)
-        return decode_req
-
-    def land(self, prefill: PrefillSide, prefill_req, decode_req) -> None:
-        copy_metadata_row(prefill.buffers, prefill_req.metadata_buffer_index,
-                          self.buffers, decode_req.metadata_buffer_index)
-
-    def pop(self, collective: MinAllReduce) -> list:
-        collective.local.rank = self.rank
-        for decode_req in self.queue.queue:
-            if decode_req.req.eos_token_ids is None:  # up to 0.5.4.post2 the pop reads it unguarded
-                decode_req.req.eos_token_ids = set()  # the probes' model has no EOS token
-        return self.queue.pop_transferred()
-
-    def outcome(self, decode_req, committed: list) -> dict[str, Any]:
-        req = decode_req.req
-        reason = describe_finish(req.finished_reason)
-        return {
-            "rank": self.rank,
-            "reserved_tokens": reservation(req),
-            "recorded_coverage": int(self.buffers.cached_tokens[decode_req.metadata_buffer_index, COVERAGE_SLOT])
-            if hasattr(self.buffers, "cached_tokens") else None,  # no such buffer up to 0.5.2
-            "committed": any(r is req for r in committed),
-            "finish": reason,
-            "refusal_message": getattr(req.finished_reason, "message", None) if reason else None,
-            "streamed": [s["finish"] for s in self.ledger.of("stream", rid=req.rid)],
-            "pages_held": self.pages.held_by(req.rid),
-            "release_calls": self.ledger.count("release_kv_cache", rid=req.rid),
-            "double_releases": self.ledger.count("pages_double_release"),
-            "refusal_counter": getattr(self.queue, "transfer_coverage_refused_reqs", None),
-        }
-
-
-def coverage_rig(ctx, ranks: int = 1) -> MinAllReduce:
-    """Pin the runtime, the check's default environment and the all-reduce stand-in."""
-    pin_runtime(ctx)
-    ctx.setenv(CHECK_ENV, None)  # the default
-    collective = MinAllReduce(ranks)
-    ctx.patch(sg("disaggregation.utils"), "dist", collective)
-    return collective
-
-
-def _release_from_every_rank(ctx, ledger: Ledger, sides) -> None:
-    """The decode module's ``release_kv_cache`` frees a request's pages on whichever rank's pool
-    holds them (each side has its own pool), and records the call."""
-    pools = [s.pages for s in sides]
-
-    def release_kv_cache(req, tree_cache, *args, **kwargs):
-        for pool in pools:
-            if pool.held_by(req.rid):
-                pool.release(req.rid)
-        ledger.record("release_kv_cache", rid=req.rid)
-
-    ctx.patch_if_present(sg("disaggregation.decode"), "release_kv_cache", release_kv_cache)
-
-
-def _run_ranks(sides, collective) -> list[list]:
-    """Each decode rank's ``pop_transferred``, concurrently (they meet in the all-reduce)."""
-    results: list[Any] = [None] * len(sides)
-
-    def run(i):
-        try:
-            results[i] = sides[i].pop(collective)
-        except BaseException as e:  # noqa: BLE001 - reported, and the barrier released
-            results[i] = e
-            collective.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sides))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
-def require_coverage_slot() -> None:
-    if not hasattr(metadata_buffers(), "cached_tokens"):
-        raise NotApplicable("this release's MetadataBuffers has no cached_tokens buffer (added in 0.5.3): the "
-                            "transferred-coverage check's spare slot, which carries the coverage, does not exist")
-
-
-def one_handoff(ctx, *, decode_tokens: int, prefill_tokens: int, rid: str, room: int, output_ids=(),
-                rebootstrap: bool = False, spec: bool = False, erase_coverage: bool = False,
-                before_commit=None, check_env: str | None = None, **prefill_kw) -> dict[str, Any]:
-    """Decode reserves ``decode_tokens``; prefill hands over a ``prefill_tokens``
-    sequence; decode's transfer queue polls it. ``check_env``: the value of the
-    check's environment variable (None: unset, the default every case runs with)."""
-    require_coverage_slot()
-    collective = coverage_rig(ctx)
-    ctx.setenv(CHECK_ENV, check_env)
-    ledger = Ledger()
-    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), None)
-    decode = DecodeSide(ctx, ledger, spec=spec)
-    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), decode.pages)
-    prefill = PrefillSide(ctx, ledger)
-    decode_req = decode.expect(rid, room, decode_tokens, output_ids=output_ids, rebootstrap=rebootstrap)
-    if before_commit is not None:
-        before_commit(decode_req.req)
-    preq = prefill.handoff(f"p-{rid}", prefill_tokens, room, spec=spec, **prefill_kw)
-    if erase_coverage:  # an unpatched prefill never writes the slot
-        prefill.buffers.cached_tokens[preq.metadata_buffer_index, COVERAGE_SLOT] = 0
-    decode.land(prefill, preq, decode_req)
-    committed = decode.pop(collective)
-    obs = decode.outcome(decode_req, committed)
-    obs["prefill_last_chunk_tokens"] = int(preq.start_send_idx)
-    return obs
-
-
-def refused(obs: dict[str, Any]) -> bool:
-    finish = obs["finish"] or {}
-    return (
-        not obs["committed"]
-        and finish.get("type") == "FINISH_ABORT"
-        and int(finish.get("status_code") or 0) >= 500
-        and len(obs["streamed"]) == 1
-        and obs["pages_held"] == 0
-        and obs["release_calls"] == 1
-        and not obs["double_releases"]
-    )
+from probes.host_memory_rig import host_staged_handoff, restore_side
+from probes.standins import Ledger, drop_kv_row, give_kv_row, sg
+from probes.standins_memory import patch_cache_helpers
 
 
 def _refusal(obs: dict[str, Any], what: str, must_say: str) -> Outcome:
@@ -554,7 +190,7 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
     collective = coverage_rig(ctx, ranks=2)
     ledger = Ledger()
     sides = [DecodeSide(ctx, ledger, rank=r) for r in range(2)]
-    _release_from_every_rank(ctx, ledger, sides)
+    release_from_every_rank(ctx, ledger, sides)
     prefills = [PrefillSide(ctx, ledger) for _ in range(2)]
     obs = []
     decode_reqs = [s.expect(f"tp-r{s.rank}", 621, 200) for s in sides]
@@ -562,7 +198,7 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
         written = 16 if (short_on_rank1 and r == 1) else 200
         preq = prefill.handoff(f"p-tp-r{r}", written, 621)
         side.land(prefill, preq, dreq)
-    results = _run_ranks(sides, collective)
+    results = run_ranks(sides, collective)
     for side, dreq, committed in zip(sides, decode_reqs, results):
         o = side.outcome(dreq, committed)
         o["streamed"] = [s["finish"] for s in ledger.of("stream", rid=dreq.req.rid)]
@@ -584,67 +220,7 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
 # --- decode host receive (0.5.21+): the reservation is made after Success ---
 
 
-class HostStagedPreallocStandIn:
-    """Stands for ``DecodePreallocQueue.allocate_host_staged`` when the device
-    has room: it reserves the device pages and, as its ``_pre_alloc`` does,
-    records the tree's own ``_pre_alloc_fill_len`` in ``kv_committed_len``."""
-
-    def __init__(self, ledger: Ledger, pages) -> None:
-        self.ledger, self.pages = ledger, pages
-
-    def allocate_host_staged(self, decode_req) -> bool:
-        req = decode_req.req
-        reserved = tree_fill_len(req)
-        self.pages.reserve(req.rid, reserved)
-        set_reservation(req, reserved)
-        give_kv_row(req, 0, reserved)
-        decode_req.host_staged = False
-        self.ledger.record("allocate_host_staged", rid=req.rid, reserved=reserved)
-        return True
-
-
-def _host_receive_or_skip() -> None:
-    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
-
-    if not hasattr(DecodePreallocQueue, "allocate_host_staged") or "host_staged" not in getattr(
-            DecodeRequest, "__dataclass_fields__", {}):
-        raise NotApplicable("decode has no host receive (allocate_host_staged) in this release")
-
-
-def host_staged_handoff(ctx, *, prompt_tokens: int, prefill_tokens: int, rid: str, room: int) -> dict[str, Any]:
-    """Decode admitted the request to host pages (``_pre_alloc_host``: no device
-    reservation yet, ``kv_committed_len`` unset); prefill writes a
-    ``prefill_tokens`` sequence there; decode's real transfer queue polls it."""
-    from sglang.srt.disaggregation.decode import DecodeRequest
-
-    _host_receive_or_skip()
-    collective = coverage_rig(ctx)
-    ledger = Ledger()
-    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), None)
-    decode = DecodeSide(ctx, ledger)
-    patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), decode.pages)
-    decode.queue.enable_host_receive = True
-    decode.shell.disagg_decode_prealloc_queue = HostStagedPreallocStandIn(ledger, decode.pages)
-    ctx.patch_if_present(sg("disaggregation.decode"), "discard_kv_cache_backup",
-                         lambda req, *a, **k: ledger.record("discard_host_backup", rid=req.rid))
-    prefill = PrefillSide(ctx, ledger)
-    req = make_req(rid, prompt_tokens, room=room)
-    receiver = CompletedTransferReceiver(ledger, room)
-    receiver.supports_host_destination = True
-    decode_req = DecodeRequest(req=req, kv_receiver=receiver)
-    decode_req.host_staged = True
-    decode_req.metadata_buffer_index = decode.metadata.alloc()
-    decode.queue.queue.append(decode_req)
-    preq = prefill.handoff(f"p-{rid}", prefill_tokens, room)
-    decode.land(prefill, preq, decode_req)
-    committed = decode.pop(collective)
-    obs = decode.outcome(decode_req, committed)
-    obs["prefill_last_chunk_tokens"] = int(preq.start_send_idx)
-    obs["reserved_tokens"] = reservation(req)
-    obs["device_reservations"] = ledger.of("allocate_host_staged", rid=rid)
-    obs["held_for_drain"] = any(entry[0] is decode_req for entry in getattr(decode.queue, "_deferred_releases", []))
-    obs["host_released"] = ledger.count("discard_host_backup", rid=rid)
-    return obs
+# --- decode host receive (0.5.21+): the reservation is made after Success ---
 
 
 @case(
@@ -677,35 +253,6 @@ def host_staged_short_coverage_refused(ctx) -> Outcome:
 def host_staged_full_coverage_committed(ctx) -> Outcome:
     obs = host_staged_handoff(ctx, prompt_tokens=200, prefill_tokens=200, rid="host-full", room=632)
     return _commit(obs, "The complete host-staged handoff")
-
-
-# --- a refusal while a decode HiCache load-back is pending (0.5.16 - 0.5.19) ---
-
-
-def _restore_side(ctx, ledger, rank: int, prompt_tokens: int, room: int):
-    """A decode rank with HiCache on whose request restores a 32-token prefix
-    from host memory: the load-back is queued and its copy still running."""
-    import torch
-    from sglang.srt.disaggregation.decode import HiCacheRestoreResult
-    from sglang.srt.disaggregation.decode_hicache_mixin import DecodePrefixMatch
-
-    from probes.standins_hicache import restore_tree, start_load_back
-
-    side = DecodeSide(ctx, ledger, rank=rank)
-    hc = restore_tree(ledger)
-    side.shell.enable_decode_hicache = True
-    side.queue.tree_cache = hc.tree
-    hc.tree.req_to_token_pool = SimpleNamespace(write=lambda *a, **k: ledger.record("restore_written"))
-    dreq = side.expect(f"restore-r{rank}", room, prompt_tokens)
-    dreq.prefix_match = construct_with(DecodePrefixMatch, prefix_indices=torch.tensor([], dtype=torch.int64),
-                                       l2_host_hit_length=32, l3_storage_hit_length=0,
-                                       last_device_node=hc.tree.root_node)
-    hc.restore_pages = start_load_back(hc)
-    dreq.hicache_restored_node = hc.node
-    dreq.hicache_restored_kv_indices = torch.tensor(hc.restore_pages, dtype=torch.int64)
-    dreq.hicache_load_consumer_index = 0
-    dreq.hicache_restore_status = HiCacheRestoreResult.PENDING
-    return side, dreq, hc
 
 
 def _restore_rig_or_skip(*, refusal: bool = True) -> None:
@@ -746,13 +293,13 @@ def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     collective = coverage_rig(ctx, ranks=2)
     ledger = Ledger()
     plain = DecodeSide(ctx, ledger, rank=0)
-    restoring, rdreq, hc = _restore_side(ctx, ledger, 1, 200, 641)
-    _release_from_every_rank(ctx, ledger, (plain, restoring))
+    restoring, rdreq, hc = restore_side(ctx, ledger, 1, 200, 641)
+    release_from_every_rank(ctx, ledger, (plain, restoring))
     pdreq = plain.expect("restore-r0", 641, 200)
     for side, dreq, written, prefix in ((plain, pdreq, 16, 0), (restoring, rdreq, 200, 32)):
         prefill = PrefillSide(ctx, ledger)
         side.land(prefill, prefill.handoff(f"p-{dreq.req.rid}", written, 641, decode_prefix=prefix), dreq)
-    results = _run_ranks([plain, restoring], collective)
+    results = run_ranks([plain, restoring], collective)
     outcome = restoring.outcome(rdreq, results[1])
     outcome["streamed"] = [s["finish"] for s in ledger.of("stream", rid=rdreq.req.rid)]
     outcome["release_calls"] = ledger.count("release_kv_cache", rid=rdreq.req.rid)
@@ -788,7 +335,7 @@ def restored_handoff_committed(ctx) -> Outcome:
     _restore_rig_or_skip(refusal=False)
     collective = coverage_rig(ctx)
     ledger = Ledger()
-    side, dreq, hc = _restore_side(ctx, ledger, 0, 200, 642)
+    side, dreq, hc = restore_side(ctx, ledger, 0, 200, 642)
     patch_cache_helpers(ctx, ledger, sg("disaggregation.decode"), side.pages)
     prefill = PrefillSide(ctx, ledger)
     side.land(prefill, prefill.handoff("p-restore", 200, 642, decode_prefix=32), dreq)

@@ -201,7 +201,7 @@ def test_turning_the_check_off_restores_upstream_behaviour(release_tree, probe_p
     script = (
         "import json, sys\n"
         "from probes import ProbeContext\n"
-        "from probes.transfer_coverage import one_handoff\n"
+        "from probes.coverage_rig import one_handoff\n"
         "for value in (None, '1', '0'):\n"
         "    ctx = ProbeContext()\n"
         "    obs = one_handoff(ctx, decode_tokens=640, prefill_tokens=1, rid=f'env-{value}', room=9, check_env=value)\n"

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import _imp
 import hashlib
-import importlib.machinery as machinery
 import marshal
 import os
 import sys
 import tempfile
+from importlib import machinery
 from importlib.util import MAGIC_NUMBER
 
 

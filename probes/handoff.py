@@ -44,6 +44,15 @@ from typing import Any
 
 from probes import SAFE, UNSAFE, Outcome, case
 from probes.admission import DoorRig, size_prefill_pool
+from probes.coverage_rig import (
+    DecodeSide,
+    PagePoolStandIn,
+    PrefillSide,
+    copy_metadata_row,
+    coverage_rig,
+    refused,
+    set_forward_range,
+)
 from probes.standins import (
     construct_with,
     describe_finish,
@@ -60,15 +69,6 @@ from probes.standins_memory import (
     patch_cache_helpers,
 )
 from probes.standins_scheduler import deliver_prefill_result, make_scheduler_shell
-from probes.transfer_coverage import (
-    DecodeSide,
-    PagePoolStandIn,
-    PrefillSide,
-    copy_metadata_row,
-    coverage_rig,
-    refused,
-    set_forward_range,
-)
 
 PAGE_SIZE = 16
 PREFILL_POOL_TOKENS = 256  # the prefill worker's KV pool (681,280 in the incident)

@@ -38,16 +38,13 @@ from typing import Any
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.coverage_rig import (
     DecodeSide,
-    PagePoolStandIn,  # noqa: F401 - probes/handoff.py imports it from here
     PrefillSide,
-    copy_metadata_row,  # noqa: F401 - probes/handoff.py imports it from here
     coverage_rig,
     one_handoff,
     refused,
     release_from_every_rank,
     require_coverage_slot,
     run_ranks,
-    set_forward_range,  # noqa: F401 - probes/handoff.py imports it from here
     set_reservation,
     tree_fill_len,
 )

@@ -2,9 +2,9 @@
 
 The engine talks to git through plumbing only (status, ls-files, cat-file,
 update-index, update-ref) and parses its ``-z`` / batch output. It hashes in
-process twice: ``blob_id`` (the id git gives a file's bytes, to check that a
-file on disk is exactly its committed blob without a process) and the loose
-objects of a series (engine/objects.py, which replaced ``git fast-import``).
+process (``object_id``): a file's blob id, to check that a file on disk is
+exactly its committed blob without a process, and the objects of a series
+(engine/objects.py writes them as one pack; it replaced ``git fast-import``).
 """
 
 from __future__ import annotations
@@ -167,9 +167,14 @@ def flagged_paths(ls_files_out: bytes) -> dict[str, str]:
     return out
 
 
+def object_id(kind: bytes, data: bytes) -> bytes:
+    """The SHA-1 object id (20 bytes) git gives an object of this type (b"blob", b"tree", b"commit")."""
+    return hashlib.sha1(b"%s %d\0" % (kind, len(data)) + data, usedforsecurity=False).digest()
+
+
 def blob_id(data: bytes) -> str:
-    """The SHA-1 object id git gives a file with these bytes (no filters)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+    """The object id git gives a file with these bytes (no filters), in hex."""
+    return object_id(b"blob", data).hex()
 
 
 def batch_args() -> tuple[str, ...]:

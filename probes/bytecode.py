@@ -45,7 +45,7 @@ class ContentCachedLoader(machinery.SourceFileLoader):
 
 
 def _store(entry: str, data: bytes) -> None:
-    folder = os.path.dirname(entry)
+    folder, tmp = os.path.dirname(entry), None
     try:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
@@ -54,6 +54,9 @@ def _store(entry: str, data: bytes) -> None:
         os.replace(tmp, entry)
     except OSError:  # a read-only or full cache costs speed, never a result
         pass
+    finally:
+        if tmp is not None and os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def install(tree: str, cache_dir: str) -> None:

@@ -154,7 +154,7 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
                 _check_symlinks(repo, prefix, pv, seen)
         decision = decide(repo, prefix, pack, v, selected, {}, None)
         try:
-            trees = _base_trees(repo, base, specs, procs[1].result())
+            trees = _base_trees(base, specs, procs[1].result())
         except gitops.GitError:
             raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository") from None
         base_entries = trees.entries(touched)
@@ -179,7 +179,7 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
             if check or not decision.pending or decision.failed:
                 dirty_gate()  # nothing is written: decide it now
             return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, dirty_gate)
-        except _Redecide as again:  # rare: the speculative objects were rolled back
+        except _Redecide as again:  # rare: the speculative objects were left unreachable
             decision = decide(repo, prefix, pack, v, selected, {**blocked, **again.blocked}, base_entries)
             return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, None)
     finally:
@@ -187,11 +187,11 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
             p.reap()
 
 
-def _base_trees(repo: Path, base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
+def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
     """The base commit's trees on the way to the touched paths (a directory it lacks: None)."""
     objs = gitops.batch_objects(batch_out, list(specs.values()))
     if objs[specs[""]] is None or objs[specs[""]][0] != "tree":
-        raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository")
+        raise gitops.GitError(f"{base}: no tree")  # said as bad input by the caller
     return Trees({d: obj[1] if obj and obj[0] == "tree" else None for d, obj in
                   ((d, objs[spec]) for d, spec in specs.items())})
 

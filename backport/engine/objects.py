@@ -20,7 +20,6 @@ the touched files' committed entries, which ``ls-tree`` gave before).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,7 +29,7 @@ from pathlib import Path
 from gitdb.base import OStream
 from gitdb.pack import PackEntity
 
-from ..gitops import REGULAR_MODES
+from ..gitops import REGULAR_MODES, object_id
 
 TREE_MODE = 0o040000
 PACK_LEVEL = 0  # stored, as fast-import was told (core.compression=0): git gc compresses and deltifies later
@@ -73,7 +72,7 @@ class PackWriter:
         self.objects: dict[bytes, tuple[bytes, bytes]] = {}  # binsha -> (type, data)
 
     def write(self, kind: bytes, data: bytes) -> bytes:
-        sha = hashlib.sha1(b"%s %d\0" % (kind, len(data)) + data, usedforsecurity=False).digest()
+        sha = object_id(kind, data)
         self.objects.setdefault(sha, (kind, data))
         return sha
 

@@ -5,9 +5,9 @@ The order (each step a crash point the next run recovers from):
 
 1. create the journal ``<git dir>/sglang-backport-apply.json`` (O_EXCL: it is
    also the lock against a second apply), phase ``objects``;
-2. every blob, tree and commit is written as a loose object (objects.py);
-   nothing points at them and nothing in the work tree moves yet; then the
-   caller's ``gate`` runs (apply.py waits there for ``git status``, which ran
+2. every blob, tree and commit is written, as one pack (objects.py); nothing
+   points at them and nothing in the work tree moves yet; then the caller's
+   ``gate`` runs (apply.py waits there for ``git status``, which ran
    alongside: the slowest git step and the objects overlap); a gate that
    raises leaves only unreachable objects (step 2 is undone like any crash in
    it: git gc prunes them);
@@ -131,7 +131,7 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
     """Commit the decided series and move the work tree, index and HEAD to it
     (see the module docstring); the commits' ids, in series order. ``gate``: called once
     the objects are written and before anything else moves; what it raises is raised
-    after the objects are rolled back."""
+    once the journal is rolled back (the objects stay, unreachable)."""
     commits = plan_commits(prefix, decision, trees)
     moves = plan_moves(repo, prefix, decision)
     final = {prefix + rel: data for rel, data in decision.final_contents().items()}

@@ -14,12 +14,16 @@ How it is driven: a real decode ``MoriKVManager`` built through its constructor 
 library), queued in the tree's ``DecodeTransferQueue`` (``failed_transfer_rig.TransferRig``: its real
 ``pop_transferred`` and ``resolve_deferred_releases``, a counting page pool). The decode abort is
 the receiver's own ``abort()``. The deferred-release timeout is set to ``TIMEOUT_S`` through its
-environment variable so the case sees the release after it, not 30 s later.
+environment variable, and the passage of that time is a clock stand-in (``DecodeClockStandIn``) in
+the queue's module rather than a sleep: the "before the timeout" step cannot slip past the deadline
+on a loaded machine, and a tree that reads another clock keeps the pages and is judged unsafe,
+never safe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -29,6 +33,26 @@ from probes.mori_rig import ConstructedMoriDecodeManager
 
 TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 TIMEOUT_S = 0.5
+
+
+class DecodeClockStandIn:
+    """Stands for the ``time`` module as the decode queue's module sees it: the real clock plus
+    ``advanced`` seconds (monotonic, time and perf_counter); everything else is the real module."""
+
+    def __init__(self) -> None:
+        self.advanced = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.advanced
+
+    def time(self) -> float:
+        return time.time() + self.advanced
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.advanced
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 @contextlib.contextmanager
@@ -45,7 +69,9 @@ def _aborted_mori_transfer(ctx, room: int, deferred_env: str | None):
         req = rig.enqueue(rcv, f"mori-aborted-{room}", room)
         rcv.abort()  # decode aborts the request mid-transfer
         rig.queue.pop_transferred()
-        yield rig, built, req
+        clock = DecodeClockStandIn()
+        ctx.patch(sys.modules[type(rig.queue).__module__], "time", clock)  # where the deadline is read
+        yield rig, built, req, clock
     finally:
         built.close()
 
@@ -70,15 +96,15 @@ def _details(rig: TransferRig, built: ConstructedMoriDecodeManager) -> dict[str,
            "timeout), then releases them exactly once.",
 )
 def aborted_mori_transfer_holds_pages(ctx) -> Outcome:
-    with _aborted_mori_transfer(ctx, 701, deferred_env=None) as (rig, built, req):
-        return _judge_hold(rig, built, req)
+    with _aborted_mori_transfer(ctx, 701, deferred_env=None) as (rig, built, req, clock):
+        return _judge_hold(rig, built, req, clock)
 
 
-def _judge_hold(rig: TransferRig, built: ConstructedMoriDecodeManager, req) -> Outcome:
+def _judge_hold(rig: TransferRig, built: ConstructedMoriDecodeManager, req, clock: DecodeClockStandIn) -> Outcome:
     steps = [{"step": "pop_transferred(Failed)", **rig.snapshot(req)}]
     rig.resolve()
     steps.append({"step": "resolve, no ACK, before the timeout", **rig.snapshot(req)})
-    time.sleep(TIMEOUT_S + 0.2)
+    clock.advanced = TIMEOUT_S + 0.2
     rig.resolve()
     steps.append({"step": f"resolve after the {TIMEOUT_S} s timeout", **rig.snapshot(req)})
     details = {**_details(rig, built), "timeout_s": TIMEOUT_S, "steps": steps}
@@ -101,7 +127,7 @@ def _judge_hold(rig: TransferRig, built: ConstructedMoriDecodeManager, req) -> O
            "aborts releases its pages and metadata slot at once, exactly once, and holds nothing.",
 )
 def mori_off_switch_releases_at_once(ctx) -> Outcome:
-    with _aborted_mori_transfer(ctx, 702, deferred_env="0") as (rig, built, req):
+    with _aborted_mori_transfer(ctx, 702, deferred_env="0") as (rig, built, req, _clock):
         return _judge_off_switch(rig, built, req)
 
 

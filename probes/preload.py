@@ -21,6 +21,12 @@ PRELOAD = (
     # 0.5.19: torch._inductor alone was 3 s of a child's 12 s), and smaller packages it pulls in
     "torch._inductor.compile_fx", "torch._dynamo", "torch.distributed", "torch.export", "IPython",
     "prometheus_client", "fsspec", "transformers.processing_utils", "transformers.modeling_outputs",
+    # what the tree's own import still paid per child (-X importtime, 0.5.10, 0.5.13, 0.5.17, 0.5.23):
+    # pydantic.v1 was 0.44 s of 0.5.23's import, cpp_extension (setuptools) 43 ms, aiohttp.web 22 ms
+    "pydantic.v1", "torch.utils.cpp_extension", "aiohttp.web", "zmq.asyncio", "huggingface_hub._buckets",
+    "transformers.models.auto.tokenization_auto", "transformers.modeling_layers", "transformers.image_processing_utils",
+    "transformers.models.llama", "partial_json_parser", "pybase64", "setproctitle", "multiprocessing.shared_memory",
+    "triton.tools.tensor_descriptor",
 )
 
 

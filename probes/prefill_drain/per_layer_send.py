@@ -36,8 +36,7 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     0.4.6 - 0.4.6.post3 give up on the failed layer by raising (their failure branch shuts down an undefined
     ``executor``: NameError) while the sibling write still lands: the transfer thread dies with it, which ends
     the send as early as the return of 0.4.6.post4 and later does, and is judged the same."""
-    import concurrent.futures
-
+    from probes.future_wait import PendingFutureWait, RecordingPool
     from probes.standins_transfer_engine import PerLayerEngineStandIn
 
     pin_runtime(ctx)
@@ -70,21 +69,34 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     mgr.enable_deferred_decode_kv_release = deferral_flag(cls)
     outcome: dict[str, Any] = {}
 
+    returned, settled = threading.Event(), threading.Event()
+
     def send() -> None:
         args = ("10.0.1.1:19000", kv_indices(4), list(DECODE_LAYER_PTRS), kv_indices(4))
+        wait_proof.watch()
         try:
             outcome["ret"] = mgr.send_kvcache(*args, pool) if pool_is_argument else mgr.send_kvcache(*args)
         except Exception as exc:  # noqa: BLE001 - reported; judged below only when the failed layer raised it
             outcome["raised"] = f"{type(exc).__name__}: {exc}"[:200]
-        ledger.record("send_returned", writes_running=engine.writes_running)
+        finally:
+            wait_proof.stop()
+            ledger.record("send_returned", writes_running=engine.writes_running)
+            returned.set()
+            settled.set()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(LAYER_PTRS)) as pool:
+    with RecordingPool(max_workers=len(LAYER_PTRS)) as pool:
         mgr.executor = pool  # up to 0.4.6.post5 the manager's own pool (its constructor makes it)
+        wait_proof = PendingFutureWait(pool, settled)
         caller = threading.Thread(target=send, daemon=True)
         caller.start()
         started = engine.sibling_writing.wait(10)
-        caller.join(2.0)  # an early return happens within milliseconds of the failure
-        returned_while_writing = not caller.is_alive()
+        # Settled by the return (an early one comes within milliseconds of the failure) or by the proof
+        # that the send waits, untimed, on the still-writing layer's future; 2 s for any other wait.
+        settled.wait(2.0)
+        returned_while_writing = returned.is_set()
+        waited = ("returned" if returned_while_writing else
+                  "an untimed wait only the writing layer's future can end" if wait_proof.pending_at_proof else
+                  "2 s without a return")
         engine.land()
         caller.join(10)
     # A raise is the tree's own failure handling only when it ended the send after the planned failure and
@@ -96,6 +108,7 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
         "deferred_release": bool(mgr.enable_deferred_decode_kv_release),
         "returned": outcome.get("ret"),
         "returned_while_a_write_ran": returned_while_writing,
+        "decided_by": waited,
         "events": [{k: v for k, v in e.items() if k != "session"} for e in ledger.events],
     }
     if "raised" in outcome:

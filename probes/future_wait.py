@@ -1,0 +1,69 @@
+"""Proof that a thread waits on a future that has not completed, instead of a timer.
+
+A probe that must show a call does *not* return before some future completes can only wait and
+see, and any wait is a guess about scheduling. But when the calling thread enters an untimed
+``threading.Condition.wait`` that only pending futures can end (the condition belongs to the
+future itself or to a ``concurrent.futures`` waiter installed on it, and every future that can
+notify it and has completed already did), the call provably cannot return before one of those
+futures completes. ``PendingFutureWait`` watches for exactly that state, through a profile hook
+in the calling thread, and sets an event when it is reached; a probe still keeps its timer for
+code that waits in any other way (the hook then never fires and the timer decides, as before).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from typing import Any
+
+_CONDITION_WAIT = threading.Condition.wait.__code__
+
+
+class RecordingPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that keeps every future it hands out (the tree submits to it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.futures: list[concurrent.futures.Future] = []
+
+    def submit(self, fn, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future = super().submit(fn, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+
+def _notifies(future: concurrent.futures.Future, condition: Any) -> bool:
+    """Can this future's completion end a wait on ``condition``? (its own condition, as
+    ``result()`` waits on, or the event of a waiter ``as_completed`` / ``wait`` installed on it)"""
+    if condition is future._condition:
+        return True
+    return any(getattr(getattr(w, "event", None), "_cond", None) is condition for w in future._waiters)
+
+
+class PendingFutureWait:
+    """Sets ``reached`` when the thread that called ``watch()`` starts an untimed wait that only a
+    pool future still pending can end, once at least one of the pool's futures has completed."""
+
+    def __init__(self, pool: RecordingPool, reached: threading.Event) -> None:
+        self.pool, self.reached = pool, reached
+        self.pending_at_proof: list[int] = []
+
+    def watch(self) -> None:
+        sys.setprofile(self._hook)  # this thread only
+
+    def stop(self) -> None:
+        sys.setprofile(None)
+
+    def _hook(self, frame, event: str, _arg: Any) -> None:
+        if event != "call" or frame.f_code is not _CONDITION_WAIT or self.reached.is_set():
+            return
+        if frame.f_locals.get("timeout") is not None:
+            return  # a timed wait can end without any future: not a proof
+        condition = frame.f_locals.get("self")
+        futures = list(self.pool.futures)
+        notifiers = [f for f in futures if _notifies(f, condition)]
+        pending = [i for i, f in enumerate(futures) if f in notifiers and not f.done()]
+        if pending and any(f.done() for f in futures):
+            self.pending_at_proof = pending
+            self.reached.set()

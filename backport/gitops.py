@@ -226,6 +226,51 @@ def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
         env={"GIT_INDEX_FILE": str(index_file)})
 
 
+class IndexUpdate:
+    """``update_index`` fed a path at a time: git starts and reads the index copy while the caller
+    is still writing the files, and records each path as soon as it is given (``--stdin`` reads
+    one path, records it, reads the next); the copy is written at ``finish``.
+
+    The caller holds SIGINT/SIGTERM/SIGHUP in this window, but a signal sent to the process group
+    (Ctrl-C, a supervisor's killpg) also reaches this git: when it died of a signal, ``finish``
+    records the paths again on a fresh copy of ``source``, so the held signal still loses nothing."""
+
+    def __init__(self, root: Path, source: Path, index_file: Path):
+        self.root, self.source, self.index_file = root, source, index_file
+        shutil.copyfile(source, index_file)
+        self.paths: list[str] = []
+        self.p = subprocess.Popen(_cmd(root, ("update-index", "--add", "--remove", "-z", "--stdin")),
+                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
+
+    def add(self, path: str) -> None:
+        self.paths.append(path)
+        try:
+            self.p.stdin.write(_z_paths([path]))  # type: ignore[union-attr]
+            self.p.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, ValueError):
+            pass  # it died: finish() says how and starts again
+
+    def finish(self) -> None:
+        try:
+            _, err = self.p.communicate()
+        except (BrokenPipeError, ValueError):
+            err = self.p.stderr.read() if self.p.stderr else b""  # type: ignore[union-attr]
+            self.p.wait()
+        if self.p.returncode < 0:  # killed by a signal sent to the whole group: once more, in full
+            Path(f"{self.index_file}.lock").unlink(missing_ok=True)
+            shutil.copyfile(self.source, self.index_file)
+            update_index(self.root, self.paths, self.index_file)
+        elif self.p.returncode != 0:
+            raise GitError(f"git update-index failed: {err.decode(errors='replace').strip()}")
+
+    def reap(self) -> None:
+        """Stop it when the caller gives up half-way (the copy was never written)."""
+        if self.p.returncode is None:
+            self.p.kill()
+            self.p.communicate()
+
+
 def move_refs(root: Path, message: str, updates: Sequence[tuple[str, str | None, str | None]]) -> None:
     """One atomic ref transaction: (ref, new id or None to delete, expected old id or None)."""
     lines = []

@@ -16,8 +16,8 @@ in the same run:
 
 Then one more engine run on a fresh clone under cProfile prints where the engine's time goes
 (loading the pack, the symlink checks, the decision loop, waiting for git's status/cat-file/
-ls-files, the series' pack, the journal, whole-file replacement, the index built in a copy, the ref
-transaction): cProfile's overhead inflates the Python parts, so read it as shares, not as times.
+ls-files, the series' pack, the journal, whole-file replacement (a few files at a time), the index
+built in a copy by a git fed each path as its file is whole, the ref transaction): cProfile's overhead inflates the Python parts, so read it as shares, not as times.
 
 Each clone is settled first (one ``git status`` a second after the clone,
 as in any checkout that is not brand new: otherwise the engine's dirty check
@@ -118,7 +118,8 @@ STAGES = (
     ("journal save", "engine/journal.py", "save"),
     ("whole-file replacement (put_file)", "engine/journal.py", "put_file"),
     ("index copy", "shutil.py", "copyfile"),
-    ("git update-index on the copy", "backport/gitops.py", "update_index"),
+    ("starting git (status, cat-file, ls-files, update-index)", "backport/gitops.py", "__init__"),
+    ("  waiting for it once the files are whole", "backport/gitops.py", "finish"),
     ("git update-ref (HEAD, the commit point)", "backport/gitops.py", "move_refs"),
 )
 

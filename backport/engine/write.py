@@ -14,9 +14,11 @@ The order (each step a crash point the next run recovers from):
 3. the journal becomes phase ``files``: base and series commits, and per path
    the sha256 of its bytes before and after, and its modes;
 4. each file is replaced whole (a temporary file renamed over it: a file is
-   always either as before or as after, never torn); deletions unlink;
+   always either as before or as after, never torn), a few at a time; deletions unlink;
 5. a copy of the index gets the new entries (``GIT_INDEX_FILE``: git's own
-   ``index.lock`` is never taken, so none can be left behind);
+   ``index.lock`` is never taken, so none can be left behind): the copy is made and
+   ``git update-index`` started before step 4, and it is given each path once its file is
+   whole, so git's start and the hashing overlap the writes;
 6. one ref transaction moves HEAD from the base to the last commit: this is
    the commit point;
 7. the new index replaces the old (rename), the journal is removed.
@@ -41,11 +43,11 @@ import datetime as _dt
 import hashlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import gitops
@@ -60,6 +62,9 @@ AUTHOR = "sglang-backport <sglang-backport@localhost>"
 UPSTREAM_REPO = "sgl-project/sglang"
 VENDOR_TRAILER = "Vendor-Fix:"  # tree.py knows a toolkit commit by this or Backport-Of:
 FAULT_LOG, FAULT_PAUSE = "SGLANG_BACKPORT_FAULT_LOG", "SGLANG_BACKPORT_FAULT_PAUSE"
+# Files are replaced from a few threads at once: a new file in a freshly written directory costs
+# this ext4 about 0.3 ms of kernel time, which overlaps (24 files: 15 ms serially, 7 ms on 4 threads)
+FILE_WRITERS = 4
 log = logging.getLogger("backport.engine")
 
 
@@ -149,13 +154,25 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
             steps("journal")
             journal = journal.with_files(shas[-1], moves)
             journal.save(git_dir)
-            for mv in moves:
-                steps(f"file {mv.path}")
-                put_file(repo, mv.path, final[mv.path], mv.mode_after)
-            steps("index")
             next_index = git_dir / NEXT_INDEX
-            shutil.copyfile(git_dir / "index", next_index)
-            gitops.update_index(repo, [mv.path for mv in moves], next_index)
+            index = gitops.IndexUpdate(repo, git_dir / "index", next_index)  # loads while the files are written
+            try:
+                with ThreadPoolExecutor(max_workers=FILE_WRITERS) as writers:
+                    written: list = []
+                    for mv in moves:  # the steps stay in order: a pause at one stops the files after it
+                        steps(f"file {mv.path}")
+                        if final[mv.path] is None:  # a deletion may prune directories: no write may race it
+                            _wait(written, index)
+                            put_file(repo, mv.path, None, None)
+                            index.add(mv.path)
+                        else:
+                            written.append((mv.path, writers.submit(put_file, repo, mv.path, final[mv.path],
+                                                                    mv.mode_after)))
+                    _wait(written, index)
+                steps("index")
+                index.finish()
+            finally:
+                index.reap()
             steps("head")
             gitops.move_refs(repo, message, [("HEAD", shas[-1], base)])
             steps("swap index")
@@ -172,6 +189,17 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
                 raise
             log.warning("%s after the commit point: %s", exc, outcome)
     return shas
+
+
+def _wait(writes: list, index: gitops.IndexUpdate) -> None:
+    """Every write submitted so far has ended, and the index was given each path once its file
+    was whole; the first error is raised after all ended."""
+    for _, w in writes:
+        w.exception()
+    for path, w in writes:
+        w.result()
+        index.add(path)
+    writes.clear()
 
 
 class _Steps:

@@ -219,11 +219,13 @@ def objects_dir(git_dir: Path) -> Path:
 # ----------------------------------------------------------------- writing
 
 
+UPDATE_INDEX_ARGS = ("update-index", "--add", "--remove", "-z", "--stdin")  # paths NUL-separated on stdin
+
+
 def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
     """Record the work tree's files at ``paths`` (with stat info; removed when
     gone) in the index file ``index_file``, not the repository's own index."""
-    run(root, "update-index", "--add", "--remove", "-z", "--stdin", input=_z_paths(paths),
-        env={"GIT_INDEX_FILE": str(index_file)})
+    run(root, *UPDATE_INDEX_ARGS, input=_z_paths(paths), env={"GIT_INDEX_FILE": str(index_file)})
 
 
 class IndexUpdate:
@@ -239,7 +241,7 @@ class IndexUpdate:
         self.root, self.source, self.index_file = root, source, index_file
         shutil.copyfile(source, index_file)
         self.paths: list[str] = []
-        self.p = subprocess.Popen(_cmd(root, ("update-index", "--add", "--remove", "-z", "--stdin")),
+        self.p = subprocess.Popen(_cmd(root, UPDATE_INDEX_ARGS),
                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
 
@@ -252,11 +254,7 @@ class IndexUpdate:
             pass  # it died: finish() says how and starts again
 
     def finish(self) -> None:
-        try:
-            _, err = self.p.communicate()
-        except (BrokenPipeError, ValueError):
-            err = self.p.stderr.read() if self.p.stderr else b""  # type: ignore[union-attr]
-            self.p.wait()
+        _, err = self.p.communicate()  # a stdin already broken is closed quietly
         if self.p.returncode < 0:  # killed by a signal sent to the whole group: once more, in full
             Path(f"{self.index_file}.lock").unlink(missing_ok=True)
             shutil.copyfile(self.source, self.index_file)

@@ -17,7 +17,8 @@ in the same run:
 Then one more engine run on a fresh clone under cProfile prints where the engine's time goes
 (loading the pack, the symlink checks, the decision loop, waiting for git's status/cat-file/
 ls-files, the series' pack, the journal, whole-file replacement (a few files at a time), the index
-built in a copy by a git fed each path as its file is whole, the ref transaction): cProfile's overhead inflates the Python parts, so read it as shares, not as times.
+built in a copy by a git fed each path as its file is whole, the ref transaction): cProfile's
+overhead inflates the Python parts, so read it as shares, not as times.
 
 Each clone is settled first (one ``git status`` a second after the clone,
 as in any checkout that is not brand new: otherwise the engine's dirty check

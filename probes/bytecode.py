@@ -40,11 +40,11 @@ class ContentCachedLoader(machinery.SourceFileLoader):
         except (OSError, ValueError, EOFError, TypeError):
             pass
         code = self.source_to_code(source, path)
-        _store(entry, marshal.dumps(code))
+        store(entry, marshal.dumps(code))
         return code
 
 
-def _store(entry: str, data: bytes) -> None:
+def store(entry: str, data: bytes) -> None:
     folder, tmp = os.path.dirname(entry), None
     try:
         os.makedirs(folder, exist_ok=True)

@@ -80,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     preload_seconds = round(time.monotonic() - started, 3)
     sys.stdout.flush()
     sys.stderr.flush()
-    running: dict[int, int] = {}
+    running: dict[int, tuple[int, float]] = {}  # pid -> (tree index, when it was forked)
     status: dict[int, int] = {}
-    begun: dict[int, float] = {}
     seconds: dict[int, float] = {}
     pending = list(enumerate(args.tree))
     while pending or running:
@@ -92,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             if pid == 0:
                 _child(os.path.abspath(tree), args.probe, args.coverage, os.path.join(args.out, f"{index}.json"),
                        os.path.join(args.out, f"{index}.log"), args.bytecode)
-            running[pid] = index
-            begun[index] = time.monotonic()
+            running[pid] = (index, time.monotonic())
         pid, wait_status = os.wait()
         if pid in running:
-            index = running.pop(pid)
+            index, forked = running.pop(pid)
             status[index] = os.waitstatus_to_exitcode(wait_status)
-            seconds[index] = round(time.monotonic() - begun[index], 3)
+            seconds[index] = round(time.monotonic() - forked, 3)
     print(json.dumps({"preload_seconds": preload_seconds, "preloaded": timings,
                       "exit_codes": [status[i] for i in range(len(args.tree))],
                       "seconds": [seconds[i] for i in range(len(args.tree))]}))

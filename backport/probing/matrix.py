@@ -108,8 +108,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
             stderr = (out / f"{index}.log").read_text(errors="replace") if (out / f"{index}.log").exists() else ""
             documents[root] = read_document(text.replace(link, "probes"), stderr, summary["exit_codes"][index], root)
     log.info("      shared imports once: %.1f s", summary["preload_seconds"])
-    slowest = sorted(zip(summary.get("seconds", []), (names[r] for r in unique)), reverse=True)[:3]
-    if slowest:
-        log.info("      trees took %.1f s in all; slowest: %s", sum(summary["seconds"]),
-                 ", ".join(f"{label} {s:.1f} s" for s, label in slowest))
+    slowest = sorted(zip(summary["seconds"], (names[r] for r in unique)), reverse=True)[:3]
+    log.info("      trees took %.1f s in all; slowest: %s", sum(summary["seconds"]),
+             ", ".join(f"{label} {s:.1f} s" for s, label in slowest))
     return [documents[root] for root in roots]

@@ -269,15 +269,52 @@ class IndexUpdate:
             self.p.communicate()
 
 
-def move_refs(root: Path, message: str, updates: Sequence[tuple[str, str | None, str | None]]) -> None:
-    """One atomic ref transaction: (ref, new id or None to delete, expected old id or None)."""
+RefUpdates = Sequence[tuple[str, str | None, str | None]]  # (ref, new id or None to delete, expected old id or None)
+
+
+def _ref_lines(updates: RefUpdates) -> bytes:
     lines = []
     for ref, new, old in updates:
         if new is None:
             lines.append(f"delete {ref}" + (f" {old}" if old else ""))
         else:
             lines.append(f"update {ref} {new}" + (f" {old}" if old else ""))
-    run(root, "update-ref", "-m", message, "--stdin", input=("\n".join(lines) + "\n").encode())
+    return ("\n".join(lines) + "\n").encode()
+
+
+def move_refs(root: Path, message: str, updates: RefUpdates) -> None:
+    """One atomic ref transaction."""
+    run(root, "update-ref", "-m", message, "--stdin", input=_ref_lines(updates))
+
+
+class RefUpdate:
+    """``move_refs`` started ahead of its moment: git starts (exec, config, the ref store) while the
+    caller is still writing, and ``commit`` then costs a pipe write and git's lock, write and rename.
+    ``update-ref --stdin`` queues the lines it reads and locks nothing before the end of its input,
+    so a git stopped before ``commit`` leaves no lock behind.
+
+    As with IndexUpdate, a signal sent to the whole process group may kill this git while the
+    caller holds it: ``commit`` then runs the transaction once more, unless it had already gone
+    through."""
+
+    def __init__(self, root: Path, message: str):
+        self.root, self.message = root, message
+        self.p = subprocess.Popen(_cmd(root, ("update-ref", "-m", message, "--stdin")), stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def commit(self, updates: RefUpdates) -> None:
+        _, err = self.p.communicate(_ref_lines(updates))  # a stdin already broken is closed quietly
+        if self.p.returncode < 0:
+            if any(read_ref(self.root, ref) != new for ref, new, _ in updates):
+                move_refs(self.root, self.message, updates)
+        elif self.p.returncode != 0:
+            raise GitError(f"git update-ref failed: {err.decode(errors='replace').strip()}")
+
+    def reap(self) -> None:
+        """Stop it when the caller gives up before ``commit``."""
+        if self.p.returncode is None:
+            self.p.kill()
+            self.p.communicate()
 
 
 def delete_ref(root: Path, ref: str) -> None:

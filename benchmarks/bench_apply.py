@@ -119,9 +119,9 @@ STAGES = (
     ("journal save", "engine/journal.py", "save"),
     ("whole-file replacement (put_file)", "engine/journal.py", "put_file"),
     ("index copy", "shutil.py", "copyfile"),
-    ("starting git (status, cat-file, ls-files, update-index)", "backport/gitops.py", "__init__"),
+    ("starting git (status, cat-file, ls-files, update-index, update-ref)", "backport/gitops.py", "__init__"),
     ("  waiting for it once the files are whole", "backport/gitops.py", "finish"),
-    ("git update-ref (HEAD, the commit point)", "backport/gitops.py", "move_refs"),
+    ("git update-ref (HEAD, the commit point)", "backport/gitops.py", "commit"),
 )
 
 

@@ -325,7 +325,7 @@ def assert_crash_at_head_update_restores(repo, pack, monkeypatch):
     def flaky(*args, **kw):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(gitops, "move_refs", flaky)
+    monkeypatch.setattr(gitops.RefUpdate, "commit", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         apply_series(repo, pack, "0.5.19")
     assert snapshot(repo) == before

@@ -311,10 +311,14 @@ def apply_hunks(image: FileImage, hunks: Sequence[Hunk], placements: Sequence[Pl
         cur = p
     new_lines.extend(image.lines[cur:])
     new_eols.extend(image.eols[cur:])
-    # a line that lost its "last line" status must get a newline again
-    for i in range(len(new_eols) - 1):
-        if new_eols[i] == "":
-            new_eols[i] = eol
+    # a line that lost its "last line" status must get a newline again (list.index: the scan runs in C)
+    i = -1
+    while True:
+        try:
+            i = new_eols.index("", i + 1, len(new_eols) - 1)
+        except ValueError:
+            break
+        new_eols[i] = eol
     # the patch says the new last line ends without newline: honour it at EOF
     if new_lines and hunks and placements:
         h, pl = hunks[-1], placements[-1]

@@ -20,7 +20,8 @@ The order (each step a crash point the next run recovers from):
    ``git update-index`` started before step 4, and it is given each path once its file is
    whole, so git's start and the hashing overlap the writes;
 6. one ref transaction moves HEAD from the base to the last commit: this is
-   the commit point;
+   the commit point (``git update-ref`` too is started before step 4, and is given the
+   transaction here);
 7. the new index replaces the old (rename), the journal is removed.
 
 Recovery (``recover``: the next run, or this one after an error) reads the
@@ -155,7 +156,9 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
             journal = journal.with_files(shas[-1], moves)
             journal.save(git_dir)
             next_index = git_dir / NEXT_INDEX
-            index = gitops.IndexUpdate(repo, git_dir / "index", next_index)  # loads while the files are written
+            # both gits start while the files are written: update-index loads the index copy
+            index = gitops.IndexUpdate(repo, git_dir / "index", next_index)
+            refs = gitops.RefUpdate(repo, message)
             try:
                 with ThreadPoolExecutor(max_workers=FILE_WRITERS) as writers:
                     written: list = []
@@ -171,10 +174,11 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
                     _wait(written, index)
                 steps("index")
                 index.finish()
+                steps("head")
+                refs.commit([("HEAD", shas[-1], base)])
             finally:
                 index.reap()
-            steps("head")
-            gitops.move_refs(repo, message, [("HEAD", shas[-1], base)])
+                refs.reap()
             steps("swap index")
             os.replace(next_index, git_dir / "index")
             steps("done")

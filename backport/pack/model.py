@@ -14,7 +14,7 @@ import datetime as _dt
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -228,7 +228,7 @@ def check_rel_path(p: str, where: str) -> str:
         raise BadInput(f"{where}: empty, quoted or control-character path {p!r}")
     if p.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[\\/]", p):
         raise BadInput(f"{where}: absolute path {p!r}")
-    parts = PurePosixPath(p.replace("\\", "/")).parts
+    parts = [x for x in p.replace("\\", "/").split("/") if x]  # as PurePosixPath's parts: no empty part
     if ".." in parts:
         raise BadInput(f"{where}: path {p!r} contains '..'")
     if any(part.lower() == ".git" for part in parts):

@@ -24,6 +24,7 @@ import sys
 import time
 
 from probes.bytecode import install as install_bytecode_cache
+from probes.generated_code import install as install_generated_code
 from probes.preload import preload
 from probes.source_blocks import install as install_source_blocks
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = preload()
     if args.bytecode:
         install_source_blocks(os.path.join(args.bytecode, "source-blocks"))  # triton reads its kernels' source
+        install_generated_code(os.path.join(args.bytecode, "generated-code"))  # dataclasses' methods, ForwardRefs
     # Without this a child's first full collection walks every preloaded object (0.5 s on
     # 0.5.20 and later) and writes to each one's page, which the fork shared.
     gc.freeze()

@@ -2,14 +2,15 @@
 
 Each `@dataclass` class compiles its `__init__`, `__repr__`, `__eq__` (and more) from source
 text (`dataclasses._create_fn` runs `exec(text)`), and each string annotation `typing` meets
-compiles into a `ForwardRef`: on 0.5.23 some 1,500 and 2,700 compilations in every probe child,
-0.15 - 0.2 s of its import, nearly all the same texts in every tree. The code depends only on
-the text, the mode and the interpreter, so it is stored under the SHA-256 of those (marshal, as
-a .pyc holds code): a hit is the code object `compile` gives for exactly that text, with the same
-file name `<string>`, and runs with the globals and locals the caller passed. Compilation here
-never inherits this module's `__future__` flags (`dont_inherit`), as `dataclasses` and `typing`
-have none. An entry is written whole (a temporary file renamed into place); one that does not
-load is compiled again and rewritten.
+compiles into a `ForwardRef`: on 0.5.23 some 1,500 and 2,700 compilations in every probe child
+(under cProfile 0.19 s and 0.03 s of its import), while the 37 trees of 0.5.10 - 0.5.23 hold
+3,697 distinct texts in all. The code depends only on the text, the mode and the interpreter,
+so it is stored under the SHA-256 of those (marshal, as a .pyc holds code): a hit is the code
+object `compile` gives for exactly that text, with the same file name `<string>`, and runs with
+the globals and locals the caller passed. Compilation here never inherits this module's
+`__future__` flags (`dont_inherit`), as `dataclasses` and `typing` have none. An entry is written
+whole (a temporary file renamed into place); one that does not load is compiled again and
+rewritten.
 """
 
 from __future__ import annotations

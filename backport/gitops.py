@@ -228,22 +228,45 @@ def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
     run(root, *UPDATE_INDEX_ARGS, input=_z_paths(paths), env={"GIT_INDEX_FILE": str(index_file)})
 
 
-class IndexUpdate:
+class _FedGit:
+    """A git started ahead of its moment and fed on stdin (IndexUpdate, RefUpdate): its start
+    overlaps the caller's writes. The caller holds SIGINT/SIGTERM/SIGHUP in this window, but a
+    signal sent to the process group (Ctrl-C, a supervisor's killpg) also reaches this git: ``_end``
+    says when it died of one, and the caller then does the work once more, so the held signal still
+    loses nothing."""
+
+    def __init__(self, root: Path, args: Sequence[str], env: Mapping[str, str] | None = None):
+        self.args = args
+        self.p = subprocess.Popen(_cmd(root, args), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, env=env)
+
+    def _end(self, data: bytes | None = None) -> bool:
+        """Close its input (after ``data``) and wait; True when a signal killed it, GitError when it failed."""
+        _, err = self.p.communicate(data)  # a stdin already broken is closed quietly
+        if self.p.returncode < 0:
+            return True
+        if self.p.returncode != 0:
+            raise GitError(f"git {self.args[0]} failed: {err.decode(errors='replace').strip()}")
+        return False
+
+    def reap(self) -> None:
+        """Stop it when the caller gives up before the end (nothing it would write was written)."""
+        if self.p.returncode is None:
+            self.p.kill()
+            self.p.communicate()
+
+
+class IndexUpdate(_FedGit):
     """``update_index`` fed a path at a time: git starts and reads the index copy while the caller
     is still writing the files, and records each path as soon as it is given (``--stdin`` reads
-    one path, records it, reads the next); the copy is written at ``finish``.
-
-    The caller holds SIGINT/SIGTERM/SIGHUP in this window, but a signal sent to the process group
-    (Ctrl-C, a supervisor's killpg) also reaches this git: when it died of a signal, ``finish``
-    records the paths again on a fresh copy of ``source``, so the held signal still loses nothing."""
+    one path, records it, reads the next); the copy is written at ``finish``. Killed by a group
+    signal, ``finish`` records the paths again on a fresh copy of ``source``."""
 
     def __init__(self, root: Path, source: Path, index_file: Path):
         self.root, self.source, self.index_file = root, source, index_file
         shutil.copyfile(source, index_file)
         self.paths: list[str] = []
-        self.p = subprocess.Popen(_cmd(root, UPDATE_INDEX_ARGS),
-                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
+        super().__init__(root, UPDATE_INDEX_ARGS, env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
 
     def add(self, path: str) -> None:
         self.paths.append(path)
@@ -254,19 +277,10 @@ class IndexUpdate:
             pass  # it died: finish() says how and starts again
 
     def finish(self) -> None:
-        _, err = self.p.communicate()  # a stdin already broken is closed quietly
-        if self.p.returncode < 0:  # killed by a signal sent to the whole group: once more, in full
+        if self._end():  # once more, in full
             Path(f"{self.index_file}.lock").unlink(missing_ok=True)
             shutil.copyfile(self.source, self.index_file)
             update_index(self.root, self.paths, self.index_file)
-        elif self.p.returncode != 0:
-            raise GitError(f"git update-index failed: {err.decode(errors='replace').strip()}")
-
-    def reap(self) -> None:
-        """Stop it when the caller gives up half-way (the copy was never written)."""
-        if self.p.returncode is None:
-            self.p.kill()
-            self.p.communicate()
 
 
 RefUpdates = Sequence[tuple[str, str | None, str | None]]  # (ref, new id or None to delete, expected old id or None)
@@ -287,34 +301,20 @@ def move_refs(root: Path, message: str, updates: RefUpdates) -> None:
     run(root, "update-ref", "-m", message, "--stdin", input=_ref_lines(updates))
 
 
-class RefUpdate:
+class RefUpdate(_FedGit):
     """``move_refs`` started ahead of its moment: git starts (exec, config, the ref store) while the
     caller is still writing, and ``commit`` then costs a pipe write and git's lock, write and rename.
     ``update-ref --stdin`` queues the lines it reads and locks nothing before the end of its input,
-    so a git stopped before ``commit`` leaves no lock behind.
-
-    As with IndexUpdate, a signal sent to the whole process group may kill this git while the
-    caller holds it: ``commit`` then runs the transaction once more, unless it had already gone
-    through."""
+    so a git stopped before ``commit`` leaves no lock behind. Killed by a group signal, ``commit``
+    runs the transaction once more, unless it had already gone through."""
 
     def __init__(self, root: Path, message: str):
         self.root, self.message = root, message
-        self.p = subprocess.Popen(_cmd(root, ("update-ref", "-m", message, "--stdin")), stdin=subprocess.PIPE,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        super().__init__(root, ("update-ref", "-m", message, "--stdin"))
 
     def commit(self, updates: RefUpdates) -> None:
-        _, err = self.p.communicate(_ref_lines(updates))  # a stdin already broken is closed quietly
-        if self.p.returncode < 0:
-            if any(read_ref(self.root, ref) != new for ref, new, _ in updates):
-                move_refs(self.root, self.message, updates)
-        elif self.p.returncode != 0:
-            raise GitError(f"git update-ref failed: {err.decode(errors='replace').strip()}")
-
-    def reap(self) -> None:
-        """Stop it when the caller gives up before ``commit``."""
-        if self.p.returncode is None:
-            self.p.kill()
-            self.p.communicate()
+        if self._end(_ref_lines(updates)) and any(read_ref(self.root, ref) != new for ref, new, _ in updates):
+            move_refs(self.root, self.message, updates)
 
 
 def delete_ref(root: Path, ref: str) -> None:

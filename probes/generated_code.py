@@ -46,7 +46,7 @@ class CodeCache:
             frame = sys._getframe(1)
             globals, locals = frame.f_globals, frame.f_locals if locals is None else locals
         code = self._code(source, "exec") if isinstance(source, str) else source
-        return builtins.exec(code, globals, locals)
+        return builtins.exec(code, globals, locals)  # noqa: S102 - the same exec dataclasses makes, of the text it gave
 
     def _code(self, source: str, mode: str):
         key = (mode, source)

@@ -22,7 +22,7 @@ def _point_class():
     @dataclasses.dataclass(frozen=True)
     class Point:
         x: int
-        y: "list[int]" = dataclasses.field(default_factory=list)
+        y: list[int] = dataclasses.field(default_factory=list)
 
     return Point
 
@@ -34,7 +34,7 @@ def test_a_hit_is_the_code_compile_gives_without_this_modules_future_flags(tmp_p
     again = generated_code.CodeCache(str(tmp_path))._code(TEXT, "exec")  # from disk, a fresh process's view
     assert marshal.dumps(again) == marshal.dumps(code) and again.co_filename == "<string>"
     ns: dict = {}
-    exec(again, {}, ns)
+    exec(again, {}, ns)  # noqa: S102 - the cached code, run as dataclasses runs it
     f = ns["__create_fn__"](1)
     assert f.__annotations__ == {"y": int, "return": None}  # not strings: no `annotations` future inherited
 

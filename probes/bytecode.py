@@ -31,7 +31,7 @@ class ContentCachedLoader(machinery.SourceFileLoader):
         path = self.get_filename(fullname)
         source = self.get_data(path)
         digest = hashlib.sha256(MAGIC_NUMBER + b"%d\0" % sys.flags.optimize + source).hexdigest()
-        entry = os.path.join(self.cache_dir, digest[:2], digest)
+        entry = entry_path(self.cache_dir, digest)
         try:
             with open(entry, "rb") as fh:
                 code = marshal.loads(fh.read())
@@ -42,6 +42,11 @@ class ContentCachedLoader(machinery.SourceFileLoader):
         code = self.source_to_code(source, path)
         store(entry, marshal.dumps(code))
         return code
+
+
+def entry_path(folder: str, digest: str, suffix: str = "") -> str:
+    """Where a cache of these (bytecode, source blocks, generated code) keeps the entry of ``digest``."""
+    return os.path.join(folder, digest[:2], digest + suffix)
 
 
 def store(entry: str, data: bytes) -> None:

@@ -19,13 +19,12 @@ import builtins
 import dataclasses
 import hashlib
 import marshal
-import os
 import sys
 import types
 import typing
 from importlib.util import MAGIC_NUMBER
 
-from probes.bytecode import store
+from probes.bytecode import entry_path, store
 
 
 class CodeCache:
@@ -55,7 +54,7 @@ class CodeCache:
             return code
         digest = hashlib.sha256(MAGIC_NUMBER + b"%s\0%d\0" % (mode.encode(), sys.flags.optimize)
                                 + source.encode("utf-8", "surrogatepass")).hexdigest()
-        entry = os.path.join(self.folder, digest[:2], digest)
+        entry = entry_path(self.folder, digest)
         try:
             with open(entry, "rb") as fh:
                 code = marshal.loads(fh.read())

@@ -16,11 +16,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import sys
 from importlib.util import MAGIC_NUMBER
 
-from probes.bytecode import store
+from probes.bytecode import entry_path, store
 
 _original = inspect.getsourcelines
 
@@ -40,7 +39,7 @@ class BlockCache:
         return digest
 
     def _entry(self, digest: str) -> str:
-        return os.path.join(self.folder, digest[:2], digest + ".json")
+        return entry_path(self.folder, digest, ".json")
 
     def _map(self, digest: str) -> dict[str, int]:
         if digest not in self.maps:

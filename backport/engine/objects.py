@@ -12,26 +12,30 @@ ref transaction moves HEAD (write.py): a run stopped half-way leaves only
 unreachable objects that ``git gc`` prunes. ``git fsck --strict`` in the tests
 checks what comes out (sorting, modes, ids).
 
-Where the trees come from: ``base_tree_specs`` names the base commit's tree
-of every directory on the way to a touched path; apply.py reads them with one
-``git cat-file --batch`` that runs alongside the decision loop (it also gives
-the touched files' committed entries, which ``ls-tree`` gave before).
+Where the trees come from: the base commit's tree of every directory on the
+way to a touched path (they also give the touched files' committed entries).
+``read_loose_trees`` reads them straight from loose objects, which is how the
+cache's trees and their clones hold them (no process); where one is packed,
+``base_tree_specs`` names them for one ``git cat-file --batch`` that runs
+alongside the decision loop.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 import tempfile
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from io import BytesIO
 from pathlib import Path
 
-from gitdb.base import OStream
-from gitdb.pack import PackEntity
+from gitdb.fun import create_pack_object_header, type_to_type_id_map
+from gitdb.pack import IndexWriter
 
 from ..gitops import REGULAR_MODES, object_id
 
-TREE_MODE = 0o040000
+TREE_MODE = b"40000"  # as git writes a tree's mode
 PACK_LEVEL = 0  # stored, as fast-import was told (core.compression=0): git gc compresses and deltifies later
 
 
@@ -46,11 +50,47 @@ def base_tree_specs(base: str, paths: Iterable[str]) -> dict[str, str]:
     return {d: f"{base}:{d}" for p in paths for d in _dirs(p)}
 
 
+def read_loose_trees(objects_dir: Path, base: str, dirs: Iterable[str]) -> dict[str, bytes | None] | None:
+    """{directory: tree} of the base commit's trees of ``dirs`` (a directory it lacks, or a path that
+    is not one: None), read straight from loose objects, as a checkout made by ``git commit`` and
+    the cache's clones hold them: no git process. None when one of them is not a loose object here
+    (packed, or in an alternate object store): ``git cat-file`` reads those."""
+    try:
+        kind, commit = _read_loose(objects_dir, base)
+        if kind != b"commit" or not commit.startswith(b"tree "):
+            return None
+        raw: dict[str, bytes | None] = {"": _read_loose(objects_dir, commit[5:45].decode(), b"tree")[1]}
+        every = {a for d in dirs for a in _dirs(f"{d}/.")} - {""}  # and the directories on the way
+        for d in sorted(every, key=lambda d: d.count("/")):  # a parent before its children
+            up, _, name = d.rpartition("/")
+            parent = raw.get(up)
+            entry = _parse_tree(parent).get(_name(name)) if parent is not None else None
+            raw[d] = (_read_loose(objects_dir, entry[-20:].hex(), b"tree")[1]
+                      if entry is not None and entry.startswith(TREE_MODE + b" ") else None)
+        return raw
+    except (OSError, ValueError, zlib.error):
+        return None
+
+
+def _read_loose(objects_dir: Path, oid: str, kind: bytes | None = None) -> tuple[bytes, bytes]:
+    """(type, content) of a loose object (zlib of ``<type> <size>\\0<content>``); ValueError when
+    it is not what it says (or not of ``kind``), OSError when it is not loose here."""
+    with open(objects_dir / oid[:2] / oid[2:], "rb") as fh:
+        data = zlib.decompress(fh.read())
+    nul = data.index(b"\0")
+    found, size = data[:nul].split(b" ")
+    if int(size) != len(data) - nul - 1 or (kind is not None and found != kind):
+        raise ValueError(oid)
+    return found, data[nul + 1:]
+
+
 class Trees:
-    """Directory listings of the base commit, changed commit by commit."""
+    """Directory listings of the base commit, changed commit by commit: per directory, its entries
+    as git encodes them (``<octal mode> <name>\\0<20-byte id>``) by name, in git's order, so that a
+    tree is the join of its listing and an entry git wrote is kept byte for byte."""
 
     def __init__(self, raw: Mapping[str, bytes | None]):
-        # {directory: {name: (mode, binsha)}}; a directory the base lacks starts empty
+        # {directory: {name: entry}}; a directory the base lacks starts empty
         self.dirs = {d: _parse_tree(data) if data is not None else {} for d, data in raw.items()}
 
     def entries(self, paths: Iterable[str]) -> dict[str, tuple[str, str]]:
@@ -58,9 +98,9 @@ class Trees:
         out = {}
         for p in paths:
             d, _, name = p.rpartition("/")
-            mode, sha = self.dirs.get(d, {}).get(name, (0, b""))
-            if f"{mode:o}" in REGULAR_MODES:
-                out[p] = (f"{mode:o}", sha.hex())
+            entry = self.dirs.get(d, {}).get(_name(name))
+            if entry is not None and (mode := entry[:entry.index(b" ")].decode()) in REGULAR_MODES:
+                out[p] = (mode, entry[-20:].hex())
         return out
 
 
@@ -79,24 +119,43 @@ class PackWriter:
     def close(self) -> None:
         """Write the pack, then its index (git reads a pack only through its index): each into a
         temporary file git's own gc removes when left behind, renamed into place once whole."""
-        streams = [OStream(sha, kind, len(data), BytesIO(data)) for sha, (kind, data) in self.objects.items()]
-        tmp_pack, tmp_idx = self._tmp("tmp_pack_"), self._tmp("tmp_idx_")
+        pack_sha, files = self._encode()
+        written: list[str] = []
         try:
-            with open(tmp_pack, "wb") as pack_fh, open(tmp_idx, "wb") as idx_fh:
-                pack_sha, _ = PackEntity.write_pack(streams, pack_fh.write, idx_fh.write, len(streams),
-                                                    zlib_compression=PACK_LEVEL)
-            for tmp, ext in ((tmp_pack, "pack"), (tmp_idx, "idx")):
-                os.chmod(tmp, 0o444)
+            for ext, data in files:
+                fd, tmp = tempfile.mkstemp(prefix=f"tmp_{ext}_", dir=self.pack_dir)
+                written.append(tmp)
+                _write_whole(fd, data)
+            for tmp, (ext, _) in zip(written, files):
                 os.replace(tmp, self.pack_dir / f"pack-{pack_sha.hex()}.{ext}")
         finally:
-            for tmp in (tmp_pack, tmp_idx):
+            for tmp in written:
                 if os.path.lexists(tmp):
                     os.unlink(tmp)
 
-    def _tmp(self, prefix: str) -> str:
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=self.pack_dir)
-        os.close(fd)
-        return path
+    def _encode(self) -> tuple[bytes, tuple[tuple[str, bytes], tuple[str, bytes]]]:
+        """(the pack's id, (("pack", bytes), ("idx", bytes))): a version 2 pack of undeltified
+        objects and its index, with gitdb's object headers and index writer."""
+        pieces = [struct.pack(">4sLL", b"PACK", 2, len(self.objects))]
+        index, offset = IndexWriter(), 12
+        for sha, (kind, data) in self.objects.items():
+            entry = bytes(create_pack_object_header(type_to_type_id_map[kind], len(data))) + zlib.compress(
+                data, PACK_LEVEL)
+            index.append(sha, zlib.crc32(entry), offset)
+            pieces.append(entry)
+            offset += len(entry)
+        body = b"".join(pieces)
+        pack_sha = hashlib.sha1(body, usedforsecurity=False).digest()
+        idx: list[bytes] = []
+        index.write(pack_sha, idx.append)
+        return pack_sha, (("pack", body + pack_sha), ("idx", b"".join(idx)))
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """Write ``data`` to the new temporary file ``fd`` (read-only for everyone, as git's own packs)."""
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        os.fchmod(fh.fileno(), 0o444)
 
 
 def write_commits(objects_dir: Path, base: str, trees: Trees,
@@ -112,21 +171,17 @@ def write_commits(objects_dir: Path, base: str, trees: Trees,
         for path, val in changes.items():
             d, _, name = path.rpartition("/")
             listing = dirs.setdefault(d, {})
-            if val is None:
-                listing.pop(name, None)
-            else:
-                listing[name] = (int(val[0], 8), out.write(b"blob", val[1]))
+            _put(listing, _name(name), None if val is None else (val[0].encode(), out.write(b"blob", val[1])))
             dirty.update(_dirs(path))
         for d in sorted(dirty, key=lambda d: -d.count("/") - (d != "")):  # deepest first, root last
             if d == "":
                 continue
             up, _, name = d.rpartition("/")
             entries = dirs.get(d, {})
-            if entries:
-                dirs.setdefault(up, {})[name] = (TREE_MODE, _tree(out, entries))
-            else:  # git keeps no empty directory
-                dirs.setdefault(up, {}).pop(name, None)
-        root = _tree(out, dirs[""]).hex()
+            # git keeps no empty directory
+            _put(dirs.setdefault(up, {}), _name(name), (TREE_MODE, out.write(b"tree", b"".join(entries.values())))
+                 if entries else None)
+        root = out.write(b"tree", b"".join(dirs[""].values())).hex()
         text = (f"tree {root}\nparent {parent}\nauthor {who} {epoch} +0000\n"
                 f"committer {who} {epoch} +0000\n\n{message}").encode()
         parent = out.write(b"commit", text).hex()
@@ -135,22 +190,32 @@ def write_commits(objects_dir: Path, base: str, trees: Trees,
     return ids
 
 
-def _parse_tree(data: bytes) -> dict[str, tuple[int, bytes]]:
-    """{name: (mode, binsha)} of a tree git wrote (entries "<octal mode> <name>\\0<20-byte id>"). The
-    reader GitPython has (``tree_entries_from_data``) re-checks every name and cost more than the
-    rest of the commit writing; these trees come from git itself."""
+def _name(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
+def _parse_tree(data: bytes) -> dict[bytes, bytes]:
+    """{name: entry} of a tree git wrote, in its order. The reader GitPython has
+    (``tree_entries_from_data``) re-checks every name and cost more than the rest of the commit
+    writing; these trees come from git itself."""
     out, pos = {}, 0
     while pos < len(data):
-        space = data.index(b" ", pos)
-        nul = data.index(b"\0", space)
-        out[data[space + 1:nul].decode("utf-8", "surrogateescape")] = (int(data[pos:space], 8), data[nul + 1:nul + 21])
+        nul = data.index(b"\0", pos)
+        out[data[data.index(b" ", pos) + 1:nul]] = data[pos:nul + 21]
         pos = nul + 21
     return out
 
 
-def _tree(out: PackWriter, entries: Mapping[str, tuple[int, bytes]]) -> bytes:
-    # the format GitPython's tree_to_stream writes, without its per-name checks: every name here
-    # came from a git tree or from a pack path checked when the pack loaded (pack/model.py)
-    ordered = sorted(((name.encode("utf-8", "surrogateescape"), mode, sha) for name, (mode, sha) in entries.items()),
-                     key=lambda e: e[0] + b"/" if e[1] == TREE_MODE else e[0])  # git's order: a tree as "name/"
-    return out.write(b"tree", b"".join(b"%o %s\0%s" % (mode, name, sha) for name, mode, sha in ordered))
+def _put(listing: dict[bytes, bytes], name: bytes, value: tuple[bytes, bytes] | None) -> None:
+    """Set (``(mode, binsha)``) or remove (None) one entry of a listing, keeping git's order. Every
+    name here came from a git tree or from a pack path checked when the pack loaded (pack/model.py)."""
+    if value is None:
+        listing.pop(name, None)  # the others keep their order
+        return
+    new = name not in listing
+    listing[name] = b"%s %s\0%s" % (value[0], name, value[1])
+    if new:  # git's order sorts a tree as "name/"
+        ordered = sorted(listing.items(), key=lambda kv: kv[0] + b"/" if kv[1].startswith(TREE_MODE + b" ")
+                         else kv[0])
+        listing.clear()
+        listing.update(ordered)

@@ -1,6 +1,6 @@
 """Every git process the toolkit starts, behind one small module.
 
-The engine talks to git through plumbing only (status, ls-files, cat-file,
+The engine talks to git through plumbing only (ls-files, diff-index, cat-file,
 update-index, update-ref) and parses its ``-z`` / batch output. It hashes in
 process (``object_id``): a file's blob id, to check that a file on disk is
 exactly its committed blob without a process, and the objects of a series
@@ -16,12 +16,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from .errors import BadInput
 
 REGULAR_MODES = ("100644", "100755")
-STATUS_ARGS = ("--no-optional-locks", "status", "--porcelain=v1", "-z", "--untracked-files=no",
-               "--ignore-submodules=none")
 
 
 class GitError(RuntimeError):
@@ -43,19 +42,20 @@ def run(root: Path, *args: str, input: bytes | None = None, env: Mapping[str, st
 
 class Background:
     """A git command running while the caller works (the engine overlaps its
-    few git processes: they are most of its cost). Input comes from a
-    temporary file so that starting never blocks."""
+    few git processes: they are most of its cost). Its input is all there before
+    it starts, so starting never blocks."""
 
     def __init__(self, root: Path, *args: str, input: bytes | None = None):
         self.args = args
-        stdin = subprocess.DEVNULL
-        if input is not None:
-            stdin = tempfile.TemporaryFile()  # noqa: SIM115 - closed right after Popen
-            stdin.write(input)
-            stdin.seek(0)
-        self.p = subprocess.Popen(_cmd(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        if input is not None:
-            stdin.close()
+        stdin = _ready_input(input)
+        try:
+            self.p = subprocess.Popen(_cmd(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        finally:
+            if isinstance(stdin, int):
+                if stdin >= 0:
+                    os.close(stdin)
+            else:
+                stdin.close()
         self.out: bytes | None = None
 
     def result(self) -> bytes:
@@ -70,6 +70,29 @@ class Background:
         if self.p.poll() is None:
             self.p.kill()
         self.p.communicate()
+
+
+def _ready_input(input: bytes | None) -> int | IO[bytes]:
+    """A child's stdin already holding all of ``input``: DEVNULL, the read end of a pipe written
+    without blocking (no file is made), or, when the pipe cannot take it all, a temporary file."""
+    if input is None:
+        return subprocess.DEVNULL
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        try:
+            whole = os.write(w, input) == len(input)
+        except BlockingIOError:
+            whole = False
+    finally:
+        os.close(w)
+    if whole:
+        return r
+    os.close(r)
+    f = tempfile.TemporaryFile()  # noqa: SIM115 - closed right after Popen
+    f.write(input)
+    f.seek(0)
+    return f
 
 
 def _z_paths(paths: Iterable[str]) -> bytes:
@@ -121,9 +144,26 @@ def _deref(repo, ref: str) -> str | None:
         return None
 
 
-def dirty_paths(status_out: bytes) -> set[str]:
-    """Tracked paths with staged or unstaged changes, from ``git status`` run
-    with STATUS_ARGS (untracked files do not count)."""
+def staged_args(base: str) -> tuple[str, ...]:
+    """``diff-index --cached`` of the index against ``base``: the staged and the unmerged paths
+    (the index's cache tree makes it cheap; no work-tree file is read)."""
+    return ("--no-optional-locks", "diff-index", "--cached", "-z", "--name-only", "--no-renames", base, "--")
+
+
+def staged_paths(diff_index_out: bytes) -> set[str]:
+    return {_decode(p) for p in diff_index_out.split(b"\0") if p}
+
+
+def uncommitted_paths(root: Path, pathspec: str) -> set[str]:
+    """Paths under `pathspec` that differ from HEAD, untracked files included (what a clone of
+    HEAD would not carry)."""
+    out = run(root, "--no-optional-locks", "status", "--porcelain=v1", "-z", "--untracked-files=all",
+              "--", pathspec)
+    return _status_paths(out)
+
+
+def _status_paths(status_out: bytes) -> set[str]:
+    """The paths of ``git status --porcelain=v1 -z`` (a rename or copy names both)."""
     parts = status_out.split(b"\0")
     paths: set[str] = set()
     i = 0
@@ -137,14 +177,6 @@ def dirty_paths(status_out: bytes) -> set[str]:
             paths.add(_decode(parts[i]))
             i += 1
     return paths
-
-
-def uncommitted_paths(root: Path, pathspec: str) -> set[str]:
-    """Paths under `pathspec` that differ from HEAD, untracked files included (what a clone of
-    HEAD would not carry)."""
-    out = run(root, "--no-optional-locks", "status", "--porcelain=v1", "-z", "--untracked-files=all",
-              "--", pathspec)
-    return dirty_paths(out)
 
 
 def flags_args(paths: Sequence[str]) -> tuple[str, ...]:
@@ -178,7 +210,8 @@ def blob_id(data: bytes) -> str:
 
 
 def batch_args() -> tuple[str, ...]:
-    return ("cat-file", "--batch")
+    # objects as stored, as the engine reads loose ones itself (git replace is a view, not history)
+    return ("--no-replace-objects", "cat-file", "--batch")
 
 
 def batch_input(specs: Sequence[str]) -> bytes:
@@ -228,6 +261,25 @@ def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
     run(root, *UPDATE_INDEX_ARGS, input=_z_paths(paths), env={"GIT_INDEX_FILE": str(index_file)})
 
 
+def index_twin(source: Path, index_file: Path) -> None:
+    """``index_file`` becomes a second name of the index ``source`` for git to build the next index
+    in: a hard link, which costs nothing to make (git never writes an index in place: it writes
+    ``<name>.lock`` and renames it over the name, so ``source`` keeps its bytes); a copy where the
+    file system has no hard links. A name left by an earlier run is replaced, never written through."""
+    index_file.unlink(missing_ok=True)
+    try:
+        os.link(source, index_file)
+    except OSError:
+        shutil.copyfile(source, index_file)
+
+
+def swap_index(index_file: Path, target: Path) -> None:
+    """Rename the built index over ``target``. Where git had nothing to write, the name is still a
+    link to ``target``'s own file, which rename leaves in place (both names, one file): it goes."""
+    os.replace(index_file, target)
+    index_file.unlink(missing_ok=True)
+
+
 class _FedGit:
     """A git started ahead of its moment and fed on stdin (IndexUpdate, RefUpdate): its start
     overlaps the caller's writes. The caller holds SIGINT/SIGTERM/SIGHUP in this window, but a
@@ -264,7 +316,7 @@ class IndexUpdate(_FedGit):
 
     def __init__(self, root: Path, source: Path, index_file: Path):
         self.root, self.source, self.index_file = root, source, index_file
-        shutil.copyfile(source, index_file)
+        index_twin(source, index_file)
         self.paths: list[str] = []
         super().__init__(root, UPDATE_INDEX_ARGS, env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
 
@@ -279,7 +331,7 @@ class IndexUpdate(_FedGit):
     def finish(self) -> None:
         if self._end():  # once more, in full
             Path(f"{self.index_file}.lock").unlink(missing_ok=True)
-            shutil.copyfile(self.source, self.index_file)
+            index_twin(self.source, self.index_file)
             update_index(self.root, self.paths, self.index_file)
 
 

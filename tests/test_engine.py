@@ -15,6 +15,7 @@ import pytest
 
 from backport import gitops
 from backport.engine import apply_series, detect, recover_checkout
+from backport.engine.objects import read_loose_trees
 from backport.engine.placement import FileImage, Hunk, place_hunks
 from backport.engine.write import FAULT_LOG, FAULT_PAUSE
 from backport.errors import BadInput
@@ -366,6 +367,28 @@ def test_deterministic_commit_shas(tmp_path, repo):
     assert [p.commit for p in ra.patches] == [p.commit for p in rb.patches] and ra.head_commit == rb.head_commit
 
 
+@pytest.mark.parametrize("packed", ["everything", "history"])
+def test_packed_objects_give_the_same_commits(tmp_path, repo, packed):
+    """The base trees are read straight from loose objects, or by git cat-file where one of them
+    is packed (here: all of them, or all but a new commit's): both give the same commits."""
+    pack = load_pack(_three_fixes(tmp_path))
+    loose, other = tmp_path / "loose", tmp_path / "packed"
+    for clone in (loose, other):
+        run_git(tmp_path, "clone", "-q", str(repo), str(clone))
+    run_git(other, "gc", "-q")
+    if packed == "history":  # a commit of its own: its root tree is loose, the package's trees packed
+        for clone in (loose, other):
+            (clone / "NOTES").write_text("local notes\n")
+            run_git(clone, "add", "NOTES")
+            run_git(clone, "commit", "-qm", "notes")
+    assert read_loose_trees(loose / ".git" / "objects", head(loose), ["", PKG]) is not None
+    assert read_loose_trees(other / ".git" / "objects", head(other), ["", PKG]) is None
+    ra, rb = apply_series(loose, pack, "0.5.19"), apply_series(other, pack, "0.5.19")
+    assert ra.status == rb.status == "applied"
+    assert [p.commit for p in ra.patches] == [p.commit for p in rb.patches] and ra.head_commit == rb.head_commit
+    run_git(other, "fsck", "--strict")
+
+
 def test_json_schema(tmp_path, repo):
     rep = apply_series(repo, load_pack(_three_fixes(tmp_path)), "0.5.19")
     doc = json.loads(json.dumps(rep.to_json()))
@@ -380,18 +403,29 @@ def test_json_schema(tmp_path, repo):
 # ------------------------------------------------------------ dirty checkout
 
 
-def test_dirty_tree_refused_then_allowed_but_protected(tmp_path, repo):
+def test_unstaged_edit_elsewhere_is_left_as_it_was(tmp_path, repo):
+    """The rule of git am and git cherry-pick: a file the series does not touch may carry
+    unstaged work; it is neither refused, nor touched, nor committed."""
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
     (repo / OTHER).write_text("local work\n")
-    before = snapshot(repo)
-    with pytest.raises(BadInput, match="uncommitted changes"):
-        apply_series(repo, pack, "0.5.19")
-    assert snapshot(repo) == before and leftovers(repo) == []  # the objects written alongside status are rolled back
-    rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
+    rep = apply_series(repo, pack, "0.5.19")
     assert rep.status == "applied"
     assert (repo / OTHER).read_text() == "local work\n"  # untouched, and not committed
     assert git.Repo(repo).head.commit.tree[OTHER].data_stream.read() == module_text(10, "g").encode()
-    assert run_git(repo, "status", "--porcelain", "--untracked-files=no").strip() == f"M {OTHER}"
+    assert run_git(repo, "status", "--porcelain", "--untracked-files=no") == f" M {OTHER}\n"
+
+
+@pytest.mark.parametrize("edit", ["bytes", "deleted"])
+def test_edit_to_a_touched_file_is_refused(tmp_path, repo, edit):
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    if edit == "bytes":
+        (repo / MOD).write_text(BASE + "# my local edit\n")
+    else:
+        (repo / MOD).unlink()
+    before = snapshot(repo)
+    with pytest.raises(BadInput, match=f"uncommitted changes .* {MOD}"):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before and leftovers(repo) == []
 
 
 def test_allow_dirty_never_touches_a_dirty_file(tmp_path, repo):
@@ -404,8 +438,7 @@ def test_allow_dirty_never_touches_a_dirty_file(tmp_path, repo):
 
 
 def test_staged_change_to_a_touched_file_fails_its_fix(tmp_path, repo):
-    """Only git status sees a staged change whose work-tree file is back at the committed bytes:
-    the series was already written alongside status, so it is rolled back and decided again."""
+    """A staged change whose work-tree file is back at the committed bytes: only the index shows it."""
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
     committed = (repo / MOD).read_bytes()
     (repo / MOD).write_text(BASE + "# staged edit\n")
@@ -413,16 +446,39 @@ def test_staged_change_to_a_touched_file_fails_its_fix(tmp_path, repo):
     (repo / MOD).write_bytes(committed)
     before = snapshot(repo)
     rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
-    assert rep.status == "failed" and rep.patches[0].reason.endswith("uncommitted changes"), rep.to_json()
+    assert rep.status == "failed" and rep.patches[0].reason.endswith("uncommitted changes (staged)"), rep.to_json()
     assert snapshot(repo) == before and leftovers(repo) == []
 
 
-def test_staged_change_counts_as_dirty(tmp_path, repo):
+def test_staged_change_counts_as_dirty_and_stays_staged_when_allowed(tmp_path, repo):
+    """git am's rule: the index must match HEAD. Allowed, a staged change elsewhere stays staged."""
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
     (repo / OTHER).write_text("staged\n")
     run_git(repo, "add", OTHER)
-    with pytest.raises(BadInput):
+    before = snapshot(repo)
+    with pytest.raises(BadInput, match=f"staged changes in 1 file.*{OTHER}"):
         apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before
+    assert apply_series(repo, pack, "0.5.19", allow_dirty=True).status == "applied"
+    assert run_git(repo, "status", "--porcelain", "--untracked-files=no") == f"M  {OTHER}\n"
+    assert b"# fixed" in read(repo)
+
+
+def test_unmerged_path_is_refused(tmp_path, repo):
+    """A conflicted merge or stash pop leaves unmerged entries: HEAD must not move under it."""
+    pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
+    run_git(repo, "checkout", "-q", "-b", "side")
+    (repo / OTHER).write_text("side\n")
+    run_git(repo, "commit", "-qam", "side")
+    run_git(repo, "checkout", "-q", "main")
+    (repo / OTHER).write_text("main\n")
+    run_git(repo, "commit", "-qam", "main")
+    subprocess.run(["git", "-C", str(repo), "merge", "-q", "side"], capture_output=True, check=False)
+    assert "UU" in run_git(repo, "status", "--porcelain")
+    before = snapshot(repo)
+    with pytest.raises(BadInput, match=f"staged changes in 1 file.*{OTHER}"):
+        apply_series(repo, pack, "0.5.19")
+    assert snapshot(repo) == before
 
 
 # --------------------------------------------------------- file-level cases
@@ -788,14 +844,15 @@ def test_an_interruption_while_the_objects_are_written_leaves_it_pristine(crash_
             raise KeyboardInterrupt
         return real_write(self, kind, data)
 
-    def write_pack(streams, pack_write, index_write, *args, **kwargs):
-        pack_write(b"PACK\0\0\0\2")  # a torn pack: its header and nothing else
+    def write_whole(fd, data):
+        os.write(fd, data[:len(data) // 2])  # a torn pack: half of it
+        os.close(fd)
         raise KeyboardInterrupt
 
     if where == "hashing":
         monkeypatch.setattr(objects.PackWriter, "write", write)
     else:
-        monkeypatch.setattr(objects.PackEntity, "write_pack", write_pack)
+        monkeypatch.setattr(objects, "_write_whole", write_whole)
     with pytest.raises(KeyboardInterrupt):
         apply_series(repo, load_pack(pack_root), "0.5.19")
     assert tree_state(repo, pristine, patched) == "pristine" and leftovers(repo) == []
@@ -871,6 +928,25 @@ def test_flagged_file_is_not_touched_even_when_unchanged(tmp_path, repo, flag):
     rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
     assert rep.status == "failed" and flag.strip("-") in rep.patches[0].reason
     assert snapshot(repo) == before
+
+
+def test_the_next_index_never_writes_through_its_link_to_the_index(repo):
+    """The next index starts as a second name of the index: git builds it in <name>.lock and
+    renames it, so the index keeps its bytes until the swap; a name left by a killed run is
+    replaced, not written through; a swap where git wrote nothing leaves one name."""
+    index, nxt = repo / ".git" / "index", repo / ".git" / "sglang-backport-index"
+    before = index.read_bytes()
+    os.link(index, nxt)  # as a killed run leaves it
+    gitops.index_twin(index, nxt)
+    (repo / MOD).write_text(BASE + "# staged by the test\n")
+    gitops.update_index(repo, [MOD], nxt)
+    assert index.read_bytes() == before and nxt.read_bytes() != before
+    gitops.swap_index(nxt, index)
+    assert not nxt.exists() and run_git(repo, "diff", "--cached", "--name-only") == f"{MOD}\n"
+    after = index.read_bytes()
+    gitops.index_twin(index, nxt)  # git writes nothing: the two names stay one file
+    gitops.swap_index(nxt, index)
+    assert not nxt.exists() and index.read_bytes() == after
 
 
 def test_stale_index_lock_is_refused_before_any_write(tmp_path, repo):

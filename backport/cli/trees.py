@@ -181,7 +181,9 @@ def register(sub) -> None:
     p.add_argument("--check", action="store_true", help="compute the whole report, change nothing")
     p.add_argument("--out", help="where the fresh clone of a spec's tree goes")
     p.add_argument("--allow-dirty", action="store_true",
-                   help="patch a checkout with uncommitted changes (files with changes are never touched)")
+                   help="patch a checkout whose index has staged changes, or whose files the series touches "
+                        "have uncommitted changes (those files are never touched: their fix fails); unstaged "
+                        "edits to other files never stop an apply")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_apply)
 

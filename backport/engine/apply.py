@@ -12,18 +12,26 @@
    a symlink is refused, and the message says whether it leads outside the
    tree); the pack's own paths were checked when it loaded (confined to
    ``sglang/``, relative, no ``..`` or ``.git``, no binary);
-4. the decision loop on an in-memory overlay (decide.py) while git reports,
-   in the background, the dirty paths (``status``, with
-   ``--no-optional-locks`` so that even a refused run leaves the index file
-   byte for byte as it was), the base commit's trees on the way to the
-   touched paths (``cat-file --batch``: the touched files' committed entries,
-   and what objects.py builds the commits from) and their index flags
-   (``ls-files -v``);
-5. the paths the engine must not touch: uncommitted changes, a
-   skip-worktree or assume-unchanged entry, bytes that differ from the
-   committed blob (a change ``status`` cannot see). A fix that would change
-   one fails; a checkout with uncommitted changes to tracked files is refused
-   unless ``allow_dirty`` (untracked files elsewhere do not count);
+4. the decision loop on an in-memory overlay (decide.py). Alongside it: the
+   base commit's trees on the way to the touched paths (the touched files'
+   committed entries, and what objects.py builds the commits from), read
+   straight from loose objects, or by ``git cat-file --batch`` where one is
+   packed; and in the background git reports the touched paths' index flags
+   (``ls-files -v``) and the staged paths (``diff-index --cached`` against the
+   base: no work-tree file is read, so it costs the same whatever the tree's
+   size). Every git here only reads, with ``--no-optional-locks``, so even a
+   refused run leaves the index file byte for byte as it was;
+5. the checkout rule of ``git am`` and ``git cherry-pick``: the index must
+   match the base commit (no staged change, no unmerged path), and a file the
+   series may touch (any path of a selected fix's variants) must be exactly
+   its committed blob. A checkout that breaks the rule is refused unless
+   ``allow_dirty``, which lets staged changes elsewhere through (they stay
+   staged) and fails the fix that would change such a file instead. A file
+   with a skip-worktree or assume-unchanged flag always fails the fix that
+   would change it (git hides its local changes). Unstaged edits to files the
+   series does not touch are left as they are (still unstaged, on top of the
+   new HEAD): they were never at risk, and finding them costs a stat of every
+   tracked file (the rule before 2026-12 did; see README);
 6. when every fix succeeded: write.py commits the series and moves the work
    tree, crash-safe.
 
@@ -42,7 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import gitops
@@ -50,7 +58,7 @@ from ..errors import BadInput
 from ..pack.model import Pack, PatchVariant, check_rel_path, parse_version
 from .decide import Decision, decide
 from .journal import JOURNAL_NAME, NEXT_INDEX, recover
-from .objects import Trees, base_tree_specs
+from .objects import Trees, base_tree_specs, read_loose_trees
 from .report import APPLIED, FAILED, NOTHING_TO_DO, ApplyReport, PatchResult
 from .write import PENDING_REF, write_series
 
@@ -74,7 +82,7 @@ def _check_symlinks(repo: Path, prefix: str, variant: PatchVariant, seen: dict[s
             exists = seen.get(rel)
             if exists is None:
                 try:
-                    exists = not stat.S_ISLNK(os.lstat(repo / rel).st_mode)
+                    exists = not stat.S_ISLNK(os.lstat(os.path.join(repo, rel)).st_mode)
                 except FileNotFoundError:
                     exists = False
                 else:
@@ -144,47 +152,52 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
     touched = sorted({prefix + fp.path for fid in selected for pv in pack.variants.get(fid, ())
                       for fp in pv.files})
     specs = base_tree_specs(base, touched)
-    procs = [gitops.Background(repo, *gitops.STATUS_ARGS),  # the slowest step: start it first
-             gitops.Background(repo, *gitops.batch_args(), input=gitops.batch_input(list(specs.values()))),
-             gitops.Background(repo, *gitops.flags_args(touched))]
+    loose = read_loose_trees(gitops.objects_dir(git_dir), base, specs)
+    # at most two readers at once: a third git started while both run waits ~3 ms for a core
+    # before it can exec, and holds this thread (and the GIL) that long
+    procs: list[gitops.Background] = []
     try:
+        flags = _start(procs, repo, *gitops.flags_args(touched))
+        second = (_start(procs, repo, *gitops.staged_args(base)) if loose is not None else
+                  _start(procs, repo, *gitops.batch_args(), input=gitops.batch_input(list(specs.values()))))
         seen: dict[str, bool] = {}
         for fid in selected:  # security, before anything else
             for pv in pack.variants.get(fid, ()):
                 _check_symlinks(repo, prefix, pv, seen)
         decision = decide(repo, prefix, pack, v, selected, {}, None)
-        try:
-            trees = _base_trees(base, specs, procs[1].result())
-        except gitops.GitError:
-            raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository") from None
+        if loose is not None:
+            trees, staged_diff = Trees(loose), second
+        else:
+            staged_diff = _start(procs, repo, *gitops.staged_args(base))  # the two are done by now
+            try:
+                trees = _base_trees(base, specs, second.result())
+            except gitops.GitError:
+                raise BadInput(f"{repo}: HEAD {base} is not a commit in this repository") from None
         base_entries = trees.entries(touched)
         if any(prefix + rel not in base_entries and existed for rel, existed in decision.changed_paths()):
             decision = decide(repo, prefix, pack, v, selected, {}, base_entries)  # an untracked file
-        blocked = _untouchable(repo, prefix, decision, touched, base_entries, procs[2].result())
+        flagged, changed = _untouchable(repo, prefix, decision, touched, base_entries, flags.result())
+        staged = gitops.staged_paths(staged_diff.result())
+        if staged and not allow_dirty:
+            raise BadInput(f"{repo}: staged changes in {len(staged)} file(s) (e.g. {min(staged)}); commit or "
+                           f"stash them, or allow dirty trees")
+        changed.update((p, "staged") for p in staged.intersection(touched) if p not in flagged)
+        if changed and not allow_dirty:
+            path, what = min(changed.items())
+            raise BadInput(f"{repo}: uncommitted changes in {len(changed)} file(s) the series may change (e.g. "
+                           f"{path}: {what}); commit or stash them, or allow dirty trees")
+        blocked = {**{p: f"uncommitted changes ({what})" for p, what in changed.items()}, **flagged}
         if blocked:
             decision = decide(repo, prefix, pack, v, selected, blocked, base_entries)
-
-        def dirty_gate() -> None:
-            """Refuse a dirty checkout, or send the decision back when a touched path has
-            uncommitted changes (only with allow_dirty); status is still running until here."""
-            dirty = gitops.dirty_paths(procs[0].result())
-            if dirty and not allow_dirty:
-                raise BadInput(f"{repo}: uncommitted changes in {len(dirty)} tracked file(s) (e.g. {min(dirty)}); "
-                               f"commit or stash them, or allow dirty trees")
-            found = {p: "uncommitted changes" for p in dirty & set(touched)}
-            if any(blocked.get(p) != why for p, why in found.items()):
-                raise _Redecide(found)
-
-        try:
-            if check or not decision.pending or decision.failed:
-                dirty_gate()  # nothing is written: decide it now
-            return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, dirty_gate)
-        except _Redecide as again:  # rare: the speculative objects were left unreachable
-            decision = decide(repo, prefix, pack, v, selected, {**blocked, **again.blocked}, base_entries)
-            return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery, None)
+        return _finish(repo, git_dir, prefix, str(v), base, check, decision, trees, recovery)
     finally:
         for p in procs:
             p.reap()
+
+
+def _start(procs: list[gitops.Background], repo: Path, *args: str, input: bytes | None = None) -> gitops.Background:
+    procs.append(gitops.Background(repo, *args, input=input))  # reaped on every way out
+    return procs[-1]
 
 
 def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
@@ -196,38 +209,33 @@ def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
                   ((d, objs[spec]) for d, spec in specs.items())})
 
 
-class _Redecide(Exception):
-    """Touched paths git status found changed: decide again with them blocked."""
-
-    def __init__(self, blocked: dict[str, str]):
-        super().__init__(f"{len(blocked)} touched path(s) with uncommitted changes")
-        self.blocked = blocked
-
-
 def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[str],
-                 base_entries: dict[str, tuple[str, str]], ls_files_out: bytes) -> dict[str, str]:
-    """{repo path: why} for touched paths whose local changes git status does
-    not show: a skip-worktree or assume-unchanged entry, or bytes that are
-    not the committed blob."""
-    blocked = {p: f"{flag} set (git status does not show its local changes)"
+                 base_entries: dict[str, tuple[str, str]], ls_files_out: bytes) -> tuple[dict[str, str], dict[str, str]]:
+    """The touched paths the engine must not touch, {repo path: why}: flagged (a skip-worktree or
+    assume-unchanged entry: git status does not show its local changes) and changed (bytes that
+    are not the committed blob, or a committed file gone from the work tree)."""
+    flagged = {p: f"{flag} set (git status does not show its local changes)"
                for p, flag in gitops.flagged_paths(ls_files_out).items()}
+    changed = {}
     for p in touched:
         entry = base_entries.get(p)
-        data = decision.overlay.disk(p[len(prefix):])
-        if p not in blocked and entry is not None and data is not None and gitops.blob_id(data) != entry[1]:
-            blocked[p] = "local changes (its bytes differ from the committed file)"
-    return blocked
+        if p in flagged or entry is None:  # not in the base commit: decide says whether a file is in the way
+            continue
+        if (data := decision.overlay.disk(p[len(prefix):])) is None:
+            changed[p] = "deleted from the work tree"
+        elif gitops.blob_id(data) != entry[1]:
+            changed[p] = "its bytes differ from the committed file"
+    return flagged, changed
 
 
 def _finish(repo: Path, git_dir: Path, prefix: str, version: str, base: str, check: bool, decision: Decision,
-            trees: Trees, recovery: str,
-            gate: Callable[[], None] | None) -> ApplyReport:
+            trees: Trees, recovery: str) -> ApplyReport:
     status = FAILED if decision.failed else (APPLIED if decision.pending else NOTHING_TO_DO)
     report = ApplyReport(str(repo.resolve()), version, base, base, status, decision.results, check, prefix,
                          recovery)
     if status != APPLIED or check:
         return report
-    commits = write_series(repo, git_dir, prefix, base, decision, trees, gate)
+    commits = write_series(repo, git_dir, prefix, base, decision, trees)
     by_fix = dict(zip((f.id for f, _, _ in decision.pending), commits))
     patches = tuple(PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
                     for r in decision.results)

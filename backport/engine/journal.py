@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,6 +29,7 @@ JOURNAL_NAME = "sglang-backport-apply.json"
 NEXT_INDEX = "sglang-backport-index"
 SCHEMA = "sglang-backport/apply-journal/1"
 OBJECTS, FILES = "objects", "files"
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def tmp_name(name: str) -> str:
@@ -147,11 +147,20 @@ def put_file(repo: Path, path: str, data: bytes | None, mode: int | None) -> Non
             f.unlink()
         _prune_dirs(f.parent, repo)
         return
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(tmp_name(f.name))
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        os.fchmod(fh.fileno(), mode if mode is not None else 0o644)
+    folder, name = os.path.split(f)
+    tmp = os.path.join(folder, tmp_name(name))
+    try:
+        fd = os.open(tmp, _NEW_FILE, 0o600)  # a link left at the temporary name is refused, never followed
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(tmp, _NEW_FILE, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode if mode is not None else 0o644)
+    finally:
+        os.close(fd)
     os.replace(tmp, f)
 
 
@@ -214,9 +223,9 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
         _unlink(f.with_name(tmp_name(f.name)))
     nxt = git_dir / NEXT_INDEX
     if forward:
-        shutil.copyfile(git_dir / "index", nxt)
+        gitops.index_twin(git_dir / "index", nxt)
         gitops.update_index(repo, [mv.path for mv in journal.files], nxt)
-        os.replace(nxt, git_dir / "index")
+        gitops.swap_index(nxt, git_dir / "index")
     _unlink(nxt, git_dir / f"{NEXT_INDEX}.lock")
     if gitops.read_ref(repo, pending_ref):
         gitops.delete_ref(repo, pending_ref)

@@ -10,6 +10,7 @@ decision loop and by ``detect``.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,19 +24,23 @@ class Overlay:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self._disk: dict[str, bytes | None] = {}
+        self._disk: dict[str, tuple[bytes, int] | None] = {}  # (bytes, permission bits) of a regular file
         self.changes: dict[str, bytes | None] = {}
         self.modes: dict[str, str] = {}  # mode of files created by the series
         self._images: dict[str, tuple[bytes, FileImage]] = {}
 
     def disk(self, rel: str) -> bytes | None:
+        """The bytes of the regular file at rel (None: absent, a symlink, or not a regular file)."""
         if rel not in self._disk:
-            f = self.root / rel
-            try:
-                self._disk[rel] = f.read_bytes() if (f.is_file() and not f.is_symlink()) else None
-            except OSError:
-                self._disk[rel] = None
-        return self._disk[rel]
+            self._disk[rel] = _read_regular(os.path.join(self.root, rel))
+        got = self._disk[rel]
+        return None if got is None else got[0]
+
+    def disk_mode(self, rel: str) -> int | None:
+        """The permission bits of the regular file at rel, as read with its bytes."""
+        self.disk(rel)
+        got = self._disk[rel]
+        return None if got is None else got[1]
 
     def read(self, rel: str) -> bytes | None:
         if rel in self.changes:
@@ -59,6 +64,28 @@ class Overlay:
     def read_text(self, rel: str) -> str | None:
         b = self.read(rel)
         return None if b is None else b.decode("utf-8", "surrogateescape")
+
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a symlink fails, a FIFO never blocks
+
+
+def _read_regular(path: str) -> tuple[bytes, int] | None:
+    try:
+        fd = os.open(path, _READ)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        chunks = []
+        while chunk := os.read(fd, max(st.st_size, 1 << 16) + 1):
+            chunks.append(chunk)
+        return b"".join(chunks), stat.S_IMODE(st.st_mode)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _lines_bytes(lines: Sequence[str], no_eol: bool) -> bytes:

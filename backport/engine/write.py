@@ -6,21 +6,21 @@ The order (each step a crash point the next run recovers from):
 1. create the journal ``<git dir>/sglang-backport-apply.json`` (O_EXCL: it is
    also the lock against a second apply), phase ``objects``;
 2. every blob, tree and commit is written, as one pack (objects.py); nothing
-   points at them and nothing in the work tree moves yet; then the caller's
-   ``gate`` runs (apply.py waits there for ``git status``, which ran
-   alongside: the slowest git step and the objects overlap); a gate that
-   raises leaves only unreachable objects (step 2 is undone like any crash in
-   it: git gc prunes them);
+   points at them and nothing in the work tree moves yet (a crash here leaves
+   only unreachable objects: git gc prunes them);
 3. the journal becomes phase ``files``: base and series commits, and per path
    the sha256 of its bytes before and after, and its modes;
 4. each file is replaced whole (a temporary file renamed over it: a file is
-   always either as before or as after, never torn), a few at a time; deletions unlink;
-5. a copy of the index gets the new entries (``GIT_INDEX_FILE``: git's own
-   ``index.lock`` is never taken, so none can be left behind): the copy is made and
-   ``git update-index`` started before step 4, and it is given each path once its file is
-   whole, so git's start and the hashing overlap the writes;
+   always either as before or as after, never torn), one after the other (threads
+   measured slower: the other core hashes each file for the index as it lands);
+   deletions unlink;
+5. a second name of the index gets the new entries (``GIT_INDEX_FILE``: git's own
+   ``index.lock`` is never taken, so none can be left behind; git writes an index to
+   ``<name>.lock`` and renames it, so the index itself is never written through the
+   hard link): ``git update-index`` is started before step 2, and it is given each path
+   once its file is whole, so git's start and the hashing overlap the writes;
 6. one ref transaction moves HEAD from the base to the last commit: this is
-   the commit point (``git update-ref`` too is started before step 4, and is given the
+   the commit point (``git update-ref`` too is started before step 2, and is given the
    transaction here);
 7. the new index replaces the old (rename), the journal is removed.
 
@@ -47,8 +47,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import gitops
@@ -63,9 +61,6 @@ AUTHOR = "sglang-backport <sglang-backport@localhost>"
 UPSTREAM_REPO = "sgl-project/sglang"
 VENDOR_TRAILER = "Vendor-Fix:"  # tree.py knows a toolkit commit by this or Backport-Of:
 FAULT_LOG, FAULT_PAUSE = "SGLANG_BACKPORT_FAULT_LOG", "SGLANG_BACKPORT_FAULT_PAUSE"
-# Files are replaced from a few threads at once: a new file in a freshly written directory costs
-# this ext4 about 0.3 ms of kernel time, which overlaps (24 files: 15 ms serially, 7 ms on 4 threads)
-FILE_WRITERS = 4
 log = logging.getLogger("backport.engine")
 
 
@@ -120,12 +115,11 @@ def plan_commits(prefix: str, decision: Decision, trees: Trees) -> list[tuple]:
     return commits
 
 
-def plan_moves(repo: Path, prefix: str, decision: Decision) -> tuple[FileMove, ...]:
+def plan_moves(prefix: str, decision: Decision) -> tuple[FileMove, ...]:
     moves = []
     for rel, after in decision.final_contents().items():
         before = decision.overlay.disk(rel)
-        f = repo / prefix / rel
-        mode_before = f.stat().st_mode & 0o7777 if before is not None else None
+        mode_before = decision.overlay.disk_mode(rel)
         mode_after = mode_before if mode_before is not None else _mode_bits(decision.overlay.modes.get(rel, ""))
         moves.append(FileMove(prefix + rel, _sha256(before), _sha256(after), mode_before,
                               None if after is None else mode_after))
@@ -133,13 +127,11 @@ def plan_moves(repo: Path, prefix: str, decision: Decision) -> tuple[FileMove, .
 
 
 def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: Decision,
-                 trees: Trees, gate: Callable[[], None] | None = None) -> list[str]:
+                 trees: Trees) -> list[str]:
     """Commit the decided series and move the work tree, index and HEAD to it
-    (see the module docstring); the commits' ids, in series order. ``gate``: called once
-    the objects are written and before anything else moves; what it raises is raised
-    once the journal is rolled back (the objects stay, unreachable)."""
+    (see the module docstring); the commits' ids, in series order."""
     commits = plan_commits(prefix, decision, trees)
-    moves = plan_moves(repo, prefix, decision)
+    moves = plan_moves(prefix, decision)
     final = {prefix + rel: data for rel, data in decision.final_contents().items()}
     message = f"sglang-backport: apply {len(commits)} patch(es)"
     journal = Journal.start(base, message)
@@ -149,38 +141,30 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
         journal.create(git_dir)
         try:
             steps("objects")
-            shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits)
-            if gate is not None:
-                gate()
-            steps("journal")
-            journal = journal.with_files(shas[-1], moves)
-            journal.save(git_dir)
             next_index = git_dir / NEXT_INDEX
-            # both gits start while the files are written: update-index loads the index copy
+            # both gits start (exec, config, the index loaded) while the objects are written
             index = gitops.IndexUpdate(repo, git_dir / "index", next_index)
-            refs = gitops.RefUpdate(repo, message)
+            refs = None
             try:
-                with ThreadPoolExecutor(max_workers=FILE_WRITERS) as writers:
-                    written: list = []
-                    for mv in moves:  # the steps stay in order: a pause at one stops the files after it
-                        steps(f"file {mv.path}")
-                        if final[mv.path] is None:  # a deletion may prune directories: no write may race it
-                            _wait(written, index)
-                            put_file(repo, mv.path, None, None)
-                            index.add(mv.path)
-                        else:
-                            written.append((mv.path, writers.submit(put_file, repo, mv.path, final[mv.path],
-                                                                    mv.mode_after)))
-                    _wait(written, index)
+                refs = gitops.RefUpdate(repo, message)
+                shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits)
+                steps("journal")
+                journal = journal.with_files(shas[-1], moves)
+                journal.save(git_dir)
+                for mv in moves:  # in order: a pause at one step stops the files after it
+                    steps(f"file {mv.path}")
+                    put_file(repo, mv.path, final[mv.path], mv.mode_after)
+                    index.add(mv.path)  # git hashes it while the next one is written
                 steps("index")
                 index.finish()
                 steps("head")
                 refs.commit([("HEAD", shas[-1], base)])
             finally:
                 index.reap()
-                refs.reap()
+                if refs is not None:
+                    refs.reap()
             steps("swap index")
-            os.replace(next_index, git_dir / "index")
+            gitops.swap_index(next_index, git_dir / "index")
             steps("done")
             (git_dir / JOURNAL_NAME).unlink()
         except BaseException as exc:
@@ -193,17 +177,6 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
                 raise
             log.warning("%s after the commit point: %s", exc, outcome)
     return shas
-
-
-def _wait(writes: list, index: gitops.IndexUpdate) -> None:
-    """Every write submitted so far has ended, and the index was given each path once its file
-    was whole; the first error is raised after all ended."""
-    for _, w in writes:
-        w.exception()
-    for path, w in writes:
-        w.result()
-        index.add(path)
-    writes.clear()
 
 
 class _Steps:

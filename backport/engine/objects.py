@@ -60,11 +60,13 @@ def read_loose_trees(objects_dir: Path, base: str, dirs: Iterable[str]) -> dict[
         if kind != b"commit" or not commit.startswith(b"tree "):
             return None
         raw: dict[str, bytes | None] = {"": _read_loose(objects_dir, commit[5:45].decode(), b"tree")[1]}
+        listings: dict[str, dict[bytes, bytes]] = {}
         every = {a for d in dirs for a in _dirs(f"{d}/.")} - {""}  # and the directories on the way
         for d in sorted(every, key=lambda d: d.count("/")):  # a parent before its children
             up, _, name = d.rpartition("/")
-            parent = raw.get(up)
-            entry = _parse_tree(parent).get(_name(name)) if parent is not None else None
+            if (parent := raw.get(up)) is not None and up not in listings:
+                listings[up] = _parse_tree(parent)
+            entry = listings[up].get(_name(name)) if parent is not None else None
             raw[d] = (_read_loose(objects_dir, entry[-20:].hex(), b"tree")[1]
                       if entry is not None and entry.startswith(TREE_MODE + b" ") else None)
         return raw

@@ -1,7 +1,8 @@
-"""Every git process the toolkit starts, behind one small module.
+"""Every git process the toolkit starts is started here (``run``, ``Background``, ``command``).
 
-The engine talks to git through plumbing only (ls-files, diff-index, cat-file,
-update-index, update-ref) and parses its ``-z`` / batch output. It hashes in
+The engine talks to git through plumbing only (ls-files, diff-index, cat-file here;
+update-index and update-ref, which change the repository, in engine/index_refs.py)
+and parses its ``-z`` / batch output. It hashes in
 process (``object_id``): a file's blob id, to check that a file on disk is
 exactly its committed blob without a process, and the objects of a series
 (engine/objects.py writes them as one pack; it replaced ``git fast-import``).
@@ -27,13 +28,13 @@ class GitError(RuntimeError):
     """A git command failed (its stderr is in the message)."""
 
 
-def _cmd(root: Path, args: Sequence[str]) -> list[str]:
+def command(root: Path, args: Sequence[str]) -> list[str]:
     return ["git", "-C", str(root), *args]
 
 
 def run(root: Path, *args: str, input: bytes | None = None, env: Mapping[str, str] | None = None) -> bytes:
     """Run git in ``root``; its stdout, or GitError."""
-    p = subprocess.run(_cmd(root, args), input=input, capture_output=True, check=False,
+    p = subprocess.run(command(root, args), input=input, capture_output=True, check=False,
                        env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         raise GitError(f"git {' '.join(args[:2])} failed: {p.stderr.decode(errors='replace').strip()}")
@@ -49,7 +50,7 @@ class Background:
         self.args = args
         stdin = _ready_input(input)
         try:
-            self.p = subprocess.Popen(_cmd(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.p = subprocess.Popen(command(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         finally:
             if isinstance(stdin, int):
                 if stdin >= 0:
@@ -95,7 +96,7 @@ def _ready_input(input: bytes | None) -> int | IO[bytes]:
     return f
 
 
-def _z_paths(paths: Iterable[str]) -> bytes:
+def z_paths(paths: Iterable[str]) -> bytes:
     return "".join(p + "\0" for p in paths).encode("utf-8", "surrogateescape")
 
 
@@ -247,130 +248,6 @@ def objects_dir(git_dir: Path) -> Path:
     if common.is_file():
         return (git_dir / common.read_text().strip()).resolve() / "objects"
     return git_dir / "objects"
-
-
-# ----------------------------------------------------------------- writing
-
-
-UPDATE_INDEX_ARGS = ("update-index", "--add", "--remove", "-z", "--stdin")  # paths NUL-separated on stdin
-
-
-def update_index(root: Path, paths: Iterable[str], index_file: Path) -> None:
-    """Record the work tree's files at ``paths`` (with stat info; removed when
-    gone) in the index file ``index_file``, not the repository's own index."""
-    run(root, *UPDATE_INDEX_ARGS, input=_z_paths(paths), env={"GIT_INDEX_FILE": str(index_file)})
-
-
-def index_twin(source: Path, index_file: Path) -> None:
-    """``index_file`` becomes a second name of the index ``source`` for git to build the next index
-    in: a hard link, which costs nothing to make (git never writes an index in place: it writes
-    ``<name>.lock`` and renames it over the name, so ``source`` keeps its bytes); a copy where the
-    file system has no hard links. A name left by an earlier run is replaced, never written through."""
-    index_file.unlink(missing_ok=True)
-    try:
-        os.link(source, index_file)
-    except OSError:
-        shutil.copyfile(source, index_file)
-
-
-def swap_index(index_file: Path, target: Path) -> None:
-    """Rename the built index over ``target``. Where git had nothing to write, the name is still a
-    link to ``target``'s own file, which rename leaves in place (both names, one file): it goes."""
-    os.replace(index_file, target)
-    index_file.unlink(missing_ok=True)
-
-
-class _FedGit:
-    """A git started ahead of its moment and fed on stdin (IndexUpdate, RefUpdate): its start
-    overlaps the caller's writes. The caller holds SIGINT/SIGTERM/SIGHUP in this window, but a
-    signal sent to the process group (Ctrl-C, a supervisor's killpg) also reaches this git: ``_end``
-    says when it died of one, and the caller then does the work once more, so the held signal still
-    loses nothing."""
-
-    def __init__(self, root: Path, args: Sequence[str], env: Mapping[str, str] | None = None):
-        self.args = args
-        self.p = subprocess.Popen(_cmd(root, args), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, env=env)
-
-    def _end(self, data: bytes | None = None) -> bool:
-        """Close its input (after ``data``) and wait; True when a signal killed it, GitError when it failed."""
-        _, err = self.p.communicate(data)  # a stdin already broken is closed quietly
-        if self.p.returncode < 0:
-            return True
-        if self.p.returncode != 0:
-            raise GitError(f"git {self.args[0]} failed: {err.decode(errors='replace').strip()}")
-        return False
-
-    def reap(self) -> None:
-        """Stop it when the caller gives up before the end (nothing it would write was written)."""
-        if self.p.returncode is None:
-            self.p.kill()
-            self.p.communicate()
-
-
-class IndexUpdate(_FedGit):
-    """``update_index`` fed a path at a time: git starts and reads the index copy while the caller
-    is still writing the files, and records each path as soon as it is given (``--stdin`` reads
-    one path, records it, reads the next); the copy is written at ``finish``. Killed by a group
-    signal, ``finish`` records the paths again on a fresh copy of ``source``."""
-
-    def __init__(self, root: Path, source: Path, index_file: Path):
-        self.root, self.source, self.index_file = root, source, index_file
-        index_twin(source, index_file)
-        self.paths: list[str] = []
-        super().__init__(root, UPDATE_INDEX_ARGS, env={**os.environ, "GIT_INDEX_FILE": str(index_file)})
-
-    def add(self, path: str) -> None:
-        self.paths.append(path)
-        try:
-            self.p.stdin.write(_z_paths([path]))  # type: ignore[union-attr]
-            self.p.stdin.flush()  # type: ignore[union-attr]
-        except (BrokenPipeError, ValueError):
-            pass  # it died: finish() says how and starts again
-
-    def finish(self) -> None:
-        if self._end():  # once more, in full
-            Path(f"{self.index_file}.lock").unlink(missing_ok=True)
-            index_twin(self.source, self.index_file)
-            update_index(self.root, self.paths, self.index_file)
-
-
-RefUpdates = Sequence[tuple[str, str | None, str | None]]  # (ref, new id or None to delete, expected old id or None)
-
-
-def _ref_lines(updates: RefUpdates) -> bytes:
-    lines = []
-    for ref, new, old in updates:
-        if new is None:
-            lines.append(f"delete {ref}" + (f" {old}" if old else ""))
-        else:
-            lines.append(f"update {ref} {new}" + (f" {old}" if old else ""))
-    return ("\n".join(lines) + "\n").encode()
-
-
-def move_refs(root: Path, message: str, updates: RefUpdates) -> None:
-    """One atomic ref transaction."""
-    run(root, "update-ref", "-m", message, "--stdin", input=_ref_lines(updates))
-
-
-class RefUpdate(_FedGit):
-    """``move_refs`` started ahead of its moment: git starts (exec, config, the ref store) while the
-    caller is still writing, and ``commit`` then costs a pipe write and git's lock, write and rename.
-    ``update-ref --stdin`` queues the lines it reads and locks nothing before the end of its input,
-    so a git stopped before ``commit`` leaves no lock behind. Killed by a group signal, ``commit``
-    runs the transaction once more, unless it had already gone through."""
-
-    def __init__(self, root: Path, message: str):
-        self.root, self.message = root, message
-        super().__init__(root, ("update-ref", "-m", message, "--stdin"))
-
-    def commit(self, updates: RefUpdates) -> None:
-        if self._end(_ref_lines(updates)) and any(read_ref(self.root, ref) != new for ref, new, _ in updates):
-            move_refs(self.root, self.message, updates)
-
-
-def delete_ref(root: Path, ref: str) -> None:
-    run(root, "update-ref", "-d", ref)
 
 
 # ------------------------------------------------------------------ clones

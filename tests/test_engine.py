@@ -13,8 +13,7 @@ from pathlib import Path
 import git
 import pytest
 
-from backport import gitops
-from backport.engine import apply_series, detect, recover_checkout
+from backport.engine import apply_series, detect, index_refs, recover_checkout
 from backport.engine.objects import read_loose_trees
 from backport.engine.placement import FileImage, Hunk, place_hunks
 from backport.engine.write import FAULT_LOG, FAULT_PAUSE
@@ -326,7 +325,7 @@ def assert_crash_at_head_update_restores(repo, pack, monkeypatch):
     def flaky(*args, **kw):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(gitops.RefUpdate, "commit", flaky)
+    monkeypatch.setattr(index_refs.RefUpdate, "commit", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         apply_series(repo, pack, "0.5.19")
     assert snapshot(repo) == before
@@ -937,15 +936,15 @@ def test_the_next_index_never_writes_through_its_link_to_the_index(repo):
     index, nxt = repo / ".git" / "index", repo / ".git" / "sglang-backport-index"
     before = index.read_bytes()
     os.link(index, nxt)  # as a killed run leaves it
-    gitops.index_twin(index, nxt)
+    index_refs.index_twin(index, nxt)
     (repo / MOD).write_text(BASE + "# staged by the test\n")
-    gitops.update_index(repo, [MOD], nxt)
+    index_refs.update_index(repo, [MOD], nxt)
     assert index.read_bytes() == before and nxt.read_bytes() != before
-    gitops.swap_index(nxt, index)
+    index_refs.swap_index(nxt, index)
     assert not nxt.exists() and run_git(repo, "diff", "--cached", "--name-only") == f"{MOD}\n"
     after = index.read_bytes()
-    gitops.index_twin(index, nxt)  # git writes nothing: the two names stay one file
-    gitops.swap_index(nxt, index)
+    index_refs.index_twin(index, nxt)  # git writes nothing: the two names stay one file
+    index_refs.swap_index(nxt, index)
     assert not nxt.exists() and index.read_bytes() == after
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .. import gitops
 from ..errors import BadInput
+from . import index_refs
 
 JOURNAL_NAME = "sglang-backport-apply.json"
 NEXT_INDEX = "sglang-backport-index"
@@ -187,7 +188,7 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
         stale = [p for p in (git_dir / NEXT_INDEX, git_dir / f"{NEXT_INDEX}.lock") if p.exists()]
         _unlink(*stale)
         if gitops.read_ref(repo, pending_ref):
-            gitops.delete_ref(repo, pending_ref)
+            index_refs.delete_ref(repo, pending_ref)
             stale.append(Path(pending_ref))
         return f"removed leftovers of an interrupted apply ({', '.join(p.name for p in stale)})" if stale else ""
     if _alive(journal):
@@ -223,12 +224,12 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
         _unlink(f.with_name(tmp_name(f.name)))
     nxt = git_dir / NEXT_INDEX
     if forward:
-        gitops.index_twin(git_dir / "index", nxt)
-        gitops.update_index(repo, [mv.path for mv in journal.files], nxt)
-        gitops.swap_index(nxt, git_dir / "index")
+        index_refs.index_twin(git_dir / "index", nxt)
+        index_refs.update_index(repo, [mv.path for mv in journal.files], nxt)
+        index_refs.swap_index(nxt, git_dir / "index")
     _unlink(nxt, git_dir / f"{NEXT_INDEX}.lock")
     if gitops.read_ref(repo, pending_ref):
-        gitops.delete_ref(repo, pending_ref)
+        index_refs.delete_ref(repo, pending_ref)
     path.unlink()
     if forward:
         return (f"finished an interrupted apply: {len(journal.files)} file(s) and the index moved to "

@@ -52,6 +52,7 @@ from pathlib import Path
 from .. import gitops
 from ..errors import BadInput
 from ..pack.model import Fix, PatchVariant
+from . import index_refs
 from .decide import Decision
 from .journal import JOURNAL_NAME, NEXT_INDEX, FileMove, Journal, put_file, recover
 from .objects import Trees, write_commits
@@ -143,10 +144,10 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
             steps("objects")
             next_index = git_dir / NEXT_INDEX
             # both gits start (exec, config, the index loaded) while the objects are written
-            index = gitops.IndexUpdate(repo, git_dir / "index", next_index)
+            index = index_refs.IndexUpdate(repo, git_dir / "index", next_index)
             refs = None
             try:
-                refs = gitops.RefUpdate(repo, message)
+                refs = index_refs.RefUpdate(repo, message)
                 shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits)
                 steps("journal")
                 journal = journal.with_files(shas[-1], moves)
@@ -164,7 +165,7 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
                 if refs is not None:
                     refs.reap()
             steps("swap index")
-            gitops.swap_index(next_index, git_dir / "index")
+            index_refs.swap_index(next_index, git_dir / "index")
             steps("done")
             (git_dir / JOURNAL_NAME).unlink()
         except BaseException as exc:

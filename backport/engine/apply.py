@@ -166,7 +166,7 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
                 _check_symlinks(repo, prefix, pv, seen)
         decision = decide(repo, prefix, pack, v, selected, {}, None)
         if loose is not None:
-            trees, staged_diff = Trees(loose), second
+            trees, staged_diff = loose, second
         else:
             staged_diff = _start(procs, repo, *gitops.staged_args(base))  # the two are done by now
             try:
@@ -205,8 +205,8 @@ def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
     objs = gitops.batch_objects(batch_out, list(specs.values()))
     if objs[specs[""]] is None or objs[specs[""]][0] != "tree":
         raise gitops.GitError(f"{base}: no tree")  # said as bad input by the caller
-    return Trees({d: obj[1] if obj and obj[0] == "tree" else None for d, obj in
-                  ((d, objs[spec]) for d, spec in specs.items())})
+    return Trees.parse({d: obj[1] if obj and obj[0] == "tree" else None for d, obj in
+                        ((d, objs[spec]) for d, spec in specs.items())})
 
 
 def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[str],

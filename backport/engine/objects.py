@@ -50,26 +50,24 @@ def base_tree_specs(base: str, paths: Iterable[str]) -> dict[str, str]:
     return {d: f"{base}:{d}" for p in paths for d in _dirs(p)}
 
 
-def read_loose_trees(objects_dir: Path, base: str, dirs: Iterable[str]) -> dict[str, bytes | None] | None:
-    """{directory: tree} of the base commit's trees of ``dirs`` (a directory it lacks, or a path that
-    is not one: None), read straight from loose objects, as a checkout made by ``git commit`` and
-    the cache's clones hold them: no git process. None when one of them is not a loose object here
-    (packed, or in an alternate object store): ``git cat-file`` reads those."""
+def read_loose_trees(objects_dir: Path, base: str, dirs: Iterable[str]) -> Trees | None:
+    """The base commit's trees of ``dirs`` and the directories on the way (a directory it lacks, or
+    a path that is not one, starts empty), read straight from loose objects, as a checkout made by
+    ``git commit`` and the cache's clones hold them: no git process, each tree parsed once. None when
+    one of them is not a loose object here (packed, or in an alternate object store): ``git
+    cat-file`` reads those (``Trees.parse``)."""
     try:
         kind, commit = _read_loose(objects_dir, base)
         if kind != b"commit" or not commit.startswith(b"tree "):
             return None
-        raw: dict[str, bytes | None] = {"": _read_loose(objects_dir, commit[5:45].decode(), b"tree")[1]}
-        listings: dict[str, dict[bytes, bytes]] = {}
-        every = {a for d in dirs for a in _dirs(f"{d}/.")} - {""}  # and the directories on the way
+        listings = {"": _parse_tree(_read_loose(objects_dir, commit[5:45].decode(), b"tree")[1])}
+        every = {a for d in dirs for a in _dirs(f"{d}/.")} - {""}
         for d in sorted(every, key=lambda d: d.count("/")):  # a parent before its children
             up, _, name = d.rpartition("/")
-            if (parent := raw.get(up)) is not None and up not in listings:
-                listings[up] = _parse_tree(parent)
-            entry = listings[up].get(_name(name)) if parent is not None else None
-            raw[d] = (_read_loose(objects_dir, entry[-20:].hex(), b"tree")[1]
-                      if entry is not None and entry.startswith(TREE_MODE + b" ") else None)
-        return raw
+            entry = listings[up].get(_name(name))
+            listings[d] = (_parse_tree(_read_loose(objects_dir, entry[-20:].hex(), b"tree")[1])
+                           if entry is not None and entry.startswith(TREE_MODE + b" ") else {})
+        return Trees(listings)
     except (OSError, ValueError, zlib.error):
         return None
 
@@ -91,9 +89,13 @@ class Trees:
     as git encodes them (``<octal mode> <name>\\0<20-byte id>``) by name, in git's order, so that a
     tree is the join of its listing and an entry git wrote is kept byte for byte."""
 
-    def __init__(self, raw: Mapping[str, bytes | None]):
-        # {directory: {name: entry}}; a directory the base lacks starts empty
-        self.dirs = {d: _parse_tree(data) if data is not None else {} for d, data in raw.items()}
+    def __init__(self, dirs: dict[str, dict[bytes, bytes]]):
+        self.dirs = dirs  # {directory: {name: entry}}; a directory the base lacks is empty
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, bytes | None]) -> Trees:
+        """From each directory's tree as git stores it (None: the base lacks it)."""
+        return cls({d: _parse_tree(data) if data is not None else {} for d, data in raw.items()})
 
     def entries(self, paths: Iterable[str]) -> dict[str, tuple[str, str]]:
         """{path: (mode, object id)} of the regular files among ``paths`` in the base commit."""

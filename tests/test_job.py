@@ -92,9 +92,12 @@ def real_cache(shared_cache, monkeypatch):
     return shared_cache
 
 
-pytestmark = pytest.mark.network  # the real 0.5.19/0.5.20/0.5.22 wheels
+# the tests below need the real 0.5.19/0.5.20/0.5.22 wheels: each is marked network itself, since a
+# mid-module pytestmark would mark the whole file and hide the offline tests above from the fast subset
+network = pytest.mark.network
 
 
+@network
 def test_run_writes_a_bundle_that_verifies(real_cache, stub_probes, tmp_path, capsys):
     out = tmp_path / "bundle"
     code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--no-upstream-tests", "--json"])
@@ -123,6 +126,7 @@ def test_run_writes_a_bundle_that_verifies(real_cache, stub_probes, tmp_path, ca
     assert p["coverage"]["measured"] is False and p["summary"]["coverage"] is None
 
 
+@network
 def test_several_targets_share_one_probe_matrix(real_cache, stub_probes, tmp_path, capsys):
     code = cli.main(["run", "sglang==0.5.19", "sglang==0.5.20", "--out", str(tmp_path), "--no-upstream-tests",
                      "--json"])
@@ -136,6 +140,7 @@ def test_several_targets_share_one_probe_matrix(real_cache, stub_probes, tmp_pat
         assert evidence.verify(tmp_path / name).ok
 
 
+@network
 def test_run_records_upstream_tests(real_cache, stub_probes, tmp_path, monkeypatch, capsys):
     import backport.upstream
 
@@ -163,6 +168,7 @@ def test_run_records_upstream_tests(real_cache, stub_probes, tmp_path, monkeypat
     assert "PASS" in capsys.readouterr().out
 
 
+@network
 def test_run_when_the_series_does_not_apply(real_cache, stub_probes, tmp_path, capsys):
     series = tmp_path / "patches"
     shutil.copytree(REPO / "patches", series)
@@ -179,6 +185,7 @@ def test_run_when_the_series_does_not_apply(real_cache, stub_probes, tmp_path, c
     assert not out.exists() and stub_probes == []
 
 
+@network
 def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stub_probes, tmp_path, capsys):
     """No variant of a fix for the release: one line says it stays exposed, the pristine tree alone is
     probed, and the bundle (mode `exposure`) shows that tree's cases and claims no patched tree."""
@@ -211,6 +218,7 @@ def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stu
     assert evidence.check_statement(edited)
 
 
+@network
 def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_probes, tmp_path, capsys):
     """`run BASE --head HEAD` (upstream's own before/after pairs): nothing applied, both trees probed."""
     base, head = release_tree("0.5.19"), release_tree("0.5.22")
@@ -229,6 +237,7 @@ def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_pro
     assert evidence.verify(out).ok
 
 
+@network
 def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, stub_probes, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     assert cli.main(["run", "sglang==0.5.19", "--out", str(tmp_path), "--no-upstream-tests"]) == 2
@@ -236,6 +245,7 @@ def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, s
     assert stub_probes == [] and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@network
 def test_run_out_into_a_folder_with_someones_sha256sums_deletes_nothing(real_cache, stub_probes, tmp_path, capsys):
     release = tmp_path / "release"
     release.mkdir()
@@ -248,6 +258,7 @@ def test_run_out_into_a_folder_with_someones_sha256sums_deletes_nothing(real_cac
     assert (release / "myapp-1.0.tar.gz").read_bytes() == b"tarball" and stub_probes == []
 
 
+@network
 def test_a_second_run_into_a_signed_bundle_refuses_then_keeps_the_signature(real_cache, stub_probes, tmp_path,
                                                                              capsys):
     """Without --force: exit 2, one line, nothing changed. With --force: the old bundle, signature and a
@@ -277,6 +288,7 @@ def test_a_second_run_into_a_signed_bundle_refuses_then_keeps_the_signature(real
     assert cli.main(["verify", str(bundle)]) == 0 and not (bundle / "receipt.dsse.json").exists()
 
 
+@network
 def test_readme_first_command_twice_in_a_row(real_cache, stub_probes, tmp_path, monkeypatch, capsys):
     """The default directory evidence/<target>/ is the toolkit's own: a re-run replaces its own files
     without --force; what someone added there (a signature) moves aside with the old bundle."""
@@ -295,6 +307,7 @@ def test_readme_first_command_twice_in_a_row(real_cache, stub_probes, tmp_path, 
 # ---- end to end ------------------------------------------------------------------------------------
 
 
+@network
 @pytest.mark.probe_env
 def test_run_sglang_0_5_19_end_to_end(real_cache, probe_python, tmp_path, capsys):
     """README's first command, for real: exit 0, a bundle that verifies (also with sha256sum -c), the

@@ -104,3 +104,50 @@ def test_a_bundle_that_does_not_verify_is_not_signed(bundle, keys, capsys):
     (bundle / "REPORT.md").write_text("edited\n")
     assert cli.main(["sign", str(bundle), "--key", str(private)]) == 1
     assert not (bundle / "receipt.dsse.json").exists()
+
+
+def _reseal(bundle: Path) -> None:
+    """SHA256SUMS recomputed over the bundle's files as they now are (what a tamperer does)."""
+    import hashlib
+
+    sums = bundle / "SHA256SUMS"
+    names = [line.split("  ", 1)[1] for line in sums.read_text().splitlines()]
+    sums.write_text("".join(f"{hashlib.sha256((bundle / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+def test_a_receipt_edited_and_resealed_after_signing_fails_plain_verify(bundle, keys, capsys):
+    """No key is needed to see that the envelope signs other bytes than receipt.json: the receipt
+    edited, REPORT.md re-rendered and SHA256SUMS recomputed hide it from every other check."""
+    import hashlib
+
+    from backport.evidence.report import render_report
+
+    private, _, _ = keys
+    sign.sign_bundle(bundle, private)
+    assert cli.main(["verify", str(bundle)]) == 0
+    capsys.readouterr()
+    receipt = json.loads((bundle / "receipt.json").read_text())
+    receipt["predicate"]["toolkit"]["version"] = "9.9.9"
+    report = render_report(receipt).encode()
+    receipt["predicate"]["files"]["REPORT.md"] = hashlib.sha256(report).hexdigest()
+    (bundle / "receipt.json").write_bytes(evidence.canonical_json(receipt))
+    (bundle / "REPORT.md").write_bytes(report)
+    _reseal(bundle)
+    assert cli.main(["verify", str(bundle), "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["integrity"] == "failed" and document["first"]["file"] == "receipt.dsse.json", document["first"]
+    assert "signs another receipt" in document["first"]["detail"]
+    # the same edit on an unsigned bundle passes: the envelope is what shows it
+    for path in [bundle / "receipt.dsse.json", *bundle.rglob("*.intoto.jsonl")]:
+        path.unlink()
+    assert cli.main(["verify", str(bundle)]) == 0
+
+
+def test_plain_verify_checks_the_attestations_subjects_without_a_key(bundle, keys, capsys):
+    private, _, _ = keys
+    sign.sign_bundle(bundle, private)
+    lines = bundle / "receipt.intoto.jsonl"
+    lines.write_bytes(lines.read_bytes().replace(b"application/vnd.in-toto+json", b"application/x-other+json"))
+    assert cli.main(["verify", str(bundle), "--json"]) == 1
+    first = json.loads(capsys.readouterr().out)["first"]
+    assert first["file"] == "receipt.intoto.jsonl" and "payload type" in first["detail"]

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "backport.cli.probe",
     "backport.cli.live",
     "backport.cli.run",
+    "backport.cli.verify",
     "backport.cli.upstream",
     "backport.cli.export",
     "backport.cli.refresh",

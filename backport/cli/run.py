@@ -1,4 +1,4 @@
-"""`sglang-backport run` (the main job, `backport.job.run`) and `sglang-backport verify` (check a bundle).
+"""`sglang-backport run` (the main job, `backport.job.run`); `verify` is backport/cli/verify.py.
 
 run SPEC: fetch the target, apply the pack on a fresh clone, probe the pristine tree, the
 patched tree and the reference (upstream's first pinned release that has every fix), run
@@ -14,7 +14,6 @@ With --head SPEC the pack is not applied: SPEC is the base and the head is anoth
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -118,53 +117,6 @@ def cmd_run(args) -> int:
     return code
 
 
-def _verify_one(path: Path, key) -> tuple:
-    from backport.evidence import sign
-
-    result = evidence.verify(path)
-    state = sign.signature_state(path)
-    if result.ok and key is not None:
-        problems = sign.envelope_problems(path, key)
-        result = dataclasses.replace(result, problems=tuple(problems), summary=None if problems else result.summary)
-        state = "signature verified" if not problems else state
-    elif state == "signed":
-        state = "signed, signature not checked (give --key PUB)"
-    return result, state
-
-
-def _line(path, result, state) -> str:
-    if result.ok:
-        s = result.summary or {}
-        return (f"OK {path}: {len(result.files)} files match SHA256SUMS and the receipt; receipt consistent "
-                f"(run result: {s.get('result')}, {s.get('cases')} cases); {state}")
-    first = result.first
-    more = f" (+{len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
-    return f"FAIL {first.file}: {first.kind}: {first.detail}{more}"
-
-
-def cmd_verify(args) -> int:
-    """One bundle: its verdict as before. Several (CI fan-in): one JSON verdict over all of them,
-    exit 1 when any fails; every bundle is checked, none stops the others."""
-    from backport.evidence import sign
-
-    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
-    paths = [Path(b) for b in args.bundle]
-    for path in paths:
-        if not path.is_dir():
-            raise BadInput(f"{path}: not a directory")
-    verdicts = [(path, *_verify_one(path, key)) for path in paths]
-    ok = all(result.ok for _, result, _ in verdicts)
-    if args.json:
-        documents = [{**result.to_json(), "signature": state} for _, result, state in verdicts]
-        document = documents[0] if len(paths) == 1 else {
-            "ok": ok, "bundles": documents, "failed": [d["bundle"] for d in documents if not d["ok"]]}
-        print(json.dumps(document, indent=2, sort_keys=True))
-    else:
-        for path, result, state in verdicts:
-            print(_line(path, result, state) if len(paths) == 1 or result.ok else f"{path}: " + _line(path, result, state))
-    return 0 if ok else 1
-
-
 def register(sub) -> None:
     p = sub.add_parser("run", help="the main job: fetch, apply, probe pristine/patched/reference, write a bundle",
                        description=__doc__.split("\n\n")[1])
@@ -205,11 +157,3 @@ def register(sub) -> None:
                         "over TCP) per tree on loopback, the incident's scenarios (live/<role>.json)")
     p.add_argument("--json", action="store_true", help="print one JSON document (summary and bundle path)")
     p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("verify", help="recompute every digest of an evidence bundle and re-check its receipt")
-    p.add_argument("bundle", metavar="BUNDLE", nargs="+", help="one or more bundles (several: one JSON verdict, "
-                                                           "exit 1 if any fails)")
-    p.add_argument("--key", metavar="PUB", help="also check the bundle's signature (receipt.dsse.json) and its "
-                                                "attestations (*.intoto.jsonl) with this PEM public key")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_verify)

@@ -9,10 +9,16 @@ Problems come in a fixed order, and each stage runs only when the one before fou
    rendering (agreement.py), so that a file edited and resealed is named;
 5. the VEX documents against the receipt: the OpenVEX schema, strict CycloneDX 1.6, and each
    one what the receipt and standards.json give (vex.py).
+
+`verify_signed` adds the signature layer (sign.py): without a key, everything in the envelope and
+the attestations that needs no key; with one, their signatures too. Integrity is one question,
+the run's result another: `finding_reason` says why a bundle that verifies is not a pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from pathlib import Path
 
 from backport.errors import BadInput
@@ -62,3 +68,44 @@ def verify(bundle: Path | str) -> VerifyResult:
     problems, statement = _problems(bundle, present, actual)
     summary = statement["predicate"]["summary"] if not problems else None
     return VerifyResult(bundle, actual, tuple(problems), summary)
+
+
+def verify_signed(bundle: Path | str, key=None) -> tuple[VerifyResult, str]:
+    """verify(), then the envelope and attestations (signatures only with `key`, an SSlibKey):
+    the result and the signature state said to the user."""
+    from backport.evidence import sign
+
+    bundle = Path(bundle)
+    result = verify(bundle)
+    state = sign.signature_state(bundle)
+    if not result.ok:
+        return result, state
+    problems = sign.envelope_problems(bundle, key)
+    if problems:
+        return dataclasses.replace(result, problems=tuple(problems), summary=None), state
+    if key is not None:
+        state = "signature verified"
+    elif state == "signed":
+        state = "signed, signature not checked (give --key PUB)"
+    return result, state
+
+
+def finding_reason(summary: dict) -> str | None:
+    """Why a verified bundle's run is not a pass, in a few words (None for a pass)."""
+    if summary.get("result") == "pass":
+        return None
+    parts = [f"{n} {pair}" for pair, n in Counter(f["pair"] for f in summary.get("findings") or []).items()]
+    live = summary.get("live")
+    if live is not None:
+        parts += [f"live {n} {pair}" for pair, n in Counter(f["pair"] for f in live.get("findings") or []).items()]
+        if not live.get("scenarios"):
+            parts.append("the live tier ran no scenario")
+    upstream = len((summary.get("upstream_evidence") or {}).get("findings") or [])
+    if upstream:
+        parts.append(f"{upstream} upstream-test finding(s)")
+    if not summary.get("cases"):
+        parts.append("no probe case ran")
+    coverage = summary.get("coverage") or {}
+    if coverage.get("min_percent") is not None and coverage.get("percent", 0) < coverage["min_percent"]:
+        parts.append(f"coverage {coverage.get('percent')}% under the floor {coverage['min_percent']}%")
+    return ", ".join(parts) or f"result {summary.get('result')}"

@@ -14,6 +14,7 @@ import pytest
 from backport import cli
 from backport.errors import BadInput
 from backport.export import build_wheel, read_lineage, write_series
+from backport.export.label import installed_digest
 from backport.tree import tree_digest
 from tests.conftest import WORKSPACE_CACHE
 
@@ -62,6 +63,10 @@ def test_the_wheel_keeps_upstreams_metadata_under_a_local_label(exported):
     names = zipfile.ZipFile(wheel.path).namelist()
     assert f"sglang-{wheel.version}.dist-info/RECORD" in names
     assert not any(n.startswith("sglang-0.5.19.dist-info/") for n in names)
+    # the version module (sglang.__version__, /server_info's version) says the build is patched
+    ours, theirs = (zipfile.ZipFile(w).read("sglang/_version.py").decode() for w in (wheel.path, original))
+    assert wheel.labelled == ("sglang/_version.py",) and f"__version__ = version = '{wheel.version}'" in ours
+    assert ours.replace(wheel.version, "0.5.19") == theirs
 
 
 def test_the_label_names_the_patch_set(exported, tmp_path, shared):
@@ -82,7 +87,12 @@ def test_the_wheel_installs_and_its_package_is_the_patched_tree(exported, tmp_pa
     shown = subprocess.run([*pip, "show", "sglang"], check=True, capture_output=True, text=True).stdout
     assert f"Version: {wheel.version}" in shown
     (site,) = (venv / "lib").glob("python3.*/site-packages")
-    assert tree_digest(site) == wheel.tree_digest
+    # what `from sglang.version import __version__` reads (importing sglang itself needs torch)
+    read = "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version__'])"
+    said = subprocess.run([str(venv / "bin" / "python"), "-c", read, str(site / "sglang" / "_version.py")],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    assert said == wheel.version
+    assert installed_digest(site, wheel.version) == wheel.tree_digest != tree_digest(site)  # only the label differs
 
 
 def test_the_series_rebuilds_the_patched_tree_with_git_am(exported, release_tree, tmp_path):
@@ -153,9 +163,11 @@ def test_the_readme_rollback_leaves_upstream_installed(exported, release_tree, t
     pip = [python, "-m", "pip", "--disable-pip-version-check"]
     subprocess.run([*pip, "install", "-q", "--no-deps", "--no-compile", str(wheel.path)], check=True,
                    capture_output=True)
-    code = cli.main(["status", "installed", "--python", python, "--json"])
-    rollout = json.loads(capsys.readouterr().out)["installed"]["rollout"]
-    assert code == 0 and rollout["patched"] and rollout["peer_must_be_patched"] is True
+    code = cli.main(["status", "installed", "--python", python, "--require-patched", "--json"])
+    installed = json.loads(capsys.readouterr().out)["installed"]
+    rollout = installed["rollout"]
+    assert code == 0 and installed["patched"] and installed["package_version"] == wheel.version
+    assert rollout["patched"] and rollout["peer_must_be_patched"] is True
     assert "as prefill" in rollout["order"] and "roll back decode first" in rollout["order"]
     command = _readme_rollback()
     assert rollout["rollback"] == command
@@ -168,6 +180,8 @@ def test_the_readme_rollback_leaves_upstream_installed(exported, release_tree, t
     (site,) = (venv / "lib").glob("python3.*/site-packages")
     assert tree_digest(site) == tree_digest(release_tree("0.5.19").package_root)
     assert not list(site.glob("sglang-*+backport*.dist-info"))
-    code = cli.main(["status", "installed", "--python", python, "--json"])
+    code = cli.main(["status", "installed", "--python", python, "--require-patched", "--json"])
     installed = json.loads(capsys.readouterr().out)["installed"]
+    assert code == 1  # the rollout gate: a rolled-back node is pristine
     assert installed["backport"] is None and installed["rollout"]["patched"] is False
+    assert installed["package_version"] == "0.5.19" and installed["patched"] is False

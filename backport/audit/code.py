@@ -93,15 +93,14 @@ def package_root_of(python: str) -> Path:
 def exported_wheel(python: str, root: Path) -> dict:
     """{"exported_wheel": ...} when the environment's sglang is a wheel this toolkit exported (its
     record, and whether the package installed is the tree the record names), else {}."""
-    from backport.export.installed import read_distribution
-    from backport.tree import tree_digest
+    from backport.export.installed import read_distribution, record_matches
 
     version, record = read_distribution(python)
     if record is None:
         return {}
     return {"exported_wheel": {"version": version, "spec": record.get("spec"),
                                "patch_set_sha256": record.get("patch_set_sha256"),
-                               "tree_digest_matches": record.get("tree_digest") == tree_digest(root)}}
+                               "tree_digest_matches": record_matches(record, root)}}
 
 
 def can_import_torch(python: str) -> bool:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from packaging.version import InvalidVersion, Version
-
 from backport.audit.code import (
     ADMISSION_FIXES,
     ADMISSION_PROBES,
@@ -20,6 +18,7 @@ from backport.audit.code import (
     CodeFacts,
 )
 from backport.audit.servers import CHECKSUM_FLAG, PD_ROLES, ServerFacts
+from backport.export.label import same_build  # 0.5.19+backport.N is not a pristine or rolled-back 0.5.19
 from backport.pack import Pack
 
 PASS, WARN, UNKNOWN, FAIL = "pass", "warn", "unknown", "fail"
@@ -62,20 +61,13 @@ def _label(s: ServerFacts) -> str:
     return f"{s.role or 'unknown-role'} {s.url}"
 
 
-def _same_release(a: str | None, b: str | None) -> bool:
-    try:
-        return a is not None and b is not None and Version(a).public == Version(b).public
-    except InvalidVersion:
-        return a == b
-
-
 def _mismatch(code: CodeFacts | None, s: ServerFacts) -> str | None:
     """Why the audited code may not be what this server runs, None when it matches."""
     if code is None or s.error:
         return None
     if s.version is None:
         return f"{_label(s)} does not report its version; the audited code ({code.version}) may not be what it runs"
-    if not _same_release(code.version, s.version):
+    if not same_build(code.version, s.version):
         return f"{_label(s)} runs sglang {s.version}, the audited code is {code.version}"
     return None
 

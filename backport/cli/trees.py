@@ -71,7 +71,7 @@ def cmd_status(args) -> int:
     lines = [f"{tree.path}: sglang {tree.version}, tree digest {tree.tree_digest}"]
     lines += [f"  {d.fix:10} {'present' if d.present else 'missing':8} {d.how}" for d in found]
     if args.target == "installed":
-        installed = describe_installed(args.python or sys.executable, tree.tree_digest,
+        installed = describe_installed(args.python or sys.executable, tree.package_root,
                                        [Path(b) for b in args.bundle or ()])
         document["installed"] = installed.to_json()
         document["installed"]["rollout"] = advice = rollout(installed, {d.fix for d in found if d.present})
@@ -80,21 +80,24 @@ def cmd_status(args) -> int:
             "; the PD peer must run this patch set too" if advice["peer_must_be_patched"] else ""))
         if advice["rollback"]:
             lines.append(f"  rollback: {advice['rollback']}  (a plain `pip install sglang==X` keeps this build)")
-    elif args.bundle:
-        raise BadInput("--bundle: only with the 'installed' target")
+    elif args.bundle or args.require_patched:
+        raise BadInput(f"{'--bundle' if args.bundle else '--require-patched'}: only with the 'installed' target")
     emit(args, document, "\n".join(lines))
-    return 0
+    # A rollout gate: 1 unless this node runs a whole exported build (record, label and tree agree).
+    return 1 if args.require_patched and not installed.patched else 0
 
 
 def installed_lines(installed, asked: bool) -> list[str]:
     record = installed.provenance
     if record is None:
-        lines = [f"installed: sglang {installed.version}, not a wheel exported by sglang-backport"]
+        lines = [f"installed: sglang {installed.version}, not a wheel exported by sglang-backport: NOT patched"]
     else:
         lines = [(f"installed: sglang {installed.version}, exported by sglang-backport from {record.get('spec')} "
                   f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} commits)"),
                  "  the installed package " + ("is the tree its record names" if installed.digest_matches else
-                                               f"is NOT the tree its record names ({record.get('tree_digest')})")]
+                                               f"is NOT the tree its record names ({record.get('tree_digest')})"),
+                 f"  sglang.__version__ says {installed.package_version}: "
+                 + ("patched" if installed.patched else "NOT a whole patched build")]
     for match in installed.bundles:
         lines.append(f"  described by {match['bundle']}: "
                      + ("verifies" if match["verifies"] else f"does NOT verify ({match['problem']})"))
@@ -170,6 +173,9 @@ def register(sub) -> None:
     p.add_argument("--bundle", action="append", metavar="PATH",
                    help="for 'installed': an evidence bundle, or a folder of bundles, to match the installed "
                         "tree against (repeatable)")
+    p.add_argument("--require-patched", action="store_true",
+                   help="for 'installed': exit 1 unless the environment runs a wheel exported by sglang-backport, "
+                        "whole (its record, its sglang.__version__ label and its measured tree agree)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
 

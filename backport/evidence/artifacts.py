@@ -24,7 +24,7 @@ from pathlib import Path
 
 from backport.evidence.layout import product_role, sha256_bytes
 from backport.evidence.problem import Problem
-from backport.tree import is_package_source, manifest_digest
+from backport.tree import is_package_source
 
 TREE_SUBJECT = "patched-tree/sglang"
 
@@ -110,18 +110,21 @@ def statement_problems(statement: dict) -> list[str]:
 
 
 def read_wheel(data: bytes) -> tuple[str, dict | None]:
-    """(the tree digest of the `sglang/` package a wheel installs, the same manifest as a tree's;
+    """(the tree digest of the `sglang/` package a wheel installs, its version label taken out: the
+    same manifest as the patched tree's;
     its dist-info's export record, None when it has none)."""
+    from backport.export.label import unlabelled_digest  # the label in sglang/_version.py comes back out
+
     with zipfile.ZipFile(io.BytesIO(data)) as wheel:
-        entries, provenance = [], None
+        members, provenance = [], None
         for info in wheel.infolist():
             name = info.filename
             top, _, rest = name.partition("/")
             if top == "sglang" and not info.is_dir() and is_package_source(name):
-                entries.append((name, sha256_bytes(wheel.read(info))))
+                members.append((name, wheel.read(info), None))
             elif top.endswith(".dist-info") and rest == PROVENANCE:
                 provenance = json.loads(wheel.read(info))
-    return manifest_digest(entries), provenance
+    return unlabelled_digest(members, (provenance or {}).get("version")), provenance
 
 
 def bundle_problems(bundle: Path, statement: dict) -> list[Problem]:

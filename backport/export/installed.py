@@ -1,9 +1,12 @@
 """`status installed`: recognise an exported wheel in a running environment.
 
-An exported wheel installs as `sglang X+backport.N` and carries `sglang_backport.json` in its
-dist-info (export/wheel.py). What the environment says is only a claim; the tree digest of
-the package as installed is measured, and a bundle matches only when its receipt's subject
-`patched-tree/sglang` is that digest and the bundle itself verifies.
+An exported wheel installs as `sglang X+backport.N`, its `sglang.__version__` says the same
+(export/label.py), and it carries `sglang_backport.json` in its dist-info (export/wheel.py).
+What the environment says is only a claim; the tree digest of the package as installed is
+measured (with the version label taken back out), and a bundle matches only when its receipt's
+subject `patched-tree/sglang` is that digest and the bundle itself verifies. A node is
+`patched` only when all three agree: the record, the label `sglang.__version__` carries, and
+the measured tree; a rolled-back node (upstream's wheel reinstalled) has none of them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from backport.errors import BadInput
 from backport.evidence.artifacts import PROVENANCE, TREE_SUBJECT
 from backport.evidence.layout import RECEIPT
+from backport.export.label import backport_label, installed_digest
+from backport.tree import read_version
 
 _READ = ("import json, importlib.metadata as m\n"
          "try:\n    d = m.distribution('sglang')\nexcept m.PackageNotFoundError:\n    d = None\n"
@@ -26,8 +31,9 @@ _READ = ("import json, importlib.metadata as m\n"
 class Installed:
     version: str | None            # the distribution's version, as `pip show sglang` prints it
     provenance: dict | None        # the exported wheel's record, None for an upstream wheel
-    tree_digest: str               # measured on the installed package
+    tree_digest: str               # measured on the installed package, the version label taken out
     bundles: tuple[dict, ...] = ()  # the given bundles whose subject is this tree, each verified
+    package_version: str | None = None  # what `sglang.__version__` (and /server_info) says
 
     @property
     def is_backport(self) -> bool:
@@ -38,8 +44,15 @@ class Installed:
         """The installed package against the tree digest its record claims (None: no record)."""
         return None if self.provenance is None else self.provenance.get("tree_digest") == self.tree_digest
 
+    @property
+    def patched(self) -> bool:
+        """An exported build, whole: its record, the label sglang.__version__ says, the measured tree."""
+        return bool(self.provenance and self.digest_matches and backport_label(self.package_version)
+                    and self.package_version == self.provenance.get("version"))
+
     def to_json(self) -> dict:
-        return {"version": self.version, "backport": self.provenance, "tree_digest": self.tree_digest,
+        return {"version": self.version, "package_version": self.package_version, "patched": self.patched,
+                "backport": self.provenance, "tree_digest": self.tree_digest,
                 "digest_matches_record": self.digest_matches, "bundles": list(self.bundles)}
 
 
@@ -85,9 +98,17 @@ def matching_bundles(paths: list[Path], tree_digest: str) -> list[dict]:
     return found
 
 
-def describe_installed(python: str, tree_digest: str, bundles: list[Path]) -> Installed:
+def record_matches(record: dict | None, package_root: Path) -> bool:
+    """Whether a package on disk is the patched tree an exported wheel's record names."""
+    return bool(record) and record.get("tree_digest") == installed_digest(package_root, record.get("version"))
+
+
+def describe_installed(python: str, package_root: Path, bundles: list[Path]) -> Installed:
+    """`package_root` holds the environment's `sglang/` (or a snapshot of it)."""
     version, provenance = read_distribution(python)
-    return Installed(version, provenance, tree_digest, tuple(matching_bundles(bundles, tree_digest)))
+    digest = installed_digest(package_root, (provenance or {}).get("version"))
+    return Installed(version, provenance, digest, tuple(matching_bundles(bundles, digest)),
+                     package_version=read_version(Path(package_root)))
 
 
 COVERAGE_CHECK_FIX = "sbp-transfer-coverage"

@@ -2,7 +2,9 @@
 
 Everything else is the original's: its metadata, dependencies, entry points and tags. Only the
 version changes, to `X+backport.N` (PEP 440 local label, see `Lineage.label`), with the
-dist-info directory renamed to match; the wheel library writes RECORD. The dist-info also gets
+dist-info directory renamed to match, and so does the version module's `__version__` (label.py),
+so that `sglang.__version__` and `/server_info` say the build is patched; the wheel library
+writes RECORD with every member's digest. The dist-info also gets
 `sglang_backport.json` (spec, upstream wheel, commits, patch-set and tree digests), so an
 installed copy says where it came from. Member dates are fixed: the same patched tree gives
 the same wheel bytes.
@@ -29,6 +31,7 @@ from backport import cache
 from backport.digests import sha256_file
 from backport.errors import BadInput
 from backport.evidence.artifacts import PROVENANCE
+from backport.export.label import relabel, unlabelled_digest
 from backport.export.lineage import Lineage
 from backport.tree import is_package_source
 
@@ -42,8 +45,9 @@ class ExportedWheel:
     name: str           # the file name
     sha256: str
     version: str        # X+backport.N
-    tree_digest: str    # of its `sglang/` package, equal to the patched tree's
+    tree_digest: str    # of its `sglang/` package with the label taken out: the patched tree's
     original: str       # the upstream wheel's file name
+    labelled: tuple[str, ...] = ()  # the version modules that say X+backport.N
 
     def to_json(self) -> dict:
         return {"name": self.name, "sha256": self.sha256, "version": self.version,
@@ -127,9 +131,16 @@ def build_wheel(lineage: Lineage, out_dir: Path, original: Path | None = None) -
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
     staged = staging / filename
     try:
+        labelled = []
         with zipfile.ZipFile(original) as source, _FixedDateWheel(staged, "w") as target:
             for arcname, path in _package_files(lineage.root):
-                target.writestr(_member(arcname, stat.S_IMODE(path.stat().st_mode)), path.read_bytes())
+                data, changed = relabel(arcname, path.read_bytes(), str(version), new_version)
+                if changed:
+                    labelled.append(arcname)
+                target.writestr(_member(arcname, stat.S_IMODE(path.stat().st_mode)), data)
+            if not labelled:
+                raise BadInput(f"{lineage.root}: no sglang/_version.py or sglang/version.py says "
+                               f"__version__ = '{version}'; the wheel could not say it is patched")
             for info in source.infolist():
                 top, _, rest = info.filename.partition("/")
                 if info.is_dir() or top == "sglang":
@@ -151,14 +162,19 @@ def build_wheel(lineage: Lineage, out_dir: Path, original: Path | None = None) -
                                                                    "sha256": lineage.artifact_sha256},
                           "pristine_commit": lineage.pristine_commit, "commits": list(lineage.commits),
                           "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
-                          "version": new_version}
+                          "version": new_version, "labelled": labelled}
             target.writestr(_member(f"{new_prefix}.dist-info/{PROVENANCE}", 0o644),
                             json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         with CheckedWheel.open(staged) as written:  # our own RECORD must check, as pip will check it
             written.validate_record(validate_contents=True)
+        with zipfile.ZipFile(staged) as written:  # and the label must come back out to the patched tree
+            members = [(n, written.read(n), None) for n in written.namelist()
+                       if n.startswith("sglang/") and not n.endswith("/") and is_package_source(n)]
+        if unlabelled_digest(members, new_version) != lineage.tree_digest:
+            raise BadInput(f"{filename}: its sglang/ is not the patched tree of {lineage.root}")
         final = out_dir / filename
         os.replace(staged, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return ExportedWheel(path=final, name=filename, sha256=sha256_file(final), version=new_version,
-                         tree_digest=lineage.tree_digest, original=original.name)
+                         tree_digest=lineage.tree_digest, original=original.name, labelled=tuple(labelled))

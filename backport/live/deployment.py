@@ -22,7 +22,7 @@ from backport import resources
 from backport.engine.detect import fingerprint_match, fs_reader
 from backport.live.environment import ServingEnv, router_command
 from backport.live.model import NEW_TOKENS, TinyModel
-from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
+from backport.live.servers import LOOPBACK, Launch, Processes, Server, serve
 from backport.pack import load_pack
 
 # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default on every release that has it
@@ -64,10 +64,12 @@ class Reply:
 
 
 def generate(url: str, input_ids: list[int], *, max_new_tokens: int = NEW_TOKENS,
-             timeout: float = REQUEST_TIMEOUT) -> Reply:
-    """One greedy request by token ids, EOS ignored, through `url` (a router or a server)."""
+             timeout: float = REQUEST_TIMEOUT, extra: dict | None = None) -> Reply:
+    """One greedy request by token ids, EOS ignored, through `url` (a router or a server);
+    `extra`: more body fields (a request id, the PD bootstrap fields when a client dispatches)."""
     body = {"input_ids": input_ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            **(extra or {})}
     started = time.monotonic()
     try:
         response = requests.post(url + "/generate", json=body, timeout=timeout)
@@ -187,21 +189,27 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     server_env = {**base, **SERVER_ENV, "PYTHONPATH": env.pythonpath(package_root), "PYTHONNOUSERSITE": "1"}
     started = time.monotonic()
+    decode_role = decode_flags(package_root)
+
+    def prefill_argv(ports: dict[str, int]) -> list[str]:
+        role = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
+        return server_argv(env, model, role, ports["prefill"])
+
+    def router_argv(ports: dict[str, int]) -> list[str]:
+        return [*router_command(env), "launch", "--pd-disaggregation",
+                "--prefill", prefill.url, str(prefill.ports[1]), "--decode", decode.url,  # ports[1]: bootstrap
+                "--host", LOOPBACK, "--port", str(ports["router"]),
+                "--prometheus-host", LOOPBACK, "--prometheus-port", str(ports["metrics"])]
+
     with Processes(workdir) as processes:
-        ports = {name: free_port() for name in ("prefill", "bootstrap", "decode", "router", "metrics")}
-        prefill_flags = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        prefill = processes.start("prefill", server_argv(env, model, prefill_flags, ports["prefill"]),
-                                  url=f"http://{LOOPBACK}:{ports['prefill']}", env=server_env)
-        decode_role = decode_flags(package_root)
-        decode = processes.start("decode", server_argv(env, model, decode_role, ports["decode"]),
-                                 url=f"http://{LOOPBACK}:{ports['decode']}", env=server_env)
-        wait_ready([prefill, decode], "/health", SERVER_START_TIMEOUT)
-        router_argv = [*router_command(env), "launch", "--pd-disaggregation",
-                       "--prefill", prefill.url, str(ports["bootstrap"]), "--decode", decode.url,
-                       "--host", LOOPBACK, "--port", str(ports["router"]),
-                       "--prometheus-host", LOOPBACK, "--prometheus-port", str(ports["metrics"])]
-        router = processes.start("router", router_argv, url=f"http://{LOOPBACK}:{ports['router']}", env=base)
-        wait_ready([router], "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)
+        # each started on free loopback ports, again on others if one was taken meanwhile
+        pair = serve(processes, [
+            Launch("prefill", prefill_argv, ("prefill", "bootstrap"), server_env),
+            Launch("decode", lambda ports: server_argv(env, model, decode_role, ports["decode"]), ("decode",),
+                   server_env)], "/health", SERVER_START_TIMEOUT)
+        prefill, decode = pair["prefill"], pair["decode"]
+        router = serve(processes, [Launch("router", router_argv, ("router", "metrics"), base)],
+                       "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)["router"]
         flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(decode_role),
                  "environment": dict(SERVER_ENV)}
         yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags,

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from backport.errors import BadInput
+
+API_KEY_ENV = "SGLANG_BACKPORT_API_KEY"
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +39,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--live-count", type=int, default=3, metavar="N", help="negative requests to send (1-10, default 3)")
     p.add_argument("--report", metavar="FILE", help="write the Markdown report here")
     p.add_argument("--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request (default 10)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds per HTTP request, the whole answer included (default 10)")
+    p.add_argument("--total-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="seconds for all HTTP requests of the audit together (default 120)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1_048_576, metavar="N",
+                   help="the longest prompt --live may build (default 1,048,576, the incident's context); a "
+                        "deployment whose prefill pool is larger is left unknown until this is raised")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY' to every server and the router (default: the "
+                        f"environment variable {API_KEY_ENV}, if set)")
     p.add_argument("--allow-unknown", action="store_true",
                    help="exit 0 when no gate fails even if some are unknown (not verified: no server given, "
                         "unreadable); by default an unknown gate exits 1")
@@ -64,17 +76,20 @@ def _pack(series: str | None):
 def _audit(args) -> tuple[int, dict, str]:
     from backport.audit import gates, report
     from backport.audit.code import inspect_code
-    from backport.audit.servers import check_url, fetch_server
+    from backport.audit.fetch import Limits
+    from backport.audit.servers import check_url, fetch_servers
 
     if args.tree and args.python:
         raise BadInput("audit: give either --python EXE or a TREE, not both")
     if not (args.tree or args.python or args.server or args.live):
         raise BadInput("audit: nothing to audit: give --server URL and/or --python EXE or a TREE")
-    if args.timeout <= 0:
-        raise BadInput(f"--timeout {args.timeout}: must be positive")
+    for flag, value in (("--timeout", args.timeout), ("--total-timeout", args.total_timeout),
+                        ("--max-prompt-tokens", args.max_prompt_tokens)):
+        if not value > 0:
+            raise BadInput(f"{flag} {value}: must be positive")
     urls = [check_url(u) for u in args.server]
     if args.live is not None:
-        check_url(args.live)
+        check_url(args.live, "--live")
         if not 1 <= args.live_count <= 10:
             raise BadInput(f"--live-count {args.live_count}: must be 1 to 10")
     if len(set(urls)) != len(urls):
@@ -84,18 +99,21 @@ def _audit(args) -> tuple[int, dict, str]:
     if args.tree and not Path(args.tree).is_dir():
         raise BadInput(f"{args.tree}: not a directory")
     pack = _pack(args.series)
-    servers = tuple(fetch_server(u, timeout=args.timeout) for u in urls)
+    # the code first: its probes take minutes, and --total-timeout bounds the network alone
     code = inspect_code(pack, tree=args.tree, python=args.python) if (args.tree or args.python) else None
+    limits = Limits(args.timeout, args.total_timeout, args.api_key or os.environ.get(API_KEY_ENV) or None)
+    servers = fetch_servers(urls, limits)
     results = gates.evaluate(code, servers, pack)
     if args.live is not None:
         from backport.audit.live import apply_live
 
-        results = apply_live(results, args.live, count=args.live_count, timeout=args.timeout)
+        results = apply_live(results, args.live, count=args.live_count, limits=limits,
+                             max_prompt=args.max_prompt_tokens)
     if args.report:
         Path(args.report).write_text(report.markdown(results, code, servers))
     allow = args.allow_unknown
     return (report.exit_code(results, allow_unknown=allow), report.to_json(results, code, servers, allow_unknown=allow),
-            report.terminal(results))
+            report.terminal(results, servers))
 
 
 def cmd_audit(args) -> int:

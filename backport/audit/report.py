@@ -31,11 +31,21 @@ def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tupl
     }
 
 
-def terminal(gates: tuple[GateResult, ...]) -> str:
-    lines = []
+def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = ()) -> str:
+    # an unread server's reason is printed once, here; the gates it leaves unknown point back to it
+    unread = [s for s in servers if s.error]
+    lines = [f"server {s.url}: not read: {s.error}" for s in unread]
+    first_under: dict[str, int] = {}   # a long line shared by gates is printed under the first only
     for g in gates:
         lines.append(f"gate {g.gate} {g.name}: {g.verdict.upper()}")
-        lines += [f"    {line}" for line in g.evidence]
+        for line in g.evidence:
+            for s in unread:
+                line = line.replace(f"not read: {s.error}", "not read (above)")
+            if len(line) > 60 and first_under.setdefault(line, g.gate) != g.gate:
+                line = f"{line[:40]}... (as under gate {first_under[line]})"
+            lines.append(f"    {line}")
+        if g.remedy:
+            lines.append(f"    remedy: {g.remedy}")
     overall = worst(g.verdict for g in gates)
     unverified = [str(g.gate) for g in gates if g.verdict == UNKNOWN]
     tail = (f"; not verified: gate {', '.join(unverified)} (exit 1 unless --allow-unknown)"

@@ -166,11 +166,16 @@ def work_files(repo: Path) -> dict[str, tuple[int, bytes]]:
 
 
 def leftovers(repo: Path) -> list[str]:
-    """What an apply must never leave behind once recovered: locks, journal, pending ref."""
+    """What an apply must never leave behind once recovered: locks (the index's, HEAD's, a
+    branch's), journal, pending ref, temporary pack files, a pack without its index."""
     git_dir = repo / ".git"
-    found = [n for n in ("index.lock", "sglang-backport-apply.json", "sglang-backport-index",
+    found = [n for n in ("index.lock", "HEAD.lock", "sglang-backport-apply.json", "sglang-backport-index",
                          "sglang-backport-index.lock") if (git_dir / n).exists()]
+    found += [p.relative_to(git_dir).as_posix() for p in (git_dir / "refs").rglob("*.lock")]
     found += run_git(repo, "for-each-ref", "--format=%(refname)", "refs/sglang-backport/").split()
+    pack_dir = git_dir / "objects" / "pack"
+    found += [p.name for p in pack_dir.glob("tmp_*")]
+    found += [p.name for p in pack_dir.glob("*.pack") if not p.with_suffix(".idx").exists()]
     return found
 
 

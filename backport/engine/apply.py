@@ -58,6 +58,7 @@ from ..errors import BadInput
 from ..pack.model import Pack, PatchVariant, check_rel_path, parse_version
 from .decide import Decision, decide
 from .journal import JOURNAL_NAME, NEXT_INDEX, recover
+from .leftovers import foreign_locks
 from .objects import Trees, base_tree_specs, read_loose_trees
 from .report import APPLIED, FAILED, NOTHING_TO_DO, ApplyReport, PatchResult
 from .write import PENDING_REF, write_series
@@ -149,6 +150,11 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
     if not check and (git_dir / "index.lock").exists():
         raise BadInput(f"{git_dir / 'index.lock'}: exists; another git process is running in {repo} "
                        f"(or remove a stale lock)")
+    held = [] if check else foreign_locks(git_dir)  # recovery removed this toolkit's own: these are a git's
+    if held:
+        raise BadInput(f"{held[0]}: exists and no journal of this toolkit names it; another git process is "
+                       f"updating {repo}'s refs (or one was killed): wait for it, or remove the lock once no "
+                       f"git runs there")
     touched = sorted({prefix + fp.path for fid in selected for pv in pack.variants.get(fid, ())
                       for fp in pv.files})
     specs = base_tree_specs(base, touched)

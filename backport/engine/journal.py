@@ -7,10 +7,15 @@ the order of the writes it guards).
      "phase": "objects" | "files", "base": SHA, "target": SHA | null,
      "message": "sglang-backport: apply N patch(es)",
      "files": [{"path": "sglang/...", "before": SHA256 | null, "after": SHA256 | null,
-                "mode_before": 420 | null, "mode_after": 420 | null}]}
+                "mode_before": 420 | null, "mode_after": 420 | null}],
+     "token": "9f...", "pack": "pack-<id>" | null, "locks": [path, ...], "locks_at": 1.7e9}
 
 It is written whole (a temporary file renamed into place), so it is either
-the old or the new version, never torn.
+the old or the new version, never torn. The last four name what the run
+creates in ``.git`` before it creates it (leftovers.py): its temporary pack
+files (by the token), the pack (once named, when this run creates it), and
+the ref locks git takes for the commit point; recovery removes those and
+nothing else. A journal without them (an earlier version's) recovers as before.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import contextlib
 import hashlib
 import json
 import os
-from dataclasses import dataclass, replace
+import secrets
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import gitops
 from ..errors import BadInput
-from . import index_refs
+from . import index_refs, leftovers
 
 JOURNAL_NAME = "sglang-backport-apply.json"
 NEXT_INDEX = "sglang-backport-index"
@@ -56,18 +63,24 @@ class Journal:
     target: str | None
     message: str
     files: tuple[FileMove, ...] = ()
+    token: str = ""  # names this run's temporary pack files
+    pack: str | None = None  # the pack this run creates, once named
+    locks: tuple[str, ...] = field(default=())  # the ref locks git takes for the commit point
+    locks_at: float = 0.0  # when they were named: a lock older than this is not this run's
 
     @classmethod
     def start(cls, base: str, message: str) -> Journal:
-        return cls(os.getpid(), _proc_start(os.getpid()), OBJECTS, base, None, message)
+        return cls(os.getpid(), _proc_start(os.getpid()), OBJECTS, base, None, message, token=secrets.token_hex(8))
 
-    def with_files(self, target: str, files: tuple[FileMove, ...]) -> Journal:
-        return replace(self, phase=FILES, target=target, files=files)
+    def with_files(self, target: str, files: tuple[FileMove, ...], locks: list[Path]) -> Journal:
+        return replace(self, phase=FILES, target=target, files=files, locks=tuple(map(str, locks)),
+                       locks_at=_now())
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "pid": self.pid, "proc_start": self.proc_start, "phase": self.phase,
                 "base": self.base, "target": self.target, "message": self.message,
-                "files": [vars(f) for f in self.files]}
+                "files": [vars(f) for f in self.files], "token": self.token, "pack": self.pack,
+                "locks": list(self.locks), "locks_at": self.locks_at}
 
     def _write_tmp(self, git_dir: Path) -> Path:
         tmp = git_dir / f"{JOURNAL_NAME}.{os.getpid()}.tmp"
@@ -104,10 +117,15 @@ class Journal:
                 raise KeyError("schema")
             files = tuple(FileMove(**f) for f in doc["files"])
             return cls(int(doc["pid"]), str(doc["proc_start"]), doc["phase"], doc["base"], doc["target"],
-                       doc["message"], files)
+                       doc["message"], files, str(doc.get("token") or ""), doc.get("pack"),
+                       tuple(map(str, doc.get("locks") or ())), float(doc.get("locks_at") or 0))
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(f"{path}: not a journal this version understands ({e}); check the tree by "
                            f"hand, then remove it") from None
+
+
+def _now() -> float:
+    return time.time()
 
 
 def _proc_start(pid: int) -> str:
@@ -222,6 +240,8 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
     for mv in journal.files:
         f = repo / mv.path
         _unlink(f.with_name(tmp_name(f.name)))
+    cleared = leftovers.clear(git_dir, token=journal.token, pack=journal.pack, locks=list(journal.locks),
+                              locks_at=journal.locks_at, target=journal.target, forward=forward)
     nxt = git_dir / NEXT_INDEX
     if forward:
         index_refs.index_twin(git_dir / "index", nxt)
@@ -231,7 +251,8 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
     if gitops.read_ref(repo, pending_ref):
         index_refs.delete_ref(repo, pending_ref)
     path.unlink()
+    also = f"; removed its {', '.join(cleared)}" if cleared else ""
     if forward:
         return (f"finished an interrupted apply: {len(journal.files)} file(s) and the index moved to "
-                f"{journal.target}")
-    return f"rolled back an interrupted apply: the tree is as at {journal.base}"
+                f"{journal.target}{also}")
+    return f"rolled back an interrupted apply: the tree is as at {journal.base}{also}"

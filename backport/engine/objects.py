@@ -8,8 +8,9 @@ commit of the series is hashed here and written as one pack with its index
 by gitdb's pack writer (undeltified; git gc deltifies later): the pack first,
 then its index, each into a temporary file renamed into place once whole, so
 git sees all of the series' objects or none. Nothing points at them until the
-ref transaction moves HEAD (write.py): a run stopped half-way leaves only
-unreachable objects that ``git gc`` prunes. ``git fsck --strict`` in the tests
+ref transaction moves HEAD (write.py): a run killed half-way leaves only
+unreachable objects, and the next run's recovery removes its temporary files
+and, rolled back, its pack (both named in the journal first: leftovers.py). ``git fsck --strict`` in the tests
 checks what comes out (sorting, modes, ids).
 
 Where the trees come from: the base commit's tree of every directory on the
@@ -27,13 +28,14 @@ import os
 import struct
 import tempfile
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gitdb.fun import create_pack_object_header, type_to_type_id_map
 from gitdb.pack import IndexWriter
 
 from ..gitops import REGULAR_MODES, object_id
+from .leftovers import pack_temp
 
 TREE_MODE = b"40000"  # as git writes a tree's mode
 PACK_LEVEL = 0  # stored, as fast-import was told (core.compression=0): git gc compresses and deltifies later
@@ -120,18 +122,29 @@ class PackWriter:
         self.objects.setdefault(sha, (kind, data))
         return sha
 
-    def close(self) -> None:
+    def close(self, token: str = "", on_named: Callable[[str], None] | None = None) -> None:
         """Write the pack, then its index (git reads a pack only through its index): each into a
-        temporary file git's own gc removes when left behind, renamed into place once whole."""
+        temporary file named by ``token`` (the journal's: a killed run's are found by it), renamed
+        into place once whole. ``on_named`` hears the pack's name before it is created; a pack of
+        that name already here holds these very objects (git names a pack by its content): kept."""
         pack_sha, files = self._encode()
+        name = f"pack-{pack_sha.hex()}"
+        if all((self.pack_dir / f"{name}.{ext}").is_file() for ext, _ in files):
+            return
+        if on_named is not None:
+            on_named(name)
         written: list[str] = []
         try:
             for ext, data in files:
-                fd, tmp = tempfile.mkstemp(prefix=f"tmp_{ext}_", dir=self.pack_dir)
+                if token:
+                    tmp = str(pack_temp(self.pack_dir, ext, token))
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                else:
+                    fd, tmp = tempfile.mkstemp(prefix=f"tmp_{ext}_", dir=self.pack_dir)
                 written.append(tmp)
                 _write_whole(fd, data)
             for tmp, (ext, _) in zip(written, files):
-                os.replace(tmp, self.pack_dir / f"pack-{pack_sha.hex()}.{ext}")
+                os.replace(tmp, self.pack_dir / f"{name}.{ext}")
         finally:
             for tmp in written:
                 if os.path.lexists(tmp):
@@ -162,8 +175,8 @@ def _write_whole(fd: int, data: bytes) -> None:
         os.fchmod(fh.fileno(), 0o444)
 
 
-def write_commits(objects_dir: Path, base: str, trees: Trees,
-                  commits: Sequence[tuple[str, str, int, dict]]) -> list[str]:
+def write_commits(objects_dir: Path, base: str, trees: Trees, commits: Sequence[tuple[str, str, int, dict]], *,
+                  token: str = "", on_named: Callable[[str], None] | None = None) -> list[str]:
     """Write one commit per (author "Name <email>", message, epoch, {repo path:
     (mode, data) | None}), the first on top of ``base``; their ids in order.
     The same input gives the same ids (as git fast-import gave)."""
@@ -190,7 +203,7 @@ def write_commits(objects_dir: Path, base: str, trees: Trees,
                 f"committer {who} {epoch} +0000\n\n{message}").encode()
         parent = out.write(b"commit", text).hex()
         ids.append(parent)
-    out.close()
+    out.close(token, on_named)
     return ids
 
 

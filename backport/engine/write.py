@@ -6,10 +6,13 @@ The order (each step a crash point the next run recovers from):
 1. create the journal ``<git dir>/sglang-backport-apply.json`` (O_EXCL: it is
    also the lock against a second apply), phase ``objects``;
 2. every blob, tree and commit is written, as one pack (objects.py); nothing
-   points at them and nothing in the work tree moves yet (a crash here leaves
-   only unreachable objects: git gc prunes them);
-3. the journal becomes phase ``files``: base and series commits, and per path
-   the sha256 of its bytes before and after, and its modes;
+   points at them and nothing in the work tree moves yet. Its temporary files
+   carry the journal's token, and the journal names the pack before it is
+   renamed into place, so recovery removes both (leftovers.py);
+3. the journal becomes phase ``files``: base and series commits, per path
+   the sha256 of its bytes before and after and its modes, and the ref locks
+   step 6's git will take (a SIGKILL while git holds them leaves them: recovery
+   removes these, never a lock the journal does not name);
 4. each file is replaced whole (a temporary file renamed over it: a file is
    always either as before or as after, never torn), one after the other (threads
    measured slower: the other core hashes each file for the index as it lands);
@@ -47,6 +50,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import gitops
@@ -55,6 +59,7 @@ from ..pack.model import Fix, PatchVariant
 from . import index_refs
 from .decide import Decision
 from .journal import JOURNAL_NAME, NEXT_INDEX, FileMove, Journal, put_file, recover
+from .leftovers import ref_locks
 from .objects import Trees, write_commits
 
 PENDING_REF = "refs/sglang-backport/pending"  # an earlier version kept its objects here: recovery still drops it
@@ -138,6 +143,12 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
     journal = Journal.start(base, message)
     steps = _Steps()
     shas: list[str] = []
+
+    def name_pack(name: str) -> None:  # before the pack exists: recovery removes it if it rolls back
+        nonlocal journal
+        journal = replace(journal, pack=name)
+        journal.save(git_dir)
+
     with _HeldSignals():
         journal.create(git_dir)
         try:
@@ -148,9 +159,10 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
             refs = None
             try:
                 refs = index_refs.RefUpdate(repo, message)
-                shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits)
+                shas = write_commits(gitops.objects_dir(git_dir), base, trees, commits, token=journal.token,
+                                     on_named=name_pack)
                 steps("journal")
-                journal = journal.with_files(shas[-1], moves)
+                journal = journal.with_files(shas[-1], moves, ref_locks(git_dir))
                 journal.save(git_dir)
                 for mv in moves:  # in order: a pause at one step stops the files after it
                     steps(f"file {mv.path}")

@@ -128,8 +128,11 @@ def pair(session: nox.Session, name: str) -> None:
 @nox.session
 def fanout(session: nox.Session) -> None:
     """One shard of .github/workflows/backport-matrix.yml and its fan-in, locally: `matrix --json`,
-    `run SPECS --export`, `sign` (a throwaway ed25519 key), `verify --key` over every bundle,
-    `merge`. Arguments: the shard number (default 1) and the shard size (default 4)."""
+    `run SPECS --export`, `sign` (a throwaway ed25519 key), `verify --key --require-pass` over every
+    bundle, `merge --expect SPECS --fail-on finding`. As in CI, a release with a finding, a bundle
+    that does not verify and an expected release without a bundle each fail the session (after the
+    merge, whose summary says why per release). Arguments: the shard number (default 1) and the
+    shard size (default 4)."""
     import json as _json
 
     number = int(session.posargs[0]) if session.posargs else 1
@@ -140,14 +143,27 @@ def fanout(session: nox.Session) -> None:
     (work / "keys").mkdir(parents=True)
     shards = _json.loads(session.run("sglang-backport", "matrix", "--json", "--shard-size", size, silent=True))
     shard = shards["include"][number - 1]
+    specs = shard["specs"].split()
     out = work / "all" / f"bundles-{shard['shard']}"
-    session.run("sglang-backport", "run", *shard["specs"].split(), "--export", "--no-upstream-tests",
-                "--out", str(out), success_codes=[0, 1])
+    # a finding (exit 1) still writes its bundle: the fan-in below judges it, as in CI
+    session.run("sglang-backport", "run", *specs, "--export", "--no-upstream-tests", "--out", str(out),
+                success_codes=[0, 1])
     key, public = work / "keys" / "key.pem", work / "keys" / "key.pub"
     session.run("openssl", "genpkey", "-algorithm", "ed25519", "-out", str(key), external=True)
     session.run("openssl", "pkey", "-in", str(key), "-pubout", "-out", str(public), external=True)
     bundles = sorted(str(p.parent) for p in (work / "all").rglob("receipt.json"))
+    if not bundles:
+        session.error(f"shard {shard['shard']} ({shard['specs']}) left no bundle")
     for bundle in bundles:
         session.run("sglang-backport", "sign", bundle, "--key", str(key))
-    session.run("sglang-backport", "verify", *bundles, "--key", str(public))
-    session.run("sglang-backport", "merge", str(work / "all"), "--out", str(work / "merged"))
+    verdict = _json.loads(session.run("sglang-backport", "verify", *bundles, "--key", str(public), "--require-pass",
+                                      "--json", silent=True, success_codes=[0, 1]))
+    failed = [f"{d['bundle']} ({d['first']['file']}: {d['first']['kind']})" if d["integrity"] != "ok"
+              else f"{d['bundle']} (result {d['result']}: {d['finding']})"
+              for d in verdict.get("bundles", [verdict]) if d["integrity"] != "ok" or d["result"] != "pass"]
+    for line in failed:
+        session.log(f"verify --require-pass: {line}")
+    session.run("sglang-backport", "merge", str(work / "all"), "--out", str(work / "merged"), "--expect", *specs,
+                "--fail-on", "finding")
+    if failed:
+        session.error(f"verify --require-pass failed for {len(failed)} bundle(s): {'; '.join(failed)}")

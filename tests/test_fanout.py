@@ -14,6 +14,7 @@ import pytest
 from backport import cli, evidence
 from backport.evidence import sign, vex
 from backport.releases import load_releases
+from tests.test_evidence import PASSING_CASES
 from tests.test_sign import keys  # noqa: F401 - fixture
 from tests.test_vex import classes, vex_run  # noqa: F401 - fixture
 
@@ -55,6 +56,16 @@ def test_the_workflow_passes_actionlint_and_fans_out_and_in():
                    "actions/upload-artifact", "actions/download-artifact", "sglang-backport run $SPECS --export",
                    'sglang-backport verify "${bundles[@]}"', "sglang-backport merge all"):
         assert needed in text, needed
+    # CI goes red on a finding: the shard keeps run's status (the bundle still uploads, then the job
+    # fails), the fan-in runs after a failed shard and fails on a finding or a missing bundle
+    shard, fan_in = text[text.index("\n  shard:"):text.index("\n  fan-in:")], text[text.index("\n  fan-in:"):]
+    assert "|| echo" not in text and '|| status=$?' in shard and 'echo "status=$status" >> "$GITHUB_OUTPUT"' in shard
+    upload, gate = shard.index("actions/upload-artifact"), shard.index("steps.run.outputs.status != '0'")
+    assert upload < gate and "exit 1" in shard[gate:]
+    assert "if: always()" in fan_in[:fan_in.index("steps:")]
+    for needed in ("--require-pass", '--expect "${expected[@]}" --fail-on finding', 'exit "$status"',
+                   '"$GITHUB_STEP_SUMMARY"'):
+        assert needed in fan_in, needed
 
 
 def test_actionlint_catches_a_broken_workflow(tmp_path):
@@ -68,7 +79,8 @@ def test_actionlint_catches_a_broken_workflow(tmp_path):
 def test_the_nox_session_runs_the_workflows_steps():
     text = (REPO / "noxfile.py").read_text()
     session = text[text.index("def fanout("):]
-    for step in ('"matrix", "--json"', '"run"', '"--export"', '"sign"', '"verify"', '"--key"', '"merge"'):
+    for step in ('"matrix", "--json"', '"run"', '"--export"', '"sign"', '"verify"', '"--key"', '"--require-pass"',
+                 '"merge"', '"--expect"', '"--fail-on", "finding"'):
         assert step in session, step
 
 
@@ -119,8 +131,11 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert table["rows"][0]["vex"] == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
                                        "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation"}
     markdown = (out / "summary.md").read_text()
-    assert "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 | result | signed |" in markdown
-    assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation | under_investigation | pass | yes |") == 2
+    assert ("| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 "
+            "| live tier | upstream tests | signed | result | why |") in markdown
+    assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation "
+                          "| under_investigation | no | ran (3 tests) | yes | pass |  |") == 2
+    assert summary["failed"] == []
 
 
 def test_merge_refuses_what_does_not_verify_or_is_no_bundle(two_bundles, tmp_path, capsys):
@@ -131,3 +146,151 @@ def test_merge_refuses_what_does_not_verify_or_is_no_bundle(two_bundles, tmp_pat
     (tmp_path / "empty").mkdir()
     assert cli.main(["merge", str(tmp_path / "empty"), "--json"]) == 2
     assert "holds no evidence bundle" in _json(capsys)["error"]["message"]
+
+
+# the patched tree still unsafe where the fix should hold: a finding (as 0.5.12's 6 still-unsafe cases)
+STILL_UNSAFE = [("admission", "rejected_request_not_enqueued_prefill", False, "unsafe", "unsafe", "safe"),
+                *PASSING_CASES[1:]]
+
+
+@pytest.fixture
+def failing_bundle(tmp_path, classes) -> Path:  # noqa: F811
+    return evidence.write_bundle(tmp_path / "all" / "bundles-shard-9" / "sglang-0.5.19",
+                                 vex_run(tmp_path / "run9", classes, cases=STILL_UNSAFE))
+
+
+def test_verify_reports_integrity_and_result_and_require_pass_fails_a_finding(failing_bundle, two_bundles, capsys):
+    bundles = [str(two_bundles[0]), str(failing_bundle)]
+    assert cli.main(["verify", *bundles, "--json"]) == 0  # integrity alone: both verify
+    document = _json(capsys)
+    assert [(b["integrity"], b["result"]) for b in document["bundles"]] == [("ok", "pass"), ("ok", "fail")]
+    assert document["bundles"][1]["finding"] == "1 still-unsafe" and document["not_pass"] == [str(failing_bundle)]
+    assert cli.main(["verify", *bundles, "--require-pass", "--json"]) == 1
+    assert not _json(capsys)["ok"]
+    assert cli.main(["verify", str(failing_bundle), "--require-pass"]) == 1
+    assert "run result: fail: 1 still-unsafe" in capsys.readouterr().out
+    assert cli.main(["verify", str(two_bundles[0]), "--require-pass"]) == 0
+
+
+def test_merge_fails_on_a_finding_and_says_why_per_release(failing_bundle, two_bundles, tmp_path, capsys):
+    out = tmp_path / "merged"
+    assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out), "--json"]) == 1
+    summary = _json(capsys)
+    assert summary["failed"] == [{"release": "0.5.19", "spec": "sglang==0.5.19", "bundle": str(failing_bundle.resolve()),
+                                  "result": "fail", "why": "1 still-unsafe"}]
+    assert "| fail | 1 still-unsafe |" in (out / "summary.md").read_text()  # written for the CI summary all the same
+    assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out)]) == 1
+    assert "1 release(s) not a pass: 0.5.19 fail (1 still-unsafe)" in capsys.readouterr().err
+    assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out), "--fail-on", "never"]) == 0
+
+
+def test_merge_fails_when_an_expected_release_left_no_bundle(two_bundles, tmp_path, capsys):
+    out = tmp_path / "merged"
+    args = ["merge", str(tmp_path / "all"), "--out", str(out), "--json", "--expect", "sglang==0.5.19"]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "sglang==0.5.12"]) == 1
+    summary = _json(capsys)
+    assert [(f["release"], f["result"]) for f in summary["failed"]] == [("0.5.12", "missing")]
+    assert "| 0.5.12 | - |" in (out / "summary.md").read_text()
+
+
+def test_merge_refuses_a_users_folder_before_any_work(two_bundles, tmp_path, monkeypatch, capsys):
+    import time
+
+    verify_module = sys.modules["backport.evidence.verify"]  # the package's `verify` name is the function
+    def no_work(*_a, **_k):
+        raise AssertionError("a bundle was verified before --out was checked")
+
+    monkeypatch.setattr(verify_module, "verify_signed", no_work)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    started = time.monotonic()
+    assert cli.main(["merge", str(tmp_path / "all"), "--out", str(mine)]) == 2
+    assert time.monotonic() - started < 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {mine}" in err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+class _Session:
+    """The parts of nox.Session the fanout session uses, run in this process: `sglang-backport`
+    commands go to cli.main, openssl runs for real, and `run` (which needs the network) writes
+    the given fixture bundle instead. A command outside its success codes raises, as nox's does."""
+
+    def __init__(self, tmp: Path, run_bundle):
+        self.posargs, self.tmp, self.run_bundle, self.commands = [], tmp, run_bundle, []
+
+    def install(self, *_args):
+        pass
+
+    def create_tmp(self) -> str:
+        return str(self.tmp)
+
+    def log(self, *_args):
+        pass
+
+    def error(self, message):
+        raise _SessionFailed(message)
+
+    def run(self, *args, silent=False, success_codes=(0,), external=False):
+        import contextlib
+        import io
+
+        from nox.command import CommandFailed
+
+        self.commands.append(args[1] if args[0] == "sglang-backport" else args[0])
+        if args[0] == "openssl":
+            subprocess.run(args, check=True, capture_output=True)
+            return ""
+        if args[1] == "matrix":  # one release, the one the fixture bundles are of
+            return json.dumps({"include": [{"shard": "shard-1", "specs": "sglang==0.5.19", "releases": "0.5.19"}]})
+        if args[1] == "run":
+            out = Path(args[args.index("--out") + 1])
+            if self.run_bundle is not None:
+                evidence.write_bundle(out / "sglang-0.5.19", self.run_bundle)
+            code = 1 if self.run_bundle is None or self.run_bundle.summary["result"] != "pass" else 0
+        else:
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                code = cli.main(list(args[1:]))
+        if code not in success_codes:
+            raise CommandFailed(f"{' '.join(args[:2])} exited {code}")
+        return stdout.getvalue() if silent else ""
+
+
+class _SessionFailed(Exception):
+    pass
+
+
+def _noxfile():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", REPO / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["pass", "finding", "no bundle"])
+def test_the_nox_fanout_session_fails_on_a_failing_release(kind, tmp_path, classes):  # noqa: F811
+    from nox.command import CommandFailed
+
+    cases = {"pass": PASSING_CASES, "finding": STILL_UNSAFE}.get(kind)
+    run_bundle = None if cases is None else vex_run(tmp_path / "run", classes, cases=cases)
+    session = _Session(tmp_path / "nox", run_bundle)
+    if kind == "pass":
+        _noxfile().fanout(session)
+        assert session.commands == ["matrix", "run", "openssl", "openssl", "sign", "verify", "merge"]
+        assert json.loads((tmp_path / "nox" / "fanout" / "merged" / "summary.json").read_text())["failed"] == []
+        return
+    with pytest.raises((CommandFailed, _SessionFailed)) as failure:
+        _noxfile().fanout(session)
+    if kind == "finding":
+        # verify --require-pass names it; merge --fail-on finding is the step that ends the session
+        assert session.commands[-2:] == ["verify", "merge"] and "merge" in str(failure.value)
+        summary = json.loads((tmp_path / "nox" / "fanout" / "merged" / "summary.json").read_text())
+        assert [(f["release"], f["why"]) for f in summary["failed"]] == [("0.5.19", "1 still-unsafe")]
+    else:
+        assert "left no bundle" in str(failure.value)

@@ -9,7 +9,9 @@ that verify and writes, in one folder:
 - ``attestations.intoto.jsonl``: every signed bundle's attestation lines (receipt and wheel),
   in bundle order; an unsigned bundle adds none and is named in the summary;
 - ``summary.json`` and ``summary.md``: a release x fix table (what the engine did with each
-  fix), each class's VEX status and the run's result, one row per bundle.
+  fix), each class's VEX status, whether the live tier and upstream's tests ran, whether the
+  bundle is signed, and the run's result with why it is not a pass, one row per bundle; an
+  expected release without a bundle (`--expect`) is a row of its own, `missing`.
 """
 
 from __future__ import annotations
@@ -54,9 +56,48 @@ def find_bundles(paths: list[Path]) -> list[Path]:
     return found
 
 
+def check_out(out: Path) -> None:
+    """Refuse an --out that holds anything a merge does not write (checked before any work)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(p.name not in (MERGED_VEX, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD)
+                                                 for p in out.iterdir())):
+        raise BadInput(f"--out {out}: exists and holds other files than a merge writes; refusing to write there")
+
+
+def _upstream_cell(up: dict | None) -> str:
+    if not up or up.get("skipped"):
+        return "skipped"
+    ran = sum(1 for tree in up.get("trees") or [] for test in tree.get("tests") or []
+              if test.get("outcome") != "skipped")
+    return f"ran ({ran} tests)" if ran else "none ran"
+
+
+def _release(spec: str) -> str:
+    return spec.split("==", 1)[1] if spec.startswith("sglang==") else spec
+
+
+def _order(row: dict) -> tuple:
+    try:
+        return (0, Version(row["release"]), row["bundle"] or "")
+    except ValueError:  # a git or path target: after the releases, by name
+        return (1, row["release"], row["bundle"] or "")
+
+
+def missing_rows(expected: list[str], rows: list[dict]) -> list[dict]:
+    """A row for each expected spec no bundle is of (a shard that crashed, or wrote nothing)."""
+    have = {row["spec"] for row in rows}
+    return [{"bundle": None, "release": _release(spec), "spec": spec, "product": None, "result": "missing",
+             "why": "no bundle: its run left none", "fixes": {}, "vex": {}, "live": "-", "upstream_tests": "-",
+             "signed": False, "document": None}
+            for spec in dict.fromkeys(expected) if spec not in have]
+
+
 def _row(bundle: Path) -> dict:
+    from backport.evidence.verify import finding_reason
+
     receipt = json.loads((bundle / RECEIPT).read_bytes())
     p = receipt["predicate"]
+    live = p.get("live")
     vex_path = bundle / "vex.openvex.json"
     document = json.loads(vex_path.read_bytes()) if vex_path.is_file() else None
     wheel = (p.get("export") or {}).get("wheel")
@@ -66,6 +107,9 @@ def _row(bundle: Path) -> dict:
         "spec": p["inputs"]["target"]["spec"],
         "product": wheel["version"] if wheel else None,
         "result": p["summary"]["result"],
+        "why": finding_reason(p["summary"]),
+        "live": f"yes ({len(live.get('scenarios') or [])} scenarios)" if live else "no",
+        "upstream_tests": _upstream_cell(p.get("upstream_tests")),
         "fixes": {x["fix"]: x["status"] for x in (p.get("apply") or {}).get("patches", [])},
         "vex": {s["vulnerability"]["name"]: s["status"] for s in (document or {}).get("statements", [])},
         "signed": any(bundle.rglob("*" + ATTESTATION_SUFFIX)),
@@ -100,42 +144,51 @@ def merged_vex(rows: list[dict]) -> dict | None:
 def summary_markdown(rows: list[dict], fixes: list[str], classes: list[str]) -> str:
     lines = ["# Backport matrix summary", "",
              ("One row per bundle: what the engine did with each fix (`applied`, `present` = already in the "
-              "release, `-` = not applicable), each vulnerability class's VEX status, and the run's result."), "",
-             "| release | product | " + " | ".join(fixes) + " | " + " | ".join(classes) + " | result | signed |",
-             "|" + " --- |" * (len(fixes) + len(classes) + 4)]
+              "release, `-` = not applicable), each vulnerability class's VEX status, whether the live tier "
+              "and upstream's unit tests ran, whether the bundle is signed, and the run's result with why it "
+              "is not a pass (`missing`: an expected release left no bundle)."), "",
+             "| release | product | " + " | ".join(fixes + classes)
+             + " | live tier | upstream tests | signed | result | why |",
+             "|" + " --- |" * (len(fixes) + len(classes) + 7)]
     for row in rows:
         cells = [_CELL.get(row["fixes"].get(f, ""), row["fixes"].get(f, "")) for f in fixes]
         status = [row["vex"].get(c, "") for c in classes]
-        lines.append(f"| {row['release']} | {row['product'] or '(tree only)'} | " + " | ".join(cells) + " | "
-                     + " | ".join(status) + f" | {row['result']} | {'yes' if row['signed'] else 'no'} |")
+        product = row["product"] or ("-" if row["bundle"] is None else "(tree only)")
+        lines.append(f"| {row['release']} | {product} | " + " | ".join(cells + status)
+                     + f" | {row['live']} | {row['upstream_tests']} | {'yes' if row['signed'] else 'no'} "
+                     f"| {row['result']} | {row['why'] or ''} |")
     return "\n".join(lines) + "\n"
 
 
-def merge(bundles: list[Path], out: Path) -> dict:
-    """Write the merged files of `bundles` (each already verified by the caller) into `out`."""
+def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> dict:
+    """Write the merged files of `bundles` (each already verified by the caller) into `out`;
+    `expected` specs without a bundle are rows of their own. `failed` in the result: every row
+    that is not a pass, with why."""
     from backport import cache
 
-    rows = sorted((_row(b) for b in bundles), key=lambda r: (Version(r["release"]), r["bundle"]))
+    present = [_row(b) for b in bundles]
+    rows = sorted(present + missing_rows(expected or [], present), key=_order)
     fixes: list[str] = []
     classes: list[str] = []
     for row in rows:
         fixes += [f for f in row["fixes"] if f not in fixes]
         classes += [c for c in row["vex"] if c not in classes]
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(p.name not in (MERGED_VEX, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD)
-                                                 for p in out.iterdir())):
-        raise BadInput(f"{out}: exists and holds other files than a merge writes; refusing to write there")
+    check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     document = merged_vex(rows)
     if document is not None:
         cache.write_file_atomic(out / MERGED_VEX, canonical_json(document))
-    lines = b"".join(path.read_bytes() for row in rows
+    lines = b"".join(path.read_bytes() for row in rows if row["bundle"] is not None
                      for path in sorted(Path(row["bundle"]).rglob("*" + ATTESTATION_SUFFIX)))
     cache.write_file_atomic(out / MERGED_LINES, lines)
     table = [{k: v for k, v in row.items() if k != "document"} for row in rows]
-    summary = {"bundles": len(rows), "fixes": fixes, "classes": classes, "rows": table,
+    summary = {"bundles": len(present), "fixes": fixes, "classes": classes, "rows": table,
                "vex_statements": len(document["statements"]) if document else 0,
-               "attestations": lines.count(b"\n"), "unsigned": [r["bundle"] for r in rows if not r["signed"]]}
+               "attestations": lines.count(b"\n"),
+               "unsigned": [r["bundle"] for r in rows if not r["signed"] and r["bundle"] is not None],
+               "failed": [{"release": r["release"], "spec": r["spec"], "bundle": r["bundle"], "result": r["result"],
+                           "why": r["why"]} for r in rows if r["result"] != "pass"]}
     cache.write_file_atomic(out / SUMMARY_JSON, canonical_json(summary))
     cache.write_file_atomic(out / SUMMARY_MD, summary_markdown(rows, fixes, classes).encode())
     return {**summary, "out": str(out)}

@@ -29,7 +29,8 @@ DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 ROOM = 801
 # Two decode ranks of one room (decode TP 2 against prefill TP 1), as in #41402.
 DECODE_PEERS = (("10.0.2.1", 17200), ("10.0.2.2", 17201))
-ERR_MESSAGES = ("encountered ERR", "left a handle running")
+UNREADABLE = "NIXL agent could not read the transfer state"  # what the stand-in's unreadable handle raises
+ERR_MESSAGES = ("encountered ERR", "left a handle running", UNREADABLE)
 
 
 class NixlAgentStandIn:
@@ -43,10 +44,12 @@ class NixlAgentStandIn:
       the probe calls ``settle()`` -- a sibling of a failed handle;
     - ``hold``: the write is in flight (``PROC``) while ``during`` runs (an ABORT
       arriving mid-transfer) at the worker's first look at the handle, then lands
-      (``DONE``).
+      (``DONE``);
+    - ``unreadable``: the write is still landing, and reading its state raises
+      (the agent lost the handle's state, e.g. a backend error) until ``settle()``.
 
-    ``in_flight`` counts ``running`` handles not yet settled, so every drain ACK
-    can be recorded with the writes that could still hit decode's pages.
+    ``in_flight`` counts ``running`` and ``unreadable`` handles not yet settled, so
+    every drain ACK can be recorded with the writes that could still hit decode's pages.
     """
 
     def __init__(self, ledger: Ledger, plan: list[str] | None = None, during=None) -> None:
@@ -57,16 +60,19 @@ class NixlAgentStandIn:
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for s in self.states.values() if s == "PROC")
+        return sum(1 for s in self.states.values() if s in ("PROC", "UNREADABLE"))
 
     def post(self, kind: str) -> int:
         mode = self.plan.pop(0) if self.plan else "done"
         handle = len(self.states) + 1
-        self.states[handle] = {"done": "DONE", "err": "ERR", "running": "PROC", "hold": "HOLD"}[mode]
+        self.states[handle] = {"done": "DONE", "err": "ERR", "running": "PROC", "hold": "HOLD",
+                               "unreadable": "UNREADABLE"}[mode]
         self.ledger.record("write_posted", what=kind, room=ROOM, mode=mode)
         return handle
 
     def check_xfer_state(self, handle) -> str:
+        if self.states[handle] == "UNREADABLE":
+            raise RuntimeError(f"{UNREADABLE} of handle {handle}")
         if self.states[handle] == "HOLD":
             self.states[handle] = "PROC"  # counted in flight while `during` runs
             if self.during is not None:
@@ -84,8 +90,36 @@ class NixlAgentStandIn:
     def settle(self) -> None:
         self.ledger.record("writes_settled", count=self.in_flight)
         for handle, state in self.states.items():
-            if state == "PROC":
+            if state in ("PROC", "UNREADABLE"):
                 self.states[handle] = "DONE"
+
+
+class PausedAtMetadataRead(dict):
+    """The manager's ``transfer_infos`` (a plain dict) with one interleaving point:
+    the first time the worker reads a room's entry (``get``, ``in``, ``[]``),
+    ``during`` runs first, as the scheduler and bootstrap threads would while the
+    worker thread is between its status check and its metadata read."""
+
+    def __init__(self, infos: dict, room: int, during) -> None:
+        super().__init__(infos)
+        self.room, self.during, self.fired = room, during, False
+
+    def _pause(self, key) -> None:
+        if key == self.room and not self.fired:
+            self.fired = True
+            self.during()
+
+    def get(self, key, default=None):
+        self._pause(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self._pause(key)
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        self._pause(key)
+        return super().__getitem__(key)
 
 
 def nixl_module():
@@ -236,8 +270,9 @@ class NixlPrefillRig:
             **numbered,
         )
 
-    def run_worker(self, chunks) -> str:
-        """The real transfer worker over ``chunks`` until its queue runs dry."""
+    def run_worker(self, chunks, tolerate: tuple[type, ...] = ()) -> str:
+        """The real transfer worker over ``chunks`` until its queue runs dry.
+        ``tolerate``: exception types the scenario expects the worker to catch."""
         items = list(chunks)
 
         def get():
@@ -257,7 +292,7 @@ class NixlPrefillRig:
             failure = recorded
         if failure is not None:
             self.ledger.record("worker_failure", message=str(failure)[:160])
-            if not any(m in str(failure) for m in ERR_MESSAGES):
+            if not any(m in str(failure) for m in ERR_MESSAGES) and not isinstance(failure, tolerate):
                 # The worker's catch-all caught something the plan did not ask
                 # for: the rig is wrong for this tree, and a verdict built on it
                 # would claim more than ran.

@@ -228,20 +228,12 @@ def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
     return Outcome(UNSAFE, f"Drain ACK(s) sent while the failed {' and '.join(failed)} write was in flight.", runs)
 
 
-@case(
-    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
-    must_preserve=False,
-    expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes holds decode's "
-    "pages (the backend defers release) and no drain ACK leaves while the sibling runs: not for a later chunk of "
-    "the failed room, not after clear(), not for a late ABORT.",
-)
-def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
-    """#41023 (NIXL's capability) and #41402 (the failed-send rule, NIXL's worker and ABORT handler): an ERR
-    handle aborts the batch while its sibling may still be writing, so the room's drain ACK is withheld for
-    good and decode releases on its timeout."""
+def _nixl_failed_batch(ctx, plan: list[str]) -> dict:
+    """One NIXL failed batch (``plan``: the first chunk's writes), ABORTs, the room's next chunk, clear() and
+    a late ABORT; the summary with the writes still running before the probe settled them."""
     from probes.nixl_rig import NixlPrefillRig
 
-    rig = NixlPrefillRig(ctx, plan=["err", "running"])
+    rig = NixlPrefillRig(ctx, plan=plan)
     rig.run_worker([rig.chunk(0, last=False)])
     rig.abort_from(0)  # decode saw the failure and aborts the room
     rig.run_worker([rig.chunk(1, last=True)])  # the room's next chunk was already queued
@@ -252,12 +244,33 @@ def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
     details = rig.summary()
     details["sibling_writes_running_at_end"] = in_flight_before_settle
     if in_flight_before_settle != 1 or not rig.ledger.count("worker_failure"):
-        raise RuntimeError("the planned ERR/running batch did not happen as planned")
+        raise RuntimeError(f"the planned {plan} batch did not happen as planned")
+    return details
+
+
+@case(
+    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
+    must_preserve=False,
+    expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes, or whose "
+    "handle's state cannot be read while its write still runs, holds decode's pages (the backend defers release) "
+    "and no drain ACK leaves while that write runs: not for a later chunk of the failed room, not after clear(), "
+    "not for a late ABORT.",
+)
+def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
+    """#41023 (NIXL's capability) and #41402 (the failed-send rule, NIXL's worker and ABORT handler): an ERR
+    handle aborts the batch while its sibling may still be writing, so the room's drain ACK is withheld for
+    good and decode releases on its timeout. A handle whose state read raises (the agent lost track of it)
+    proves nothing about its write either: the settle wait counts it as running (the pack's
+    ``_await_handles`` on 0.5.13 - 0.5.19, upstream's from 0.5.20), so it withholds the ACK the same way."""
+    runs = {"err_with_running_sibling": _nixl_failed_batch(ctx, ["err", "running"]),
+            "unreadable_state": _nixl_failed_batch(ctx, ["unreadable"])}
+    details = {**runs["err_with_running_sibling"], "unreadable_state": runs["unreadable_state"]}
     problems = []
     if not details["deferred_release"]:
         problems.append("NIXL has no drain-ACK capability here, so decode releases the failed transfer's pages at once")
-    if details["acks_while_writes_in_flight"]:
-        problems.append(f"{details['acks_while_writes_in_flight']} drain ACK(s) sent while the sibling write ran")
+    for name, run in runs.items():
+        if run["acks_while_writes_in_flight"]:
+            problems.append(f"{run['acks_while_writes_in_flight']} drain ACK(s) sent while the write ran ({name})")
     return judged(problems, (
-        "NIXL defers, and no drain ACK left while the sibling of the failed handle was writing "
-        "(decode releases on its timeout)."), details)
+        "NIXL defers, and no drain ACK left while the sibling of the failed handle, or the write whose state "
+        "could not be read, was still writing (decode releases on its timeout)."), details)

@@ -71,19 +71,59 @@ def nixl_settled_error_uncounts_and_acks(ctx) -> Outcome:
         f"({details['acks_per_peer']}), nothing left behind."), details)
 
 
+def _nixl_cleared_room_skip(ctx, *, at_metadata_read: bool) -> dict:
+    """Decode rank 0 ABORTs a room whose chunk is counted, the scheduler clears it, decode rank 1 ABORTs the
+    cleared room; then the worker skips the chunk. ``at_metadata_read``: all three happen while the worker,
+    having counted the chunk and seen the room live, is about to read its transfer metadata."""
+    from probes.nixl_rig import DECODE_PEERS as NIXL_PEERS
+    from probes.nixl_rig import ROOM as NIXL_ROOM
+    from probes.nixl_rig import NixlPrefillRig, PausedAtMetadataRead
+
+    rig = NixlPrefillRig(ctx)
+    chunk = rig.chunk(0, last=False)
+    seen: dict = {}
+
+    def abort_clear_abort() -> None:
+        rig.abort_from(0)
+        seen["targets_before_clear"] = _nixl_targets_left(rig, NIXL_ROOM)
+        rig.clear_sender()
+        rig.abort_from(1)  # the other decode rank's ABORT reaches the cleared room
+        seen["acks_before_skip"] = len(rig.ledger.of("drain_ack"))
+
+    tolerate: tuple[type, ...] = ()
+    if at_metadata_read:
+        rig.mgr.transfer_infos = PausedAtMetadataRead(rig.mgr.transfer_infos, NIXL_ROOM, abort_clear_abort)
+        tolerate = (AssertionError,)  # 0.5.18 asserts the metadata is there: its catch-all takes the chunk
+    else:
+        chunk.staging_counted = True  # counted at its first dequeue, then re-enqueued unsent
+        rig.mgr._staging_outstanding[NIXL_ROOM] += 1
+        abort_clear_abort()
+    rig.run_worker([chunk], tolerate=tolerate)
+    if at_metadata_read and not rig.mgr.transfer_infos.fired:
+        raise RuntimeError("the worker never read the room's transfer metadata")
+    details = rig.summary()
+    details.update(seen, targets_left=_nixl_targets_left(rig, NIXL_ROOM),
+                   chunks_counted_at_end=rig.mgr._staging_outstanding.get(NIXL_ROOM, 0))
+    if seen["targets_before_clear"] != [f"{NIXL_PEERS[0][0]}:{NIXL_PEERS[0][1]}"]:
+        raise RuntimeError(f"decode rank 0's ABORT was not held on the counted chunk ({seen['targets_before_clear']})")
+    return details
+
+
 @case(
     proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT it "
-    "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded.",
+    "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded, also "
+    "when the clear lands while the worker is about to read the room's transfer metadata.",
 )
 def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     """Scenario: a NIXL room's chunk is counted but not yet written (the staging path re-enqueues a chunk it
     cannot place yet, counted at its first dequeue: stood in for by marking the chunk counted). Decode rank 0
     ABORTs (the room goes Failed, its target is held on the count), the scheduler clears the room, decode
     rank 1 ABORTs the cleared room, and then the worker dequeues the chunk and skips it (room not in
-    ``request_status``). The "transfer metadata cleared" skip branch gets the same change but is not driven:
-    no sequence found here holds a target there.
+    ``request_status``). Second run, the same three events in the window between the worker counting a chunk
+    of a live room and reading its transfer metadata (the scheduler and bootstrap threads run beside the
+    worker): the worker finds no metadata and takes the "transfer metadata cleared" skip.
 
     Upstream behaviour (0.5.22; the gap named on upstream #37077): the ABORT for a cleared room registers while
     a chunk is counted, and the worker's skip branches pop the count and then try the drain ACK, so the targets
@@ -91,44 +131,25 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
 
     Proves: the #41402 backport's NIXL skip-path ACK (patches/pr41402, 0.5.17 - 0.5.21): without it the skip
     pops the count and the held targets are stranded (decode waits its full release timeout), and on 0.5.21 the
-    ABORT for the cleared room is neither registered nor answered."""
-    from probes.nixl_rig import DECODE_PEERS as NIXL_PEERS
-    from probes.nixl_rig import ROOM as NIXL_ROOM
-    from probes.nixl_rig import NixlPrefillRig
-
-    rig = NixlPrefillRig(ctx)
-    chunk = rig.chunk(0, last=False)
-    chunk.staging_counted = True  # counted at its first dequeue, then re-enqueued unsent
-    rig.mgr._staging_outstanding[NIXL_ROOM] += 1
-    rig.abort_from(0)
-    held_before_clear = _nixl_targets_left(rig, NIXL_ROOM)
-    rig.clear_sender()
-    rig.abort_from(1)  # the other decode rank's ABORT reaches the cleared room
-    acks_before_skip = len(rig.ledger.of("drain_ack"))
-    rig.run_worker([chunk])
-    details = rig.summary()
-    left = _nixl_targets_left(rig, NIXL_ROOM)
-    details.update(
-        targets_before_clear=held_before_clear,
-        acks_before_skip=acks_before_skip,
-        targets_left=left,
-        chunks_counted_at_end=rig.mgr._staging_outstanding.get(NIXL_ROOM, 0),
-    )
-    if held_before_clear != [f"{NIXL_PEERS[0][0]}:{NIXL_PEERS[0][1]}"]:
-        raise RuntimeError(f"decode rank 0's ABORT was not held on the counted chunk ({held_before_clear})")
+    ABORT for the cleared room is neither registered nor answered. 0.5.18's worker asserts the metadata is
+    there; its catch-all then settles the empty batch and ACKs."""
+    runs = {"cleared_before_dequeue": _nixl_cleared_room_skip(ctx, at_metadata_read=False),
+            "cleared_at_metadata_read": _nixl_cleared_room_skip(ctx, at_metadata_read=True)}
+    details = {**runs["cleared_before_dequeue"], "cleared_at_metadata_read": runs["cleared_at_metadata_read"]}
     problems = []
-    if acks_before_skip:
-        problems.append(f"{acks_before_skip} ACK(s) left while the chunk was still counted")
-    missing = [peer for peer, n in details["acks_per_peer"].items() if n < 1]
-    if missing:
-        problems.append(f"no drain ACK reached {missing} after the chunk was skipped")
-    if left:
-        problems.append(f"targets {left} stranded on prefill")
-    if details["writes_posted"]:
-        problems.append(f"the cleared room's chunk was written ({details['writes_posted']})")
+    for name, run in runs.items():
+        if run["acks_before_skip"]:
+            problems.append(f"{run['acks_before_skip']} ACK(s) left while the chunk was still counted ({name})")
+        missing = [peer for peer, n in run["acks_per_peer"].items() if n < 1]
+        if missing:
+            problems.append(f"no drain ACK reached {missing} after the chunk was skipped ({name})")
+        if run["targets_left"]:
+            problems.append(f"targets {run['targets_left']} stranded on prefill ({name})")
+        if run["writes_posted"]:
+            problems.append(f"the cleared room's chunk was written ({run['writes_posted']}, {name})")
     return judged(problems, (
-        f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), nothing written, "
-        "nothing stranded."), details)
+        f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), also when the clear "
+        "landed at the worker's metadata read; nothing written, nothing stranded."), details)
 
 
 @case(

@@ -503,3 +503,65 @@ def test_audit_names_a_wheel_exported_by_the_toolkit(tmp_path, monkeypatch):
     assert exported_wheel(sys.executable, site)["exported_wheel"]["tree_digest_matches"] is False
     (info / "sglang_backport.json").unlink()
     assert exported_wheel(sys.executable, site) == {}
+
+
+# ---- every non-pass gate names its way out and the command that re-checks it ---------------------
+
+
+def audit_text(args, capsys) -> str:
+    main(["audit", *args])
+    return capsys.readouterr().out
+
+
+def test_every_non_pass_gate_names_a_change_and_the_recheck_command(capsys):
+    prefill = server_doc(pool=INCIDENT_POOL, mem_fraction_static=0.8)
+    decode = server_doc(mode="decode", pool=INCIDENT_POOL)
+    with serve({"/server_info": prefill}) as p, serve({"/server_info": decode}) as d:
+        code, document = run_cli(["--server", p, "--server", d], capsys)
+    assert code == 1
+    recheck = f"re-check: `sglang-backport audit --server {p} --server {d}"
+    for g in document["gates"]:
+        assert g["verdict"] != PASS and recheck in g["remedy"], g
+    g1 = gate(document, 1)["remedy"]
+    assert "--context-length 681280" in g1 and "--mem-fraction-static (now 0.8)" in g1 and "1.54x" in g1
+    g3 = gate(document, 3)["remedy"]
+    assert "sglang-backport run sglang==0.5.19 --export" in g3 and "--disaggregation-enable-kv-checksum" in g3
+    assert "--python EXE" in gate(document, 2)["remedy"] and "--python EXE`" in gate(document, 4)["remedy"]
+
+
+def _remedy(number, code, servers):
+    from types import SimpleNamespace
+
+    from backport.audit.remedies import attach
+
+    args = SimpleNamespace(tree="/t", python=None, server=[s.url for s in servers], live=None)
+    results = attach(gates.evaluate(code, servers, PACK), code, servers, args)
+    return next(g for g in results if g.gate == number)
+
+
+def test_gate3_remedies_name_the_flag_or_the_environment_variable():
+    one_sided = (facts(disaggregation_enable_kv_checksum=False),
+                 facts("http://d:2", mode="decode", disaggregation_enable_kv_checksum=True))
+    result = _remedy(3, None, one_sided)
+    assert result.verdict == FAIL
+    assert "start http://p:1 with --disaggregation-enable-kv-checksum (it is on for http://d:2" in result.remedy
+    off = _remedy(3, code_facts(coverage=False), PAIR)
+    assert off.verdict == WARN and "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=1" in off.remedy
+    assert "re-check: `sglang-backport audit /t --server http://p:1 --server http://d:2`" in off.remedy
+
+
+def test_gate4_remedies_name_the_environment_and_the_backend():
+    result = _remedy(4, code_facts(deferred=False, capable=("nixl",)), PAIR)
+    assert result.verdict == FAIL
+    assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 in the environment of every decode node" in result.remedy
+    assert "from mooncake to --disaggregation-transfer-backend nixl" in result.remedy
+    assert "re-check: `SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 sglang-backport audit /t" in result.remedy
+    assert _remedy(4, code_facts(), PAIR).remedy is None   # a pass needs no way out
+
+
+def test_an_unreachable_server_is_named_once_in_full(capsys):
+    with serve({}) as url:
+        pass
+    text = audit_text(["--server", url], capsys)
+    assert text.count("connection refused") == 1 and f"server {url}: not read: " in text
+    assert "not read (above)" in text

@@ -158,6 +158,7 @@ def test_a_router_that_rejects_by_length_passes_gate2():
         code, document, seconds = audit("--live", r.url, "--live-count", "2")
     g2 = gate(document, 2)
     assert g2["verdict"] == "pass", g2
+    assert code == 1 and gate(document, 1)["verdict"] == "fail"   # its pool is below its context
     assert "each naming the input length" in text(g2)
     assert r.posts() == ["/generate"] * 3 and seconds < 10
 
@@ -191,17 +192,17 @@ def test_a_failed_baseline_leaves_gate2_unknown_and_sends_no_over_pool_prompt():
     with hostile(router(lambda n: (500, {"error": "boom"}))) as r:
         code, document, _ = audit("--live", r.url)
     g2 = gate(document, 2)
-    assert g2["verdict"] == "unknown" and "baseline" in text(g2) and "nothing judged" in text(g2)
+    assert g2["verdict"] == "unknown" and "baseline" in text(g2) and "nothing judged" in text(g2) and code == 1
     assert r.posts() == ["/generate"]   # the baseline only
 
 
 def test_401_names_the_api_key_flag_and_the_key_is_sent_as_a_bearer_token():
     with hostile(router(sglang_like, key="sekret")) as r:
         code, document, seconds = audit("--live", r.url)
-        assert gate(document, 2)["verdict"] == "unknown" and seconds < 5
+        assert gate(document, 2)["verdict"] == "unknown" and seconds < 5 and code == 1
         assert "the router wants an API key: --api-key" in text(gate(document, 2))
-        assert r.posts() == []
-        code, document, _ = audit("--live", r.url, "--live-count", "1", "--api-key", "sekret")
+        assert "re-run with --api-key KEY" in gate(document, 1)["remedy"] and r.posts() == []
+        _, document, _ = audit("--live", r.url, "--live-count", "1", "--api-key", "sekret")
         assert gate(document, 2)["verdict"] == "pass", gate(document, 2)
         assert {auth for _, _, auth in r.seen} == {None, "Bearer sekret"}
 
@@ -272,7 +273,7 @@ def drip_headers(server, request):
 def test_a_server_dripping_a_byte_every_4_s_ends_at_the_timeout(handle):
     with hostile(handle) as s:
         code, document, seconds = audit("--server", s.url, "--timeout", "2")
-    assert seconds < 4, seconds
+    assert seconds < 4 and code == 1, seconds
     assert "no complete answer within 2 s" in document["servers"][0]["error"]
     assert gate(document, 1)["verdict"] == "unknown"
 
@@ -290,7 +291,7 @@ def test_a_huge_body_is_cut_at_the_limit():
         code, document, seconds = audit("--server", s.url)
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert "above the audit's limit of 4,194,304 bytes" in document["servers"][0]["error"]
-    assert seconds < 10 and grown_mb < 100, (seconds, grown_mb)
+    assert seconds < 10 and grown_mb < 100 and code == 1, (seconds, grown_mb)
 
 
 def test_a_declared_huge_body_is_not_read():

@@ -74,7 +74,7 @@ def _pack(series: str | None):
 
 
 def _audit(args) -> tuple[int, dict, str]:
-    from backport.audit import gates, report
+    from backport.audit import gates, remedies, report
     from backport.audit.code import inspect_code
     from backport.audit.fetch import Limits
     from backport.audit.servers import check_url, fetch_servers
@@ -109,6 +109,7 @@ def _audit(args) -> tuple[int, dict, str]:
 
         results = apply_live(results, args.live, count=args.live_count, limits=limits,
                              max_prompt=args.max_prompt_tokens)
+    results = remedies.attach(results, code, servers, args)
     if args.report:
         Path(args.report).write_text(report.markdown(results, code, servers))
     allow = args.allow_unknown

@@ -168,10 +168,12 @@ def apply_live(results: tuple[GateResult, ...], url: str, *, count: int, limits:
     url = check_url(url, "--live")
     servers, listing = workers(url, limits)
     if listing and not servers:
-        case = {"skipped": listing}
+        case = {"skipped": listing, **({"remedy": "--api-key KEY"} if "--api-key" in listing else {})}
     else:
         case = negative_case(url, servers, count, limits, max_prompt)
     verdict, line, remedy = judge(case)
+    if remedy:
+        case["remedy"] = remedy
     out = []
     for gate in results:
         if gate.gate == 1:
@@ -180,8 +182,7 @@ def apply_live(results: tuple[GateResult, ...], url: str, *, count: int, limits:
             elif servers:
                 base = gate_pool_versus_context(tuple(servers))
             else:   # the router's own error is in `line`
-                base = dataclasses.replace(gate, evidence=("no --server given and no worker read through the "
-                                                           "router",))
+                base = dataclasses.replace(gate, evidence=("no --server given and no worker read through the router",))
             extra = (listing,) if listing and servers else ()
             out.append(dataclasses.replace(base, evidence=(*base.evidence, *extra, line),
                                            details={**base.details, "live": case}))
@@ -189,7 +190,6 @@ def apply_live(results: tuple[GateResult, ...], url: str, *, count: int, limits:
             code_known = "code" in gate.details
             combined = worst((gate.verdict, verdict)) if code_known else verdict
             out.append(dataclasses.replace(gate, verdict=combined, evidence=(*gate.evidence, line),
-                                           remedy=gate.remedy or (remedy and f"re-run the audit with {remedy}"),
                                            details={**gate.details, "live": case}))
         else:
             out.append(gate)

@@ -39,6 +39,8 @@ def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (
     for g in gates:
         lines.append(f"gate {g.gate} {g.name}: {g.verdict.upper()}")
         for line in g.evidence:
+            if g.remedy and line in g.remedy:
+                continue   # printed as the remedy below
             for s in unread:
                 line = line.replace(f"not read: {s.error}", "not read (above)")
             if len(line) > 60 and first_under.setdefault(line, g.gate) != g.gate:

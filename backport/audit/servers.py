@@ -37,6 +37,7 @@ class ServerFacts:
     page_size: int | None = None
     kv_checksum: bool | None = None       # None: the document has no such field
     is_server_args_dump: bool = False     # True when the document carries ServerArgs fields
+    mem_fraction_static: float | None = None   # what sizes the KV pool, for gate 1's remedy
     problems: tuple[str, ...] = field(default_factory=tuple)   # unreadable fields, by name
 
     @property
@@ -50,6 +51,7 @@ class ServerFacts:
             "max_total_num_tokens": self.pool_tokens, "max_req_input_len": self.max_req_input_len,
             "context_length": self.context_length, "context_source": self.context_source,
             "page_size": self.page_size, CHECKSUM_FLAG: self.kv_checksum,
+            "mem_fraction_static": self.mem_fraction_static,
             "problems": list(self.problems),
         }
 
@@ -126,6 +128,7 @@ def facts_from_documents(url: str, endpoint: str, info: dict, model_info: dict |
         problems.append(f"{CHECKSUM_FLAG}: not a boolean ({checksum!r})")
         checksum = None
     version = info.get("version")
+    fraction = info.get("mem_fraction_static")
     return ServerFacts(
         url=url, endpoint=endpoint, error=None, role=role,
         version=version if isinstance(version, str) else None,
@@ -134,6 +137,8 @@ def facts_from_documents(url: str, endpoint: str, info: dict, model_info: dict |
         context_source=source if context is not None else None, page_size=page_size,
         kv_checksum=checksum,
         is_server_args_dump="disaggregation_mode" in info and "model_path" in info,
+        mem_fraction_static=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+        else None,
         problems=tuple(problems),
     )
 

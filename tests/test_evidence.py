@@ -925,3 +925,20 @@ def test_a_report_from_other_toolkit_code_names_both_codes_and_still_fails():
     assert named.kind == "inconsistent" and "written by toolkit code abababababab" in named.detail
     assert _other_renderer_named(same, [problem]) == [problem]  # same code: a plain mismatch, no excuse
     assert _other_renderer_named(other, []) == []
+
+
+def test_export_of_a_bundle_without_exports_is_refused_before_verifying(bundle_dir, tmp_path, monkeypatch, capsys):
+    """`export BUNDLE` of a bundle made without `run --export`: exit 2 at once (the real bundle's
+    verification takes about a minute), one line naming the bundle, nothing created."""
+    import time
+
+    def no_work(*_a, **_k):
+        raise AssertionError("the bundle was verified before its receipt was read for exports")
+
+    monkeypatch.setattr(evidence, "verify", no_work)
+    started = time.monotonic()
+    code = cli.main(["export", str(bundle_dir), "--wheel", str(tmp_path / "dist"), "--patches", str(tmp_path / "p")])
+    assert code == 2 and time.monotonic() - started < 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bundle_dir) in err and "without exports" in err
+    assert not (tmp_path / "dist").exists() and not (tmp_path / "p").exists()

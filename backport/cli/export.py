@@ -47,13 +47,22 @@ def _from_bundle(args, bundle: Path) -> int:
 
     from backport import evidence
 
+    def no_exports() -> BadInput:
+        return BadInput(f"{bundle}: an evidence bundle without exports (made without `run --export`); "
+                        "export the patched tree instead (`run --keep-trees` or `apply --out`)")
+
+    try:  # a receipt that names no export is refused before the long verification
+        unverified = json.loads((bundle / evidence.RECEIPT).read_bytes())["predicate"].get("export")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        unverified = True  # unreadable: verify below names what is wrong
+    if not unverified:
+        raise no_exports()
     result = evidence.verify(bundle)
     if not result.ok:
         raise Finding(f"{bundle}: does not verify ({result.first}); nothing exported")
     export = json.loads((bundle / evidence.RECEIPT).read_text())["predicate"].get("export")
     if not export:
-        raise BadInput(f"{bundle}: an evidence bundle without exports (made without `run --export`); "
-                       "export the patched tree instead (`run --keep-trees` or `apply --out`)")
+        raise no_exports()
     document = {"bundle": str(bundle), "label": export["label"], "patch_set_sha256": export["patch_set_sha256"],
                 "wheel": None, "patches": None}
     lines = [f"{bundle}: verified; patch set {export['patch_set_sha256'][:12]}"]

@@ -39,6 +39,23 @@ class NotApplicable(Exception):
     """Raised by a case whose target code does not exist in the tree."""
 
 
+TREE_VERSION_ENV = "SGLANG_BACKPORT_TREE_VERSION"  # set by the harness for the cases of one tree
+FALLBACK_VERSIONS = ("0.0.0.dev0", "0.0.0")  # sglang/version.py's answer without a generated _version.py
+
+
+def tree_version():
+    """The release of the tree under test as the toolkit decided it (the harness's ``--version``), a
+    ``packaging`` Version. A case deciding applicability by release reads this, never
+    ``sglang.version``, whose fallback (0.0.0.dev0 on an upstream checkout) would make every range
+    check say "before"; an unknown version raises (the case errors, it is never not-applicable)."""
+    from packaging.version import Version
+
+    said = os.environ.get(TREE_VERSION_ENV, "unknown")
+    if said in ("unknown", "", *FALLBACK_VERSIONS):
+        raise RuntimeError(f"the tree's version is unknown ({said!r}): the harness was given no --version")
+    return Version(said)
+
+
 @dataclass
 class Outcome:
     verdict: str

@@ -31,9 +31,11 @@ from typing import Any
 
 from probes import (
     ERROR,
+    FALLBACK_VERSIONS,
     NOT_APPLICABLE,
     PROBE_NAMES,
     SAFE,
+    TREE_VERSION_ENV,
     UNSAFE,
     Case,
     NotApplicable,
@@ -181,6 +183,18 @@ def coverage_report(cov, tree: str, files: list[str]) -> dict[str, Any]:
     return report
 
 
+def tree_own_version(sglang) -> str:
+    """The version the imported tree says, when the toolkit passed none (`probe TREE`); "unknown"
+    for sglang/version.py's fallback, which says nothing about the release."""
+    version = getattr(sglang, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.import_module("sglang.version").__version__
+        except Exception:  # noqa: BLE001
+            version = "unknown"
+    return "unknown" if str(version) in FALLBACK_VERSIONS else str(version)
+
+
 class _UsageError(Exception):
     pass
 
@@ -194,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m probes.harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
+    parser.add_argument("--version", help="the tree's release as the toolkit decided it (git tag, wheel), which "
+                                          "the cases read; default: the tree's own sglang.__version__")
     parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
                         help="record the lines of this file (relative to the tree) that run, from before "
                              "`import sglang` to the last case (repeatable; needs the coverage package)")
@@ -245,12 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[harness] import {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     import_seconds = round(time.monotonic() - started, 3)
 
-    version = getattr(sglang, "__version__", None)
-    if version is None:
-        try:
-            version = importlib.import_module("sglang.version").__version__
-        except Exception:  # noqa: BLE001
-            version = "unknown"
+    version = args.version or tree_own_version(sglang)
+    os.environ[TREE_VERSION_ENV] = version  # what probes.tree_version() answers the cases
     try:
         import torch
 

@@ -29,7 +29,8 @@ from probes.preload import preload
 from probes.source_blocks import install as install_source_blocks
 
 
-def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str, bytecode: str | None) -> None:
+def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str, bytecode: str | None,
+           version: str | None = None) -> None:
     """In the forked child: this tree's path, stdout to the document, stderr to the log."""
     if bytecode:
         install_bytecode_cache(tree, bytecode)
@@ -44,7 +45,8 @@ def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str
     from probes import harness
 
     args = (["--tree", tree] + [a for name in probes for a in ("--probe", name)]
-            + [a for rel in coverage for a in ("--coverage", rel)])
+            + [a for rel in coverage for a in ("--coverage", rel)]
+            + (["--version", version] if version and version != "unknown" else []))
     code = 1
     try:
         code = harness.main(args)
@@ -60,13 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
     parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
                         help="passed to every child's harness (relative to each tree)")
+    parser.add_argument("--version", action="append", default=[],
+                        help="each tree's release as the toolkit decided it, in --tree order (optional)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--bytecode", metavar="DIR", help="cache of the trees' compiled modules (probes/bytecode.py)")
     parser.add_argument("--out", required=True, help="directory for <index>.json and <index>.log")
     args = parser.parse_args(argv)
-    if args.jobs < 1 or not os.path.isdir(args.out):
-        print(json.dumps({"error": "--jobs must be >= 1 and --out an existing directory"}))
+    if args.jobs < 1 or not os.path.isdir(args.out) or len(args.version) not in (0, len(args.tree)):
+        print(json.dumps({"error": "--jobs must be >= 1, --out an existing directory and --version given "
+                                   "once per --tree or not at all"}))
         return 2
+    versions = args.version or [None] * len(args.tree)
     started = time.monotonic()
     if args.bytecode:
         # the probes package and its stand-ins are compiled once too (the environment writes no
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             pid = os.fork()
             if pid == 0:
                 _child(os.path.abspath(tree), args.probe, args.coverage, os.path.join(args.out, f"{index}.json"),
-                       os.path.join(args.out, f"{index}.log"), args.bytecode)
+                       os.path.join(args.out, f"{index}.log"), args.bytecode, versions[index])
             running[pid] = (index, time.monotonic())
         pid, wait_status = os.wait()
         if pid in running:

@@ -267,9 +267,10 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
         raise NotApplicable("decode releases the restore through lock receipts here (0.5.20+), "
                             "which this rig does not build")
     from packaging.version import Version
-    from sglang.version import __version__
 
-    if Version(__version__) < Version("0.5.16"):
+    from probes import tree_version
+
+    if tree_version() < Version("0.5.16"):
         raise NotApplicable("before 0.5.16 decode's restore state machine differs from the one this rig drives")
 
 

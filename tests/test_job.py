@@ -75,7 +75,7 @@ def stub_probes(monkeypatch):
     job_run = importlib.import_module("backport.job.run")  # the package re-exports `run`, the function
     calls: list[list[tuple[str, Path]]] = []
 
-    def fake_matrix(python, package_roots, probes=None, *, jobs=None, labels=None, coverage=None):
+    def fake_matrix(python, package_roots, probes=None, *, jobs=None, labels=None, coverage=None, versions=None):
         roles = [label.split(" ")[0] for label in labels]
         calls.append(list(zip(roles, map(Path, package_roots), strict=True)))
         return [probe_doc(Path(root), ("pristine", "patched", "reference").index(role), PASSING_CASES)

@@ -32,7 +32,7 @@ def exported_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     job_run = importlib.import_module("backport.job.run")  # the package re-exports `run`, the function
     mp.setenv("SGLANG_BACKPORT_CACHE", str(WORKSPACE_CACHE))
-    mp.setattr(job_run, "run_matrix", lambda python, roots, probes=None, *, jobs=None, labels=None, coverage=None: [
+    mp.setattr(job_run, "run_matrix", lambda python, roots, probes=None, *, jobs=None, labels=None, coverage=None, **_: [
         probe_doc(Path(root), ("pristine", "patched", "reference").index(label.split(" ")[0]), PASSING_CASES)
         for root, label in zip(roots, labels, strict=True)])
     mp.setattr(job_run, "ensure_env", lambda python=None, **_: Path(sys.executable))

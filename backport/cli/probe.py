@@ -30,7 +30,7 @@ def cmd_probe(args) -> int:
         if name.startswith(("_", "harness", "standins")) or not found:
             raise BadInput(f"--probe {name}: no such probe in {probes_dir}")
     python = str(ensure_env(args.python))
-    documents = [run_harness(python, tree.package_root, args.probe or None) for tree in trees]
+    documents = [run_harness(python, tree.package_root, args.probe or None, version=tree.version) for tree in trees]
     unsafe = [(d["tree"], c["probe"], c["case"]) for d in documents for c in d["cases"]
               if c["verdict"] in ("unsafe", "error")]
     lines = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from backport import evidence
 from backport.errors import BadInput
-from backport.evidence.scope import reference_comparison
+from backport.evidence.scope import covers_line, reference_comparison
 
 
 def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None = None) -> str:
@@ -47,6 +47,7 @@ def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None
     if export:
         lines.append(f"exported: {written / export['wheel']['file']} (version {export['wheel']['version']}) and "
                      f"{len(export['patches'])} patches in {written / 'export' / 'patches'}")
+    lines.append(covers_line(p))  # last: what the result rests on, and what it does not judge
     return "\n".join(lines)
 
 
@@ -83,7 +84,7 @@ def options_from(args) -> list:
                        upstream_tests=not args.no_upstream_tests, keep_trees=args.keep_trees,
                        bundle_root=out if several else None, min_coverage=args.min_coverage,
                        export=args.export, force=args.force, vuln_aliases=vuln_aliases(args.vuln_alias),
-                       live=args.live)
+                       live=args.live, version=args.version)
             for spec in args.spec]
 
 
@@ -143,6 +144,9 @@ def register(sub) -> None:
                         "also the interpreter whose sglang is taken")
     p.add_argument("--allow-unpinned", action="store_true",
                    help="fetch a sglang==X that patches/releases.toml does not pin (recorded as unpinned)")
+    p.add_argument("--version", metavar="X",
+                   help="the release of a checkout, directory or git target when its tag and version file say "
+                        "none, or disagree (a wheel's version is its own)")
     p.add_argument("--upstream-base-url", metavar="URL", help="raw-file base URL for upstream's test files")
     p.add_argument("--no-upstream-tests", action="store_true", help="do not run upstream's unit tests")
     p.add_argument("--keep-trees", action="store_true", help="keep the patched work tree (path on stderr)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from backport import cache, resources
@@ -11,7 +13,13 @@ from backport.cli import emit
 from backport.errors import BadInput
 from backport.export.installed import describe_installed, rollout
 from backport.sources import clone_pristine
-from backport.tree import Tree, open_tree
+from backport.tree import Tree, clone_tree, decided_version, open_tree
+
+
+def version_arg(p) -> None:
+    p.add_argument("--version", metavar="X",
+                   help="the release of a checkout, directory or git target when its tag and version file say "
+                        "none, or disagree (a wheel's version is its own)")
 
 
 def target_args(p) -> None:
@@ -21,13 +29,20 @@ def target_args(p) -> None:
 
 
 def fetch_tree(spec: str, args) -> Tree:
-    """Fetch with the pins of the release matrix in force (a --series pack's own, if it has one)."""
+    """Fetch with the pins of the release matrix in force (a --series pack's own, if it has one);
+    the version is --version's, or the tree's own (none: bad input saying how to give one)."""
     from backport.releases import default_path, load_pins
-    from backport.sources import materialise
+    from backport.sources import materialise, parse_spec, source_kind
 
     series = getattr(args, "series", None)
     pins = load_pins(default_path(Path(series))) if series else None
-    return materialise(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins).tree
+    version = getattr(args, "version", None)
+    kind = source_kind(parse_spec(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins))
+    if version is not None and kind in ("wheel", "installed"):
+        raise BadInput(f"--version {version}: only for a checkout, a directory or a git target ({spec} says its "
+                       f"own version)")
+    tree = materialise(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins).tree
+    return replace(tree, version=decided_version(tree, version, kind == "git"))
 
 
 def load_series(args):
@@ -61,11 +76,11 @@ def cmd_status(args) -> int:
     pack = load_series(args)
     path = Path(args.target)
     if path.is_dir():
-        tree = open_tree(path)
+        tree = open_tree(path, version=args.version)
     else:
         # Describe the fetched tree as it is now (its recorded digest is of the pristine tree).
         fetched = fetch_tree(args.target, args)
-        tree = open_tree(fetched.path, spec=fetched.spec)
+        tree = open_tree(fetched.path, spec=fetched.spec, version=fetched.version)
     found = detect(tree.package_root, pack, version=tree.version)
     document = {**tree.to_json(), "fixes": [d.to_json() for d in found]}
     lines = [f"{tree.path}: sglang {tree.version}, tree digest {tree.tree_digest}"]
@@ -107,19 +122,32 @@ def installed_lines(installed, asked: bool) -> list[str]:
 
 
 def work_tree(args) -> Tree:
-    """The tree `apply` changes: a user's checkout in place, else a fresh clone of the fetched spec."""
+    """The tree `apply` changes: a user's checkout in place, else a fresh clone (of the fetched spec,
+    or with --out of the checkout's HEAD, leaving the checkout as it is)."""
+    out = out_dir(args.out) if args.out else None
     if is_checkout(args.target):
-        return open_tree(Path(args.target))
-    if args.out:
-        out = Path(args.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise BadInput(f"{out}: --out exists and is not an empty directory")
-        if not os.access(out if out.exists() else _existing_parent(out), os.W_OK):
-            raise BadInput(f"{out}: --out is not writable")
-        source = fetch_tree(args.target, args)
-        return clone_pristine(source, out.parent, out)
+        checkout = open_tree(Path(args.target), version=args.version)
+        checkout = replace(checkout, version=decided_version(checkout, args.version, True))
+        return checkout if out is None else clone_tree(checkout, out.parent, out)
     source = fetch_tree(args.target, args)
-    return clone_pristine(source, cache.work_root())
+    return clone_pristine(source, out.parent if out else cache.work_root(), out)
+
+
+def out_dir(value: str) -> Path:
+    """`apply --out DIR`, checked before any work: absolute (git clones from DIR's parent, so a
+    relative DIR would nest), absent or an empty directory, in a parent a directory can be made in
+    (tried, then removed: os.access says yes to root on /proc)."""
+    out = Path(os.path.abspath(Path(value).expanduser()))  # `..` resolved here, as git is then given it
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"--out {value}: exists and is not an empty directory")
+    parent = _existing_parent(out if out.exists() else out.parent)
+    if not parent.is_dir():
+        raise BadInput(f"--out {value}: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sglang-backport-out-", dir=parent))
+    except OSError as exc:
+        raise BadInput(f"--out {value}: cannot create a directory in {parent} ({exc.strerror})") from None
+    return out
 
 
 def _existing_parent(path: Path) -> Path:
@@ -132,9 +160,16 @@ def _existing_parent(path: Path) -> Path:
 def cmd_apply(args) -> int:
     from backport.engine import apply_series
 
+    if args.check and args.out:
+        raise BadInput(f"--out {args.out}: --check changes nothing and makes no clone; drop one of them")
+    if args.out:
+        out_dir(args.out)  # refused before the pack is read or anything is fetched or cloned
     pack = load_series(args)
     if args.check and not is_checkout(args.target):
         tree = fetch_tree(args.target, args)  # --check on a spec: the cached pristine tree, unchanged
+    elif args.check:
+        tree = open_tree(Path(args.target), version=args.version)
+        tree = replace(tree, version=decided_version(tree, args.version, True))
     else:
         tree = work_tree(args)
     report = apply_series(tree.path, pack, tree.version, package_prefix=tree.package_prefix,
@@ -169,6 +204,7 @@ def register(sub) -> None:
     p = sub.add_parser("status", help="which fixes a tree has, by fingerprint")
     p.add_argument("target", help="a spec or a path")
     target_args(p)
+    version_arg(p)
     p.add_argument("--series", help="patch series directory (default: the pack shipped with the toolkit)")
     p.add_argument("--bundle", action="append", metavar="PATH",
                    help="for 'installed': an evidence bundle, or a folder of bundles, to match the installed "
@@ -182,10 +218,12 @@ def register(sub) -> None:
     p = sub.add_parser("apply", help="apply the series for the tree's version")
     p.add_argument("target", help="a spec (worked on in a fresh clone) or a git checkout (in place)")
     target_args(p)
+    version_arg(p)
     p.add_argument("--series")
     p.add_argument("--only", action="append", metavar="FIX", help="apply only this fix (repeatable)")
     p.add_argument("--check", action="store_true", help="compute the whole report, change nothing")
-    p.add_argument("--out", help="where the fresh clone of a spec's tree goes")
+    p.add_argument("--out", help="where the fresh clone goes: of a spec's tree, or of a checkout's HEAD (the "
+                                 "checkout itself is then left as it is); absent or an empty directory")
     p.add_argument("--allow-dirty", action="store_true",
                    help="patch a checkout whose index has staged changes, or whose files the series touches "
                         "have uncommitted changes (those files are never touched: their fix fails); unstaged "

@@ -17,6 +17,8 @@ from backport.errors import BadInput
 from backport.pack import Pack, load_pack
 from backport.releases import WheelPin, default_path, load_pins
 from backport.sources import parse_spec, source_kind
+from backport.sources.local import pristine_checkout
+from backport.tree import Tree
 
 NONE_WORDS = ("none", "no", "off")
 
@@ -41,6 +43,7 @@ class RunOptions:
     force: bool = False                # `out` may hold a bundle already: replace it (evidence/bundle.py)
     vuln_aliases: tuple[tuple[str, str], ...] = ()  # (class id or name, CVE/GHSA id): more VEX aliases
     live: bool = False                 # the live tier: a real PD deployment per tree (job/live.py)
+    version: str | None = None         # --version: overrides a checkout's or git target's own version
 
     @property
     def replace_bundle(self) -> bool:
@@ -62,6 +65,7 @@ class Plan:
     matrix: Path                       # the release matrix in force (its pins fetch every spec)
     pins: dict[str, WheelPin]
     head_kind: str | None = None       # the --head spec's form
+    checkout: Tree | None = None       # a user's checkout, described (at its recorded commit) when planned
 
     @property
     def total_steps(self) -> int:
@@ -114,9 +118,16 @@ def plan(options: RunOptions) -> Plan:
         raise BadInput(f"--export: the patched wheel is built from a pinned upstream wheel, so it needs a "
                        f"sglang==X target and no --head ({options.spec} is a {source_kind(target)} target"
                        f"{' with --head' if options.head else ''})")
+    if options.version is not None and source_kind(target) in ("wheel", "installed"):
+        raise BadInput(f"--version {options.version}: only for a checkout, a directory or a git target "
+                       f"({options.spec} says its own version)")
+    in_place = is_user_checkout(options.spec)
+    # A checkout is described now, before anything is built: its commit is what gets proved,
+    # whatever happens to its work tree or HEAD while the run goes on.
+    checkout = pristine_checkout(Path(options.spec), options.spec, pack, options.version) if in_place else None
     return Plan(options, series_dir, pack, "upstream-pair" if options.head else "backport",
-                source_kind(target), is_user_checkout(options.spec), reference, choice, matrix, pins,
-                source_kind(head) if head is not None else None)
+                source_kind(target), in_place, reference, choice, matrix, pins,
+                source_kind(head) if head is not None else None, checkout)
 
 
 def bundle_dir(fetched_tree, kind: str, head: tuple | None = None, root: Path | None = None) -> Path:

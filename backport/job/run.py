@@ -12,6 +12,7 @@ not place raises `SeriesDoesNotApply` (a finding: no patched tree to prove, no b
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import logging
@@ -28,11 +29,11 @@ from backport.evidence.vulnerabilities import pack_classes
 from backport.gitops import uncommitted_paths
 from backport.job.coverage import measure, touched_files
 from backport.job.live import live_documents
-from backport.job.plan import Plan, RunOptions, bundle_dir, plan
+from backport.job.plan import Plan, RunOptions, bundle_dir, is_user_checkout, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
 from backport.sources import clone_pristine, materialise
-from backport.tree import Tree, tree_digest
+from backport.tree import Tree, clone_commit, decided_version, tree_digest
 
 log = logging.getLogger("backport.job")
 
@@ -72,9 +73,10 @@ def fetch(spec: str, the_plan: Plan) -> Tree:
 def check_pristine(the_plan: Plan, source: Tree) -> str:
     """The digest of the tree to prove; a user's checkout must have no uncommitted changes."""
     if the_plan.in_place:
-        dirty = uncommitted_paths(source.path, f"{source.package_prefix}sglang")
+        checkout = the_plan.checkout
+        dirty = uncommitted_paths(checkout.path, f"{checkout.package_prefix}sglang")
         if dirty:
-            raise BadInput(f"{source.path}: uncommitted changes under {source.package_prefix}sglang/ "
+            raise BadInput(f"{checkout.path}: uncommitted changes under {checkout.package_prefix}sglang/ "
                            f"({min(dirty)}); `run` proves the committed HEAD on a clone: commit or "
                            f"stash them first")
     digest = tree_digest(source.package_root)
@@ -82,6 +84,48 @@ def check_pristine(the_plan: Plan, source: Tree) -> str:
         raise Finding(f"{source.path}: the cached tree no longer matches its recorded digest "
                       f"{source.tree_digest} (now {digest}); remove the cache entry and fetch again")
     return digest
+
+
+def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
+    """The pristine tree to probe. A user's checkout: a fresh clone of the commit recorded when the
+    run was planned, never its live work tree (an `apply` on it meanwhile changes nothing here).
+    Other targets: the checked cache entry, with `--version` or the refusal of an unknown one."""
+    options = the_plan.options
+    if the_plan.checkout is not None:
+        checkout = the_plan.checkout
+        pristine = clone_commit(checkout, checkout.base_commit, cache.work_root())
+        work.append(pristine.path)
+        return pristine
+    source = fetch(options.spec, the_plan)
+    version = decided_version(source, options.version, the_plan.kind == "git")
+    return source if version == source.version else dataclasses.replace(source, version=version)
+
+
+def fetch_head(the_plan: Plan, work: list[Path]) -> Tree:
+    """--head: a user's checkout is taken as a fresh clone of its HEAD commit, as the pristine one."""
+    head = fetch(the_plan.options.head, the_plan)
+    if not is_user_checkout(the_plan.options.head):
+        return head
+    import git
+
+    with git.Repo(head.path) as repo:
+        commit = repo.head.commit.hexsha
+    clone = clone_commit(head, commit, cache.work_root())
+    work.append(clone.path)
+    return clone
+
+
+def check_probed(trees: dict[str, evidence.TreeInput], probe_docs: dict[str, dict]) -> None:
+    """Each recorded tree digest, taken again from the tree after it was probed (and run live and
+    under upstream's tests): a tree that changed meanwhile is a finding, never a silent pass."""
+    for role, tree in trees.items():
+        probed = (probe_docs.get(role) or {}).get("tree")
+        if probed and Path(probed).resolve() != Path(tree.package_root).resolve():
+            raise Finding(f"the {role} probes ran on {probed}, not on the recorded tree {tree.package_root}")
+        now = tree_digest(Path(tree.package_root))
+        if now != tree.tree_digest:
+            raise Finding(f"the {role} tree {tree.package_root} changed while it was probed: digest {now[:12]} "
+                          f"now, {tree.tree_digest[:12]} recorded; no bundle written")
 
 
 def clone(source: Tree) -> Tree:
@@ -189,16 +233,16 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
     options = the_plan.options
     started_at, started = _now(), time.monotonic()
     work: list[Path] = []
-    with progress.step("fetch", f"fetching {options.spec}"):
-        source = fetch(options.spec, the_plan)
-        pristine_digest = check_pristine(the_plan, source)
-        head = fetch(options.head, the_plan) if options.head else None
-        out = Path(options.out) if options.out else bundle_dir(
-            source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
-        evidence.check_bundle_target(out, replace=options.replace_bundle)
-    trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
-    apply_json, patches, mode = None, [], the_plan.mode
     try:
+        with progress.step("fetch", f"fetching {options.spec}"):
+            source = pristine_source(the_plan, work)
+            pristine_digest = check_pristine(the_plan, source)
+            head = fetch_head(the_plan, work) if options.head else None
+            out = Path(options.out) if options.out else bundle_dir(
+                source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
+            evidence.check_bundle_target(out, replace=options.replace_bundle)
+        trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
+        apply_json, patches, mode = None, [], the_plan.mode
         if head is None:
             with progress.step("clone", "cloning a fresh work tree"):
                 patched = clone(source)
@@ -211,8 +255,8 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
                     raise
                 # No patched tree: the release is probed as shipped, to show what it stays exposed to.
                 apply_json, mode = refused.report.to_json(), "exposure"
-                discard(work, keep=False)
-                work = []
+                discard([patched.path], keep=False)
+                work.remove(patched.path)
             else:
                 apply_json = report.to_json()
                 patches = patch_inputs(the_plan, apply_json)
@@ -235,7 +279,8 @@ def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> 
     files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply_json)})
     first = runs[0].progress
     with first.step("probe", f"probing {len(set(roots))} tree(s) in one probe matrix"):
-        documents = iter(run_matrix(python, roots, jobs=jobs, labels=labels, coverage=files))
+        documents = iter(run_matrix(python, roots, jobs=jobs, labels=labels, coverage=files,
+                                    versions=[t.version for run in runs for t in run.trees.values()]))
     for run in runs[1:]:
         run.progress.index += 1
         run.progress.steps.append(dict(first.steps[-1]))
@@ -280,6 +325,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
             upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
                                       touched_files(run.apply_json))
+    check_probed(run.trees, probe_docs)
     # the patches' executed lines and the pristine functions the fixes change; drops the raw line lists
     coverage = measure(run.trees, run.apply_json, the_plan.pack, probe_docs, options.min_coverage, upstream)
     with progress.step("bundle", "writing the evidence bundle"):
@@ -315,7 +361,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
 def discard(work: list[Path], *, keep: bool) -> None:
     if keep:
         for path in work:
-            log.warning("kept the patched work tree: %s", path)
+            log.warning("kept a work tree of this run: %s", path)
         return
     for path in work:
         shutil.rmtree(path, ignore_errors=True)

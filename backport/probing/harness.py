@@ -72,8 +72,9 @@ def read_document(text: str, stderr: str, returncode: int, package_root: Path) -
 
 
 def run_harness(python: str, package_root: Path, probes: list[str] | None = None,
-                label: str | None = None) -> dict:
-    """Run every probe on one tree; returns the harness's JSON document."""
+                label: str | None = None, version: str | None = None) -> dict:
+    """Run every probe on one tree; returns the harness's JSON document. `version`: the version the
+    toolkit decided for the tree (its probes read it, not the tree's `sglang.version` fallback)."""
     package_root = check_package_root(package_root)
     log.info("probing %s ...", label or package_root)
     with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
@@ -82,6 +83,8 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
         cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]
+        if version and version != "unknown":
+            cmd += ["--version", version]
         what = label or str(package_root)
         beat = Heartbeat(log.info, lambda seconds: f"      probing {what}: still running, {seconds:.0f} s")
         code = supervise(cmd, env=probe_environ(python, package_root, Path(tmp)), cwd=tmp,

@@ -67,10 +67,12 @@ class _Watch:
 
 def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None = None, *,
                jobs: int | None = None, labels: list[str] | None = None,
-               coverage: list[str] | None = None) -> list[dict]:
+               coverage: list[str] | None = None, versions: list[str] | None = None) -> list[dict]:
     """The harness document of every tree, in the order given (a tree given twice is probed once).
 
     `coverage`: files (relative to each tree) whose executed lines each document records.
+    `versions`: the version the toolkit decided for each tree, which its probes read (an upstream
+    checkout's own `sglang.version` says 0.0.0.dev0 without a generated `_version.py`).
     """
     roots = [check_package_root(root) for root in package_roots]
     unique = list(dict.fromkeys(roots))
@@ -84,8 +86,12 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         python = absolute_interpreter(python)
         cmd = [python, "-m", "probes.matrix", "--jobs", str(jobs), "--out", str(out),
                "--bytecode", str(cache.cache_root() / "bytecode")]
+        decided = dict(zip(roots, versions or [], strict=False))
         for root in unique:
             cmd += ["--tree", str(root)]
+        if versions:
+            for root in unique:
+                cmd += ["--version", decided.get(root) or "unknown"]
         for name in probes or []:
             cmd += ["--probe", name]
         for rel in coverage or []:

@@ -7,7 +7,9 @@ spec form. SGLang code reaches the project only through these, at run time.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         try:
             version = str(Version(raw))
         except InvalidVersion:
-            raise BadInput(f"{spec}: {raw!r} is not a valid version") from None
+            hint = f"; did you mean sglang=={raw.lstrip('=')}?" if raw.startswith("=") else ""
+            raise BadInput(f"{spec}: {raw!r} is not a valid version{hint}") from None
         pins = load_pins() if pins is None else pins
         pin = pins.get(version)
         if pin is None and not allow_unpinned:
@@ -65,6 +68,10 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         if not re.fullmatch(r"[0-9a-fA-F]{7,40}", commit):
             raise BadInput(f"{spec}: {commit!r} is not a commit id (a git target pins an exact commit)")
         return GitSource(spec, url, commit.lower())
+    typo = re.fullmatch(r"sglang\s*(?:=|===|:|@)?\s*v?(\d[\w.+-]*)", spec)
+    if typo and not Path(spec).expanduser().exists():
+        raise BadInput(f"{spec}: not a target spec; did you mean sglang=={typo.group(1)}? (a release is "
+                       f"sglang==VERSION, two equals signs)")
     if re.match(r"^[A-Za-z][A-Za-z0-9_.-]*\s*(==|>=|<=|~=|!=|>|<)", spec):
         raise BadInput(f"{spec}: only sglang==VERSION is a package target")
     if not Path(spec).expanduser().exists():
@@ -77,11 +84,21 @@ def clone_pristine(source: Tree, parent: Path, dest: Path | None = None) -> Tree
     """A fresh clone of a materialised tree. A cache entry whose git objects no longer read
     (the hit check hashes the files, not every blob: that would cost a second per hit) is
     moved aside, rebuilt from its spec and cloned once more; `dest` is left as it was found."""
+    made = None
+    dest = None if dest is None else Path(os.path.abspath(dest))
+    if dest is not None and not dest.exists():
+        # made first, so that a destination git cannot create is never taken for a damaged cache entry
+        made = next((p for p in [dest, *dest.parents] if p.parent.exists()), dest)
+        try:
+            dest.mkdir(parents=True)
+        except OSError as exc:
+            raise BadInput(f"{dest}: cannot create the clone's directory ({exc.strerror})") from None
     try:
         return clone_tree(source, parent, dest)
     except CloneFailed as first:
         entry = source.path.parent
         if entry.parent != cache.cache_root() / "trees":
+            _remove_made(made)
             raise  # a user's own checkout: their input
         log.warning("cache entry %s does not clone (%s); rebuilding it", entry.name, first)
         cache.discard_dir(entry)
@@ -89,8 +106,15 @@ def clone_pristine(source: Tree, parent: Path, dest: Path | None = None) -> Tree
         try:
             return clone_tree(again, parent, dest)
         except CloneFailed as second:
+            _remove_made(made)
             raise Finding(f"{entry}: the rebuilt cache entry still does not clone ({second}); "
                           f"remove {cache.cache_root()} and fetch again") from None
+
+
+def _remove_made(made: Path | None) -> None:
+    """Remove the directories clone_pristine made for a clone that failed (empty again by then)."""
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def source_kind(source: Source) -> str:

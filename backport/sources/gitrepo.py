@@ -9,7 +9,7 @@ import git
 
 from backport.errors import BadInput
 from backport.sources.base import Fetched, build_tree_entry, entry_tree
-from backport.tree import Tree, find_package_prefix, git_describe_version, read_version, tree_digest
+from backport.tree import Tree, checkout_version, find_package_prefix, tree_digest
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class GitSource:
                 if prefix is None:
                     raise BadInput(f"{self.spec}: commit {self.commit} holds no sglang package")
                 package_root = work / prefix if prefix else work
-                version = read_version(package_root) or git_describe_version(repo) or "unknown"
+                version = checkout_version(repo, package_root) or "unknown"  # the tag; a file must agree
             return Tree(work, prefix, version, self.spec, full, tree_digest(package_root), full)
 
         return build_tree_entry(entry, build)

@@ -7,9 +7,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import Version
+
 from backport.errors import BadInput
 from backport.sources.base import Fetched, copy_package, snapshot
-from backport.tree import open_tree, tree_digest
+from backport.tree import Tree, decided_version, open_tree, tree_digest
 
 
 def _snapshot_package(root: Path, spec: str, package_root: Path, version: str | None) -> Fetched:
@@ -30,6 +32,40 @@ class PathSource:
         if tree.base_commit is not None:
             return Fetched(tree, cached=False)  # a user's checkout: used as it is, never modified
         return _snapshot_package(root, self.spec, tree.package_root, tree.version)
+
+
+def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -> Tree:
+    """A user's checkout described as the pristine source of a run: refused (BadInput) when its
+    HEAD already carries this pack's work, so that an applied checkout can never be proved as
+    the release it started from. `version` is `--version`."""
+    import git
+
+    tree = open_tree(path, spec=spec, version=version)
+    tree = Tree(tree.path, tree.package_prefix, decided_version(tree, version, True), tree.spec,
+                None, tree.tree_digest, tree.base_commit)
+    with git.Repo(tree.path) as repo:
+        head = repo.head.commit.hexsha
+        # the engine's commits carry these trailers (engine/write.py); any one in HEAD's history
+        # means the checkout is (partly) patched, wherever the user committed on top of it
+        marked = repo.git.log("--format=%H", "-E", "--grep=^(Backport-Of|Vendor-Fix): ", "HEAD").split()
+        base = repo.commit(marked[-1]).parents[0].hexsha if marked and repo.commit(marked[-1]).parents else None
+    if marked:
+        raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (commit {marked[0][:12]} carries this "
+                       f"pack's Backport-Of/Vendor-Fix trailer); `run` proves the release as shipped: run it on "
+                       f"the base commit {base or '(none)'}, e.g. sglang-backport run git+file://{tree.path}@{base}")
+    release = Version(tree.version)
+    if release.dev is None and release.post is None:
+        # At a release tag the release's content is known: a fix its fingerprint finds that the
+        # release does not ship (fixed_in) was put there after it, without the trailers.
+        from backport.engine import detect
+
+        found = [d.fix for d in detect(tree.package_root, pack, version=tree.version)
+                 if d.present and d.how.startswith("fingerprint") and not pack.fixes[d.fix].is_fixed_in(tree.version)]
+        if found:
+            raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (it has {', '.join(found)} by "
+                           f"fingerprint, which sglang {tree.version} does not ship); `run` proves the release as "
+                           f"shipped: run it on upstream's commit of v{tree.version} or on sglang=={tree.version}")
+    return tree
 
 
 # Found, not imported: importing sglang runs its package __init__, which needs numpy, torch and

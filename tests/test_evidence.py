@@ -942,3 +942,21 @@ def test_export_of_a_bundle_without_exports_is_refused_before_verifying(bundle_d
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(bundle_dir) in err and "without exports" in err
     assert not (tmp_path / "dist").exists() and not (tmp_path / "p").exists()
+
+
+def test_the_last_line_says_what_the_result_covers_and_points_to_audit(tmp_path):
+    """REPORT.md's last line and `run`'s: probes, live tier yes/no, upstream tests run/skipped, and
+    `audit` for the deployment's own configuration, which no bundle judges."""
+    from backport.cli.run import render_summary
+    from backport.evidence.scope import covers_line
+
+    bundle = fixture_run(tmp_path / "run")
+    line = ("PASS covers: CPU probes (6 cases); live tier: no; upstream tests: run. A deployment's own "
+            "configuration is not judged here: check it with `sglang-backport audit`.")
+    assert bundle.files["REPORT.md"].decode().rstrip("\n").splitlines()[-1] == line
+    assert render_summary(bundle, tmp_path / "bundle").splitlines()[-1] == line
+    p = json.loads(bundle.files["receipt.json"])["predicate"]
+    p["upstream_tests"] = {"skipped": "--no-upstream-tests", "files": [], "trees": []}
+    assert "; upstream tests: skipped." in covers_line(p)
+    p["live"], p["summary"]["result"] = {"scenarios": [{}, {}, {}]}, "fail"
+    assert covers_line(p).startswith("FAIL covers: CPU probes (6 cases); live tier: yes (3 scenarios);")

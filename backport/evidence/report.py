@@ -104,5 +104,6 @@ def render_report(statement: dict) -> str:
     lines += ["", ("Verdicts: fixed = unsafe on pristine, safe on patched; held = safe on both; "
                    "still-unsafe = unsafe on both; regressed = safe (or absent) on pristine, unsafe on patched; "
                    "added = absent on pristine, safe on patched; error = a tree could not be judged (a finding). "
-                   "Check this bundle with `sglang-backport verify <bundle>` or `sha256sum -c SHA256SUMS`."), ""]
+                   "Check this bundle with `sglang-backport verify <bundle>` or `sha256sum -c SHA256SUMS`."), "",
+              scope.covers_line(p), ""]
     return "\n".join(lines)

@@ -69,6 +69,18 @@ def _upstream_line(up: dict) -> tuple[str, bool]:
             f"on {', '.join(trees)} ({detail})"), ran > 0)
 
 
+def covers_line(predicate: dict) -> str:
+    """The result and what it rests on, in one line: REPORT.md's last and `run`'s last. A PASS
+    speaks for the trees probed, never for how a deployment is configured (the incident's trigger)."""
+    s, live, up = predicate["summary"], predicate.get("live"), predicate["upstream_tests"]
+    ran = _upstream_line(up)[1]
+    upstream = "run" if ran else "skipped" if up.get("skipped") else "none ran"
+    live_tier = f"yes ({len(live.get('scenarios') or [])} scenarios)" if live else "no"
+    return (f"{s['result'].upper()} covers: CPU probes ({s['cases']} cases); live tier: {live_tier}; upstream tests: "
+            f"{upstream}. A deployment's own configuration is not judged here: check it with "
+            f"`sglang-backport audit`.")
+
+
 def render(statement: dict) -> list[str]:
     """The report's first lines (after its title)."""
     p = statement["predicate"]

@@ -308,3 +308,25 @@ def test_the_schema_holds_the_specs_status_rules(bundle, edit, message):
         assert error is not None and re.search(message, error), error
     assert vex.schema_errors({**document, "@context": "https://openvex.dev/ns/v0.1.0"}) is not None
     assert vex.schema_errors({k: v for k, v in document.items() if k != "timestamp"}) is not None
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda d: d["statements"][0]["products"][0].update({"@id": "pkg:pypi/sglang@0.5.19"}), "a product changed"),
+    (lambda d: d["statements"][1].update(status="fixed"), "a status changed"),
+])
+def test_a_vex_tamper_is_named_by_what_changed(bundle, edit, said):
+    """A product swapped for another (and every digest resealed) is reported as a product change,
+    not as wrong statuses; a status changed is reported as such."""
+    from tests.test_evidence import _reseal
+
+    path = bundle / "vex.openvex.json"
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_bytes(evidence.canonical_json(document))
+    receipt = _receipt(bundle)
+    receipt["predicate"]["files"]["vex.openvex.json"] = evidence.sha256_file(path)
+    _reseal(bundle, receipt)
+    result = evidence.verify(bundle)
+    vex_problems = [p for p in result.problems if p.file == "vex.openvex.json"]
+    assert vex_problems and said in vex_problems[0].detail, result.problems
+    assert ("status" in vex_problems[0].detail) == (said == "a status changed")

@@ -152,7 +152,7 @@ def validation_error(text: str | bytes) -> str | None:
     return None if error is None else str(error)[:300]
 
 
-def _comparable(document: dict) -> dict:
+def comparable(document: dict) -> dict:
     """The document without the tools entry the library adds (its own name and version)."""
     document = json.loads(json.dumps(document))
     document.get("metadata", {}).pop("tools", None)
@@ -171,7 +171,7 @@ def build_bytes(statement: dict, standards: dict) -> bytes:
 
 
 def same_document(a: bytes, b: bytes) -> bool:
-    return _comparable(json.loads(a)) == _comparable(json.loads(b))
+    return comparable(json.loads(a)) == comparable(json.loads(b))
 
 
 def validation_problems(data: bytes) -> list[Problem]:

@@ -156,7 +156,30 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
             cyclonedx.SBOM: cyclonedx.same_document((bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM])}
     for name, ok in same.items():
         if not ok:
-            found.append(Problem(name, "inconsistent", "differs from what the receipt and standards.json give "
-                                                       "(its statuses follow from the receipt's cases)"))
+            found.append(Problem(name, "inconsistent", "differs from what the receipt and standards.json give: "
+                                 + _difference(bundle / name, expected[name])))
     found += cyclonedx.validation_problems((bundle / cyclonedx.SBOM).read_bytes())
     return found
+
+
+def _difference(path: Path, expected: bytes) -> str:
+    """Where a VEX file departs from the one the receipt gives, named by what changed (a product,
+    a status, another field), so that a reader is not sent to the cases for an edited product."""
+    from backport.evidence import cyclonedx
+    from backport.evidence.agreement import first_difference
+
+    try:
+        found = json.loads(path.read_bytes())
+    except ValueError:
+        return "not JSON"
+    want = json.loads(expected)
+    if path.name == cyclonedx.SBOM:
+        found, want = cyclonedx.comparable(found), cyclonedx.comparable(want)
+    where = first_difference(found, want)
+    if where is None:
+        return "not in the canonical form the toolkit writes"
+    place, has, gives = where
+    what = ("a product changed" if ".products" in place or ".affects" in place or "metadata.component" in place
+            else "a status changed (statuses follow from the receipt's cases)"
+            if place.endswith((".status", ".state", ".justification")) else "a field changed")
+    return f"{what}: {place.lstrip('.')} is {json.dumps(has)[:120]}, the receipt gives {json.dumps(gives)[:120]}"

@@ -212,6 +212,8 @@ def test_a_bind_failure_on_another_port_is_not_the_servers(tmp_path):
         assert servers.bind_failure(server) is None
         log.write_text(f"ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port})\n")
         assert servers.bind_failure(server)[0] == port
+        # a server started without ports (a caller that does not retry) is never judged by its log
+        assert servers.bind_failure(servers.Server("decode", server.process, log, server.url)) is None
     finally:
         server.process.kill()
         server.process.wait()

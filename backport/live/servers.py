@@ -68,9 +68,9 @@ class ServerDidNotStart(Finding):
 
 
 class PortInUse(ServerDidNotStart):
-    """A server could not bind one of its ports: `port` (None where its log line names none of them)."""
+    """A server could not bind `port`, one of the ports it was started with."""
 
-    def __init__(self, message: str, server: Server, port: int | None):
+    def __init__(self, message: str, server: Server, port: int):
         super().__init__(message)
         self.server, self.port = server, port
 
@@ -221,10 +221,8 @@ def wait_ready(servers: list[Server], path: str, timeout: float,
         for server in list(pending):
             failed = bind_failure(server)
             if failed is not None:
-                port = failed[0]
-                raise PortInUse(f"{server.name} server could not bind "
-                                f"{'port ' + str(port) if port else 'one of its ports'} on {LOOPBACK} "
-                                f"(address already in use): {failed[1]}", server, port)
+                raise PortInUse(f"{server.name} server could not bind port {failed[0]} on {LOOPBACK} "
+                                f"(address already in use): {failed[1]}", server, failed[0])
             if not server.alive():
                 raise ServerDidNotStart(f"{server.name} server exited with code {server.process.returncode} "
                                         f"before it was ready; {server.log} ends:\n{log_tail(server.log)}")
@@ -286,10 +284,12 @@ def _launch(processes: Processes, launch: Launch) -> Server:
                            env=launch.env, ports=tuple(ports.values()))
 
 
-def bind_failure(server: Server) -> tuple[int | None, str] | None:
-    """(port, line) when the server's log says a bind failed on one of its ports (any port when it
-    was given none); None otherwise. A line naming only other ports (a transfer engine's own) is not
-    this server failing to start."""
+def bind_failure(server: Server) -> tuple[int, str] | None:
+    """(port, line) when the server's log says a bind failed on one of its ports; None otherwise,
+    and always for a server started without `ports`. A line naming only other ports (a transfer
+    engine's own, tried and skipped) is not this server failing to start."""
+    if not server.ports:
+        return None
     try:
         text = server.log.read_text(errors="replace")
     except OSError:
@@ -298,8 +298,8 @@ def bind_failure(server: Server) -> tuple[int | None, str] | None:
         if not BIND_FAILED.search(line):
             continue
         named = [p for p in server.ports if re.search(rf"(?<!\d){p}(?!\d)", line)]
-        if named or not server.ports:
-            return (named[0] if named else None), line.strip()[:200]
+        if named:
+            return named[0], line.strip()[:200]
     return None
 
 

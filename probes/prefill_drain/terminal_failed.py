@@ -27,6 +27,25 @@ def _writes_after_first_ack(ledger) -> int:
     return count
 
 
+def _nixl_healthy_room(ctx) -> dict:
+    """The control: both chunks of a room no decode rank aborts land; the room concludes Success and its
+    transfer metadata is dropped; a late ABORT for the concluded room (nothing in flight) is ACKed at once."""
+    from probes.nixl_rig import ROOM as NIXL_ROOM
+    from probes.nixl_rig import NixlPrefillRig
+
+    rig = NixlPrefillRig(ctx)
+    rig.run_worker([rig.chunk(0, last=False)])
+    status_after_first = rig.mgr.request_status.get(NIXL_ROOM)
+    rig.run_worker([rig.chunk(1, last=True)])
+    status = rig.mgr.request_status.get(NIXL_ROOM)
+    rig.abort_from(0)
+    return {"status_after_first_chunk": _status_name(rig.KVPoll, status_after_first),
+            "status_at_end": _status_name(rig.KVPoll, status),
+            "metadata_kept": NIXL_ROOM in rig.mgr.transfer_infos,
+            "late_abort_acks": rig.ledger.count("drain_ack"),
+            "acks_while_writes_in_flight": rig.summary()["acks_while_writes_in_flight"]}
+
+
 @case(
     proves=("pr35049-nixl",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
@@ -38,7 +57,8 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
     ABORTed room back (Failed sorts lowest), or the next chunk writes into pages decode freed (and may have given
     to another request) on the ACK. 0.5.17-0.5.19 keep Failed sticky in ``NixlKVManager.update_status`` (0.5.20
     moved the rule into ``CommonKVManager``), so this holds wherever NIXL has a drain ACK; with the common rule
-    of 0.5.19 alone the same run posts the next chunk's writes after the ACK."""
+    of 0.5.19 alone the same run posts the next chunk's writes after the ACK. Control (an error when it fails):
+    a room no decode rank aborts concludes Success, drops its metadata and ACKs a late ABORT at once."""
     from probes.nixl_rig import ROOM as NIXL_ROOM
     from probes.nixl_rig import NixlPrefillRig
 
@@ -58,10 +78,13 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
         status_at_end=_status_name(rig.KVPoll, status),
         writes_after_drain_ack=written_after,
     )
+    details["healthy_room"] = healthy = _nixl_healthy_room(ctx)
+    if healthy["status_at_end"] != "Success" or healthy["metadata_kept"] or healthy["late_abort_acks"] != 1:
+        raise RuntimeError(f"the control (a room no decode rank aborts) did not conclude as before: {healthy}")
     still_failed = status_after_first == rig.KVPoll.Failed and status in (rig.KVPoll.Failed, None)
     if written_after == 0 and still_failed:
         return Outcome(SAFE, "The aborted room stayed Failed after its in-flight chunk landed; its next chunk "
-                       "wrote nothing after the drain ACK.", details)
+                       "wrote nothing after the drain ACK (the control room concluded Success).", details)
     return Outcome(UNSAFE, f"The aborted room went {details['status_after_inflight_chunk']} after its in-flight "
                    f"chunk landed, and {written_after} write(s) of its next chunk were posted after the drain ACK "
                    "(into pages decode may have freed).", details)

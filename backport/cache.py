@@ -85,7 +85,10 @@ def discard_dir(path: Path) -> None:
         os.rename(path, aside)
     except OSError:
         aside = path
-    shutil.rmtree(aside, ignore_errors=True)
+    from backport.job.progress import heartbeat  # here: the job imports the cache
+
+    with heartbeat(f"removing {path}"):  # a 2 GB probe environment takes minutes on a slow disk
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def publish_dir(staged: Path, final: Path) -> bool:

@@ -57,7 +57,10 @@ def _from_bundle(args, bundle: Path) -> int:
         unverified = True  # unreadable: verify below names what is wrong
     if not unverified:
         raise no_exports()
-    result = evidence.verify(bundle)
+    from backport.job.progress import heartbeat
+
+    with heartbeat(f"verifying {bundle}"):  # every digest of the bundle, the wheel's tree among them
+        result = evidence.verify(bundle)
     if not result.ok:
         raise Finding(f"{bundle}: does not verify ({result.first}); nothing exported")
     export = json.loads((bundle / evidence.RECEIPT).read_text())["predicate"].get("export")

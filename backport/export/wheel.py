@@ -107,6 +107,13 @@ def _package_files(package_root: Path) -> list[tuple[str, Path]]:
 
 
 def build_wheel(lineage: Lineage, out_dir: Path, original: Path | None = None) -> ExportedWheel:
+    from backport.job.progress import heartbeat  # here: the job imports export
+
+    with heartbeat(f"building the patched wheel of {lineage.spec}"):  # ~30 MB, read, hashed and written twice
+        return _build_wheel(lineage, out_dir, original)
+
+
+def _build_wheel(lineage: Lineage, out_dir: Path, original: Path | None) -> ExportedWheel:
     original = original or original_wheel(lineage)
     if sha256_file(original) != lineage.artifact_sha256:
         raise BadInput(f"{original}: does not match the Artifact-SHA256 of {lineage.root}")

@@ -9,6 +9,7 @@ checked against its RECORD by `installer` before `sglang/` is extracted.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,15 @@ class WheelSource:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    "-d", tmp, *WHEEL_PLATFORM, f"sglang=={self.version}"]
             log.info("downloading sglang==%s with pip ...", self.version)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            from backport.job.progress import bytes_under, heartbeat, megabytes  # here: job imports sources
+
+            # pip downloads into its temporary directory (TMPDIR), then moves the wheel to -d: the
+            # bytes under both are the download's so far, which a line says every 10 s
+            env = {**os.environ, "TMPDIR": str(Path(tmp) / "pip-tmp")}
+            os.mkdir(env["TMPDIR"])
+            with heartbeat(f"downloading sglang=={self.version}",
+                           lambda: f"{megabytes(bytes_under(Path(tmp)))} so far"):
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             found = sorted(Path(tmp).glob("sglang-*.whl"))
             if proc.returncode != 0 or not found:
                 last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

@@ -1,13 +1,14 @@
 """Make the live tier's tiny model, offline and deterministically, and its reference tokens.
 
 Run by the serving interpreter (it needs torch, transformers and tokenizers, never `backport`):
-    python make_model.py OUT_DIR PROMPTS_JSON
+    python make_model.py OUT_DIR PROMPTS_JSON [SHAPE_JSON]
 A 2-layer Llama with seeded random weights and a WordLevel tokenizer (token `tN` is id N), saved
 as a Hugging Face model folder SGLang loads with `--model-path`; then, for each prompt in
 PROMPTS_JSON ({"name": {"input_ids": [...], "max_new_tokens": N}}), the greedy continuation by
 plain `transformers` on the same weights, written to OUT_DIR/reference.json. A server whose
 answer equals it computed attention over the prompt's real KV: for a PD pair, the bytes Mooncake
-moved from prefill to decode.
+moved from prefill to decode. SHAPE_JSON (optional) overrides entries of SHAPE: the page-lifetime
+race needs more KV per token than the default model has.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def make_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def make_weights(out: Path):
+def make_weights(out: Path, shape: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(**SHAPE, bos_token_id=SPECIAL["<s>"], eos_token_id=SPECIAL["</s>"],
+    config = LlamaConfig(**shape, bos_token_id=SPECIAL["<s>"], eos_token_id=SPECIAL["</s>"],
                          tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     # default init gives near-uniform logits; wider weights make greedy argmax well separated
@@ -65,15 +66,16 @@ def greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
     return out
 
 
-def main(out_dir: str, prompts_json: str) -> None:
+def main(out_dir: str, prompts_json: str, shape_json: str = "{}") -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    shape = {**SHAPE, **json.loads(shape_json)}
     make_tokenizer(out)
-    model = make_weights(out)
+    model = make_weights(out, shape)
     prompts = json.loads(Path(prompts_json).read_text())
     reference = {name: greedy(model, p["input_ids"], p["max_new_tokens"]) for name, p in prompts.items()}
     (out / "reference.json").write_text(json.dumps(reference, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

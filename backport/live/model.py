@@ -44,21 +44,27 @@ class TinyModel:
     sha256: str                        # of the weights file
 
 
-def model_key() -> str:
+def model_key(prompts: dict | None = None, shape: dict | None = None) -> str:
     material = MAKER.read_bytes() + json.dumps([PROMPTS, NEW_TOKENS], sort_keys=True).encode()
+    if prompts is not None or shape is not None:  # the default model's key stays what it was
+        material += json.dumps([prompts, shape], sort_keys=True).encode()
     return hashlib.sha256(material).hexdigest()[:16]
 
 
-def ensure_model(python: Path) -> TinyModel:
-    """The cached model (made on first use by `python`, which has torch and transformers)."""
-    final = cache.cache_root() / "models" / f"tiny-llama-{model_key()}"
+def ensure_model(python: Path, *, name: str = "tiny-llama", shape: dict | None = None,
+                 prompts: dict[str, tuple[list[int], int]] | None = None) -> TinyModel:
+    """The cached model (made on first use by `python`, which has torch and transformers).
+    `shape` overrides make_model.SHAPE; `prompts` (name -> (ids, new tokens)) replaces PROMPTS."""
+    final = cache.cache_root() / "models" / f"{name}-{model_key(prompts, shape)}"
+    wanted = prompts if prompts is not None else {n: (ids, NEW_TOKENS) for n, ids in PROMPTS.items()}
     if not (final / "reference.json").is_file():
         def build(staged: Path) -> None:
             staged.mkdir(parents=True, exist_ok=True)
-            prompts = staged / "prompts.json"
-            prompts.write_text(json.dumps({n: {"input_ids": ids, "max_new_tokens": NEW_TOKENS}
-                                           for n, ids in PROMPTS.items()}))
-            proc = subprocess.run([str(python), str(MAKER), str(staged), str(prompts)],
+            prompts_file = staged / "prompts.json"
+            prompts_file.write_text(json.dumps({n: {"input_ids": ids, "max_new_tokens": new}
+                                                for n, (ids, new) in wanted.items()}))
+            proc = subprocess.run([str(python), str(MAKER), str(staged), str(prompts_file),
+                                   json.dumps(shape or {})],
                                   capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-6:])

@@ -1,12 +1,13 @@
 """Benchmark: the live tier per tree against the floor of one `launch_server` start, in the same run.
 
-    python benchmarks/bench_live.py TREE [TREE ...] [--json]
+    python benchmarks/bench_live.py TREE [TREE ...] [--race] [--json]
 
 First the floor: one plain (non-PD) `launch_server` of the tiny model on the first tree, timed from
 spawn to its /health answering 200, then stopped; started twice, the faster start counts. Then per tree, the live tier as `live` runs it:
 pair start-up (prefill and decode started together, then the router) and the scenarios' time,
 and the peak resident memory of the deployment's process groups while the scenarios run
-(sampled every second from /proc).
+(sampled every second from /proc). With --race, per tree the 2P1D page-lifetime race too (its own
+deployment: ready time, scenario time, peak memory of every server it started).
 Prints the seconds and the ratios to the floor (goal: the live tier of one `run`, three trees,
 under 2x three server starts). Prints, never asserts. Run it on a quiet machine: on a loaded one
 every figure grows, the ratios much less.
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backport.live import REGISTRY, ensure_model, ensure_serving_env
 from backport.live.deployment import COMMON_FLAGS, SERVER_ENV, deployed
+from backport.live.race import run_race
 from backport.live.servers import LOOPBACK, Processes, free_port, wait_ready
 from backport.live.tier import run_scenario
 from backport.tree import open_tree
@@ -70,6 +72,48 @@ def floor_seconds(env, model, tree, workdir: Path) -> float:
         return time.monotonic() - started
 
 
+def _descendants_rss() -> int:
+    """Summed RSS of every descendant of this process (the 2P1D servers run in their own sessions
+    and namespace, but stay our descendants)."""
+    parents, rss = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pid = int(stat.parent.name)
+            parents[pid], rss[pid] = int(fields[1]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    me, total = os.getpid(), 0
+    for pid, size in rss.items():
+        seen, up = set(), parents.get(pid)
+        while up is not None and up not in seen and up != me:
+            seen.add(up)
+            up = parents.get(up)
+        if up == me:
+            total += size
+    return total
+
+
+class PeakDescendants(PeakMemory):
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, _descendants_rss())
+            self.done.wait(1.0)
+
+
+def race_figures(env, tree, workdir: Path) -> dict:
+    """The 2P1D page-lifetime race (its own deployment): ready time, scenario time, peak memory."""
+    sampler = PeakDescendants(set())
+    sampler.start()
+    result = run_race(env, Path(tree.package_root), workdir)
+    sampler.done.set()
+    sampler.join()
+    startup = result["details"].get("startup_seconds") or 0.0
+    return {"version": tree.version, "startup_seconds": startup,
+            "scenario_seconds": round(result["seconds"] - startup, 1), "peak_rss_gib": round(sampler.peak / 2**30, 2),
+            "verdict": result["verdict"], "observed": result["observed"]}
+
+
 def tree_figures(env, model, tree, workdir: Path) -> dict:
     with deployed(env, Path(tree.package_root), tree.version, model, workdir) as dep:
         sampler = PeakMemory({s.process.pid for s in (dep.prefill, dep.decode, dep.router)})
@@ -88,6 +132,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trees", nargs="+")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--race", action="store_true", help="also the 2P1D page-lifetime race per tree")
     args = parser.parse_args()
     trees = [open_tree(Path(t)) for t in args.trees]
     env = ensure_serving_env()
@@ -96,10 +141,11 @@ def main() -> int:
         # the faster of two starts: the first also pays the cold page cache of torch and the tree
         floor = min(floor_seconds(env, model, trees[0], Path(tmp) / f"floor-{n}") for n in (1, 2))
         rows = [tree_figures(env, model, tree, Path(tmp) / f"{i}") for i, tree in enumerate(trees)]
+        races = [race_figures(env, tree, Path(tmp) / f"race-{i}") for i, tree in enumerate(trees)] if args.race else []
     total = sum(r["startup_seconds"] + r["scenario_seconds"] for r in rows)
     result = {"floor_seconds": round(floor, 1), "trees": rows, "total_seconds": round(total, 1),
               "total_over_floor": round(total / floor, 2),
-              "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)"}
+              "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)", "race_2p1d": races}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -110,6 +156,9 @@ def main() -> int:
               f"{r['scenario_seconds']:8.1f} {r['peak_rss_gib']:9.2f}  "
               + ", ".join(f"{k}={v}" for k, v in r["verdicts"].items()))
     print(f"total {total:.1f} s = {total / floor:.2f} x floor; goal: under {2 * len(rows)} x floor")
+    for r in races:
+        print(f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario {r['scenario_seconds']:.1f} s, "
+              f"peak {r['peak_rss_gib']:.2f} GiB: {r['verdict']} ({r['observed']})")
     return 0
 
 

@@ -30,6 +30,7 @@ def section(documents: dict[str, dict]) -> dict:
     order: list[str] = []
     must: dict[str, bool] = {}
     verdicts: dict[str, dict[str, str]] = {}
+    setups: dict[str, dict[str, dict]] = {}
     for role in ROLES:
         for item in (documents.get(role) or {}).get("scenarios", []):
             name = item["scenario"]
@@ -37,6 +38,9 @@ def section(documents: dict[str, dict]) -> dict:
                 order.append(name)
                 must[name] = bool(item.get("must_preserve"))
             verdicts.setdefault(name, {})[role] = item.get("verdict")
+            setup = race_setup(item)
+            if setup is not None:
+                setups.setdefault(name, {})[role] = setup
     present = [role for role in ROLES if role in documents]
     rows = []
     for name in order:
@@ -45,9 +49,28 @@ def section(documents: dict[str, dict]) -> dict:
                      "verdicts": {role: seen.get(role) for role in present},
                      "pair": pair_verdict(seen.get(BASE), seen.get(HEAD)),
                      "reference_agrees": (seen.get(HEAD) == seen.get(REFERENCE)) if REFERENCE in documents else None})
+        if name in setups:
+            rows[-1]["runs"] = setups[name]
     return {"scenarios": rows,
             "servers": {role: documents[role].get("server") for role in present},
             "files": {role: live_file(role) for role in present}}
+
+
+def race_setup(item: dict) -> dict | None:
+    """What a topology scenario (the 2P1D page-lifetime race) ran: topology, shaping, environment,
+    trials (run, valid, unsafe) and each control's result; None for a scenario of the pair."""
+    details = item.get("details") or {}
+    if "topology" not in details:
+        return None
+    trials = details.get("trials") or []
+    valid = [t for t in trials if not t.get("invalid")]
+    controls = details.get("controls") or {}
+    return {"topology": details["topology"], "shaping": details.get("shaping"),
+            "environment": details.get("environment") or {},
+            "trials": {"run": len(trials), "valid": len(valid),
+                       "unsafe": sum(1 for t in valid if not t.get("b_matches_reference"))},
+            "controls": {name: "safe" if c.get("b_matches_reference") else "unsafe" for name, c in controls.items()},
+            "released_through_timeout": details.get("released_through_timeout")}
 
 
 def findings(live: dict | None) -> list[dict]:
@@ -119,7 +142,37 @@ def render(predicate: dict) -> list[str]:
     for role in roles:
         server = live["servers"][role] or {}
         lines.append(f"| {role} | {server.get('version')} | {server.get('router')} | {server.get('backend')} |")
+    lines += _render_races(live, roles)
     found = findings(live)
     if found:
         lines += ["", "Live findings: " + ", ".join(f"{f['scenario']} ({f['pair']})" for f in found) + "."]
     return lines + [""]
+
+
+def _render_races(live: dict, roles: list[str]) -> list[str]:
+    """What each topology scenario ran, and what it does and does not show."""
+    lines = []
+    for row in live["scenarios"]:
+        runs = row.get("runs") or {}
+        if not runs:
+            continue
+        first = next(iter(runs.values()))
+        topo, shaping = first["topology"], first.get("shaping") or {}
+        lines += ["", (f"`{row['scenario']}`: {topo['name']} ({topo['prefills']} prefills, {topo['decodes']} decode, "
+                  f"{topo['network']}); only prefill A's Mooncake flow to decode shaped to {shaping.get('rate')} "
+                  f"(htb); decode aborts A at {shaping.get('abort_at_fraction')} of A's {topo['a_tokens']}-token KV, "
+                  f"then B ({topo['b_tokens']} tokens, {topo['b_new_tokens']} new) goes through prefill B onto "
+                  f"A's freed pages (decode pool {topo['decode_pool']})."), "",
+                  "| role | trials (valid) | unsafe | controls | released through the timeout |", "|---|---|---|---|---|"]
+        for role in roles:
+            run = runs.get(role)
+            if run is None:
+                continue
+            controls = ", ".join(f"{n} {v}" for n, v in run["controls"].items()) or "-"
+            lines.append(f"| {role} | {run['trials']['run']} ({run['trials']['valid']}) | {run['trials']['unsafe']} | "
+                         f"{controls} | {'yes' if run.get('released_through_timeout') else 'no'} |")
+        lines += ["", ("It shows decode releasing pages a writer may still touch, on real servers with the real "
+                  "Mooncake TCP transport: an abort mid-transfer lets the next request's KV be overwritten. It does "
+                  "not show RDMA (the writes are TCP on loopback, slowed by tc), GPU memory, or timings of a real "
+                  "network; the mechanism is the same one an RDMA write after release exercises.")]
+    return lines

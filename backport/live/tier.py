@@ -1,6 +1,7 @@
 """The live tier for a list of trees: per tree one PD deployment, every scenario, everything stopped.
 
-Trees run one after another (each pair is ~4 GB and two busy cores). The document of one tree:
+Trees run one after another (each pair is ~4 GB and two busy cores); after a tree's pair, its
+2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. The document of one tree:
 `{"tree", "version", "server": {version, flags, backend, router}, "startup_seconds", "scenarios":
 [{"scenario", "must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
 """
@@ -17,6 +18,8 @@ from backport import cache
 from backport.live.deployment import Deployment, deployed
 from backport.live.environment import ROUTER_REQUIREMENTS, ServingEnv
 from backport.live.model import TinyModel
+from backport.live.race import NAME as RACE_NAME
+from backport.live.race import run_race
 from backport.live.scenarios import ERROR, REGISTRY, Scenario
 from backport.live.servers import sigterm_raises
 
@@ -43,13 +46,16 @@ def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> dict:
 
 
 def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyModel, label: str,
-              workdir: Path) -> dict:
+              workdir: Path, race: bool = True) -> dict:
     log.info("live: starting prefill, decode and router for %s ...", label)
     with deployed(env, package_root, version, model, workdir) as dep:
         log.info("live: %s serving after %.0f s; running %d scenarios", label, dep.startup_seconds, len(REGISTRY))
         scenarios = [run_scenario(item, dep, model) for item in REGISTRY]
         startup = dep.startup_seconds
         flags = dep.flags
+    if race:  # its own deployment (2P1D, private namespace), after the pair is stopped: one at a time
+        log.info("live: %s: %s on two prefills and one decode ...", label, RACE_NAME)
+        scenarios.append(run_race(env, package_root, workdir / "2p1d"))
     return {"tree": label, "version": version, "startup_seconds": round(startup, 1),
             "server": {"version": version, "flags": flags, "backend": BACKEND, "router": router_name(),
                        "model_sha256": model.sha256},
@@ -57,11 +63,11 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
 
 
 def run_live(env: ServingEnv, model: TinyModel, trees: list[tuple[str, Path, str]],
-             keep_logs: Path | None = None) -> list[dict]:
+             keep_logs: Path | None = None, race: bool = True) -> list[dict]:
     """`trees`: (label, package root, version). SIGTERM stops the servers as SIGINT does."""
     documents = []
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="live-", dir=cache.work_root()) as tmp:
         for index, (label, root, version) in enumerate(trees):
             workdir = (keep_logs or Path(tmp)) / f"{index}-{version}"
-            documents.append(live_tree(env, root, version, model, label, workdir))
+            documents.append(live_tree(env, root, version, model, label, workdir, race))
     return documents

@@ -8,13 +8,25 @@ upstream's tests run under the probe interpreter's real coverage.py.
 from __future__ import annotations
 
 import copy
+import json
 from types import SimpleNamespace
 
 import git
 import pytest
 
+from backport.errors import BadInput
 from backport.evidence.coverage import problems, render
-from backport.job.coverage import changed_functions, measure, pristine_functions, upstream_lines
+from backport.job.coverage import (
+    EXCLUSIONS,
+    Exclusion,
+    changed_functions,
+    load_exclusions,
+    measure,
+    pristine_functions,
+    stale_exclusions,
+    times_added,
+    upstream_lines,
+)
 from backport.upstream import TestRef, run_upstream_tests
 from tests import test_upstream_tests as shared
 from tests.test_upstream_tests import BEHAVIOUR, PYTHON, REV, UNIT, UTILS_PATCHED, UTILS_PRISTINE, make_tree
@@ -207,3 +219,62 @@ def test_upstream_tests_record_the_lines_they_ran(server, synthetic_trees, probe
     assert {10, 11, 14, 16, 17, 18, 19} <= ran
     lines, reason = upstream_lines(document)
     assert reason is None and lines == {UTILS: ran}
+
+
+# ---- the pack's reviewed exclusion list (patches/coverage-exclusions.toml) -----------------------
+
+
+def _exclusion_pack(tmp_path, **entry) -> SimpleNamespace:
+    """A pack whose exclusion list is the one entry given (a root, no fixes)."""
+    entry = {"fix": "pr38935", "variants": ["pr38935-0.5.19.patch"], "file": UTILS, "lines": ["return False"],
+             "after": "if is_unadmitted_reject(req):", "reason": "a reviewed reason", **entry}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in entry.items() if v is not None]
+    (tmp_path / "pack").mkdir(exist_ok=True)
+    (tmp_path / "pack" / EXCLUSIONS).write_text("[[exclude]]\n" + "\n".join(lines) + "\n")
+    return SimpleNamespace(fixes={}, root=tmp_path / "pack", variants={})
+
+
+def test_a_listed_run_of_added_lines_is_excluded_with_its_reason(run_inputs, tmp_path):
+    trees, apply_json, probe_docs = run_inputs
+    section = measure(trees, apply_json, _exclusion_pack(tmp_path), probe_docs, None, None)
+    (patch,) = section["patches"]
+    assert patch["excluded"] == [{"line": f"{UTILS}:17", "reason": "a reviewed reason"}]
+    assert patch["not_executed"] == [f"{UTILS}:11"] and patch["added"] == 3
+    assert "1 excluded with a listed reason" in "\n".join(render(section))
+
+
+def test_an_exclusion_names_its_variant_and_its_place(run_inputs, tmp_path):
+    trees, apply_json, probe_docs = run_inputs
+    for other in ({"variants": ["pr38935-0.5.18.patch"]}, {"after": "queue.append(req)"}):
+        section = measure(copy.deepcopy(trees), copy.deepcopy(apply_json), _exclusion_pack(tmp_path, **other),
+                          copy.deepcopy(probe_docs), None, None)
+        assert section["patches"][0]["excluded"] == [], other
+        assert section["patches"][0]["not_executed"] == [f"{UTILS}:11", f"{UTILS}:17"], other
+
+
+@pytest.mark.parametrize("entry", [{"reason": "  "}, {"variants": []}, {"lines": []}, {"owner": "x"}])
+def test_an_exclusion_without_a_reason_or_a_place_is_refused(tmp_path, entry):
+    with pytest.raises(BadInput, match="entry 1"):
+        load_exclusions(_exclusion_pack(tmp_path, **entry).root)
+
+
+def test_a_stale_exclusion_is_named():
+    """The run must be consecutive added lines of the named variant, once (context lines do not count)."""
+    hunk = SimpleNamespace(lines=((" ", "if x:"), ("+", "    return False"), ("-", "    pass"), (" ", "y = 1")))
+    variant = SimpleNamespace(name="pr38935-0.5.19.patch", files=(SimpleNamespace(path=UTILS, hunks=(hunk,)),))
+    ok = Exclusion("pr38935", (variant.name,), UTILS, ("return False",), "r", "if x:")
+    assert times_added(variant, ok) == 1
+    assert times_added(variant, Exclusion("pr38935", (), UTILS, ("y = 1",), "r")) == 0  # context, not added
+    assert times_added(variant, Exclusion("pr38935", (), UTILS, ("return False",), "r", "z")) == 0
+
+
+def test_the_packs_exclusions_match_their_variants_and_give_reasons():
+    """Every entry of patches/coverage-exclusions.toml names variants of the pack that each add its run of
+    lines exactly once, and says why no case runs it."""
+    from backport.pack import load_pack
+    from tests.conftest import REPO
+
+    pack = load_pack(REPO / "patches")
+    entries = load_exclusions(pack.root)
+    assert entries and all(len(e.reason) > 40 for e in entries)
+    assert stale_exclusions(pack) == []

@@ -6,10 +6,11 @@ of a touched file to the commit that last changed it, and each applied patch is 
 a line blamed on patch P's commit is a line P added (and no later patch rewrote). Executable
 lines and executed lines come from coverage.py in the probe interpreter (the harness's
 `--coverage`), measured from before `import sglang` to the last case, and, when upstream's
-tests ran on the patched tree, from coverage.py around their pytest runs. Lines a fix's
-metadata excludes (`coverage_exclude`: code no CPU can run, each with its reason) are listed
-apart and never counted as executed. A line is `not_executed` when neither a probe case nor an
-upstream test ran it.
+tests ran on the patched tree, from coverage.py around their pytest runs. Lines the pack's
+reviewed exclusion list names (`patches/coverage-exclusions.toml`: per fix and variant, a run of
+added lines and the reason no probe case runs it), or a fix's `coverage_exclude` pattern in
+fixes.toml, are listed apart with their reason and never counted as executed. A line is
+`not_executed` when neither a probe case nor an upstream test ran it.
 
 The pristine side: the functions of the pristine tree that hold a line a fix's hunks remove or
 insert into (found in the tree the patch applied to, by `ast`, then by name in the pristine
@@ -25,14 +26,108 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from unidiff import PatchSet
 
 from backport import gitops
+from backport.errors import BadInput
 from backport.evidence.coverage import totals
 from backport.gitops import blame_commits
 from backport.pack import Pack
+
+EXCLUSIONS = "coverage-exclusions.toml"
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A run of consecutive lines that `variants` of `fix` add to `file` (compared with surrounding
+    whitespace stripped), excluded from the coverage promise for `reason`; `after`: the line just
+    before the run, where the run alone is not unique."""
+
+    fix: str
+    variants: tuple[str, ...]
+    file: str
+    lines: tuple[str, ...]
+    reason: str
+    after: str | None = None
+
+
+def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
+    """The pack's reviewed exclusion list (none when the pack has no such file)."""
+    path = Path(pack_root) / EXCLUSIONS if pack_root is not None else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        entries = tomllib.loads(path.read_text()).get("exclude", [])
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"{path}: {e}") from None
+    found = []
+    for i, e in enumerate(entries, 1):
+        where = f"{path} entry {i}"
+        if not {"fix", "variants", "file", "lines", "reason"} <= set(e) <= {"fix", "variants", "file", "lines",
+                                                                             "reason", "after"}:
+            raise BadInput(f"{where}: an entry is {{ fix, variants, file, lines, reason[, after] }}, got {sorted(e)}")
+        texts = [e["fix"], e["file"], e["reason"], *e["variants"], *e["lines"]]
+        if not e["variants"] or not e["lines"] or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise BadInput(f"{where}: fix, file, reason, every variant and every line must be non-empty text")
+        after = e.get("after")
+        if after is not None and not isinstance(after, str):
+            raise BadInput(f"{where}: after must be text (the line before the run)")
+        found.append(Exclusion(e["fix"], tuple(e["variants"]), e["file"], tuple(t.strip() for t in e["lines"]),
+                               e["reason"].strip(), None if after is None else after.strip()))
+    return found
+
+
+def _runs(texts: list[str], run: tuple[str, ...], after: str | None = None, added: list[bool] | None = None
+          ) -> list[int]:
+    """Where `run` starts in `texts` (0-based), comparing stripped lines; with `after`, only where the
+    line before is that text; with `added`, only where every line of the run is an added one."""
+    stripped = [t.strip() for t in texts]
+    return [i for i in range(len(stripped) - len(run) + 1)
+            if tuple(stripped[i:i + len(run)]) == run and (after is None or (i > 0 and stripped[i - 1] == after))
+            and (added is None or all(added[i:i + len(run)]))]
+
+
+def times_added(variant, e: Exclusion) -> int:
+    """How often `variant` adds the entry's run of lines to its file (consecutive added lines)."""
+    hits = 0
+    for fp in variant.files:
+        if fp.path == e.file:
+            for hunk in fp.hunks:
+                new = [(tag, text) for tag, text in hunk.lines if tag != "-"]
+                hits += len(_runs([t for _, t in new], e.lines, e.after, [tag == "+" for tag, _ in new]))
+    return hits
+
+
+def stale_exclusions(pack) -> list[str]:
+    """Entries that no longer match: a listed variant the pack lacks, or one that does not add the
+    entry's run of lines to its file exactly once."""
+    found = []
+    for e in load_exclusions(getattr(pack, "root", None)):
+        variants = {v.name: v for v in pack.variants.get(e.fix, ())}
+        for name in e.variants:
+            if name not in variants:
+                found.append(f"{e.fix} {name}: no such variant ({e.file}: {e.lines[0]!r})")
+            elif (hits := times_added(variants[name], e)) != 1:
+                found.append(f"{e.fix} {name}: adds the run starting {e.lines[0]!r} to {e.file} {hits} times, not once")
+    return found
+
+
+def _excluded(exclusions: list[Exclusion], patch: dict, rel: str, commits: list[str], lines: list[str]
+              ) -> dict[int, str]:
+    """Line number -> reason, for the runs of this patch's own lines in `rel` that an entry names."""
+    found: dict[int, str] = {}
+    for e in exclusions:
+        if e.fix != patch["fix"] or patch.get("variant") not in e.variants or e.file != rel:
+            continue
+        for start in _runs(lines, e.lines, e.after):
+            numbers = range(start + 1, start + 1 + len(e.lines))
+            if all(n <= len(commits) and commits[n - 1] == patch["commit"] for n in numbers):
+                found.update((n, e.reason) for n in numbers)
+    return found
 
 
 def touched_files(apply_json: dict | None) -> list[str]:
@@ -68,6 +163,7 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
         return ({"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent},
                 {})
     upstream_ran, upstream_reason = upstream
+    listed = load_exclusions(getattr(pack, "root", None))
     blamed: dict[str, tuple[list[str], list[str]]] = {}  # file -> (commit per line, its lines), read once
     patches = []
     by_upstream: dict[str, list[str]] = {}
@@ -89,12 +185,13 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
             file_cov = measured.get(rel, {"statements": [], "executed": []})
             statements, ran = set(file_cov["statements"]), set(file_cov["executed"])
             ran_upstream = (upstream_ran or {}).get(rel, set())
+            reviewed = _excluded(listed, patch, rel, commits, lines)
             for number, commit in enumerate(commits, 1):
                 if commit != patch["commit"] or number not in statements:
                     continue
                 text = lines[number - 1] if number <= len(lines) else ""
-                reason = next((x.reason for x in exclusions
-                               if x.file == rel and re.search(x.pattern, text)), None)
+                reason = reviewed.get(number) or next((x.reason for x in exclusions
+                                                       if x.file == rel and re.search(x.pattern, text)), None)
                 where = f"{rel}:{number}"
                 if reason is not None:
                     excluded.append({"line": where, "reason": reason})

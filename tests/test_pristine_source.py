@@ -314,3 +314,50 @@ def test_a_tree_changed_while_probed_is_a_finding(real_cache, tmp_path, capsys, 
                            "--no-upstream-tests", "--reference", "none")
     assert code == 1 and "changed while it was probed" in err and "patched" in err, err
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.network
+@pytest.mark.probe_env
+def test_run_on_an_upstream_checkout_applied_while_probed(real_cache, probe_python, release_tree, tmp_path,
+                                                          capsys, monkeypatch):
+    """Rows 1, 2 and 9 of issue 43 for real: an upstream-layout v0.5.19 checkout (no generated
+    `_version.py`, so `sglang.version` says 0.0.0.dev0), applied in place while `run` probes it. The
+    pristine role is the recorded commit (cases unsafe, digest the release's), and no case is skipped
+    as "before 0.5.16" on the strength of the fallback version."""
+    import shutil
+
+    from backport.engine import apply_series
+    from backport.pack import load_pack
+
+    pristine = release_tree("0.5.19")
+    co = tmp_path / "sglang"
+    shutil.copytree(pristine.package_root / "sglang", co / "python" / "sglang")
+    (co / "python" / "sglang" / "_version.py").unlink()
+    (co / ".gitignore").write_text("python/sglang/_version.py\n")
+    repo = git.Repo.init(co)
+    base = commit(repo, "upstream v0.5.19")
+    repo.create_tag("v0.5.19")
+    job_run = importlib.import_module("backport.job.run")
+    real = job_run.run_matrix
+
+    def applied_meanwhile(*args, **kwargs):
+        report = apply_series(co, load_pack(REPO / "patches"), "0.5.19", package_prefix="python/")
+        assert report.status == "applied"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_run, "run_matrix", applied_meanwhile)
+    code, out, err = run_cli(capsys, "run", str(co), "--out", str(tmp_path / "bundle"), "--python", probe_python,
+                             "--no-upstream-tests", "--reference", "none", "--json")
+    assert code == 0 and json.loads(out)["result"] == "pass", err[-3000:]
+    assert repo.head.commit.hexsha != base
+    p = json.loads((tmp_path / "bundle" / "receipt.json").read_text())["predicate"]
+    assert p["inputs"]["trees"]["pristine"]["commit"] == base
+    pristine_doc = json.loads((tmp_path / "bundle" / "probes" / "pristine.json").read_text())
+    patched_doc = json.loads((tmp_path / "bundle" / "probes" / "patched.json").read_text())
+    assert pristine_doc["version"] == patched_doc["version"] == "0.5.19"
+    unsafe = [c["case"] for c in pristine_doc["cases"] if c["verdict"] == "unsafe"]
+    assert len(unsafe) >= 10, "the pristine release shows the exposure"
+    skipped = [c["case"] for c in patched_doc["cases"] if "0.5.16" in (c.get("observed") or "")
+               and c["verdict"] == "not-applicable"]
+    assert skipped == []
+    assert evidence.verify(tmp_path / "bundle").ok

@@ -374,3 +374,13 @@ def test_an_unreachable_router_is_named_and_a_bad_port_blames_live(capsys):
     assert re.search(r"/workers: unreachable: connection refused", text(gate(document, 2))) and seconds < 15
     assert main(["audit", "--live", "http://127.0.0.1:99999"]) == 2
     assert "--live http://127.0.0.1:99999: malformed port" in capsys.readouterr().err
+
+
+def test_a_hostile_location_is_one_short_printable_line():
+    def handle(server, request):
+        send(request, 302, b"", {"Location": "http://127.0.0.1:1/\x1b[2J" + "a" * 5000})
+
+    with hostile(handle) as s:
+        _, document, _ = audit("--server", s.url)
+    error = document["servers"][0]["error"]
+    assert "\x1b" not in error and "http://127.0.0.1:1/?[2J" in error and len(error) < 400

@@ -133,6 +133,14 @@ class Reply:
             return None
 
 
+def _printable(text: str | None, limit: int = 200) -> str | None:
+    """A server's header as one short printable line (it goes to the operator's terminal)."""
+    if text is None:
+        return None
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if len(clean) <= limit else clean[:limit] + "..."
+
+
 def _why(exc: Exception, seconds: float) -> str:
     """A short cause for a request that got no answer (requests' own text runs to 300 characters)."""
     text = str(exc)
@@ -170,7 +178,7 @@ def request(method: str, url: str, limits: Limits, *, json_body=None) -> Reply:
         with _session(limits.api_key) as session, session.request(
                 method, url, json=json_body, timeout=(seconds, seconds), allow_redirects=False,
                 stream=True) as response:
-            status, location = response.status_code, response.headers.get("Location")
+            status, location = response.status_code, _printable(response.headers.get("Location"))
             declared = response.headers.get("Content-Length", "")
             if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
                 error = f"an answer of {int(declared):,} bytes, above the audit's limit of {MAX_REPLY_BYTES:,}"

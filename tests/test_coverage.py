@@ -241,6 +241,10 @@ def test_a_listed_run_of_added_lines_is_excluded_with_its_reason(run_inputs, tmp
     assert patch["excluded"] == [{"line": f"{UTILS}:17", "reason": "a reviewed reason"}]
     assert patch["not_executed"] == [f"{UTILS}:11"] and patch["added"] == 3
     assert "1 excluded with a listed reason" in "\n".join(render(section))
+    assert f"| `{UTILS}:17` (a reviewed reason) |" in "\n".join(render(section))
+    # a run of lines with one reason reads as one range in REPORT.md
+    section["patches"][0]["excluded"].insert(0, {"line": f"{UTILS}:16", "reason": "a reviewed reason"})
+    assert f"| `{UTILS}:16-17` (a reviewed reason) |" in "\n".join(render(section))
 
 
 def test_an_exclusion_names_its_variant_and_its_place(run_inputs, tmp_path):

@@ -138,6 +138,21 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _excluded_ranges(excluded: list[dict]) -> str:
+    """Excluded lines as `file:first-last` (reason), one per run of lines in a file with the same reason."""
+    groups: list[tuple[str, int, int, str]] = []
+    for x in excluded:
+        rel, _, number = x["line"].rpartition(":")
+        if groups and groups[-1][0] == rel and groups[-1][3] == x["reason"] and number.isdigit():
+            groups[-1] = (rel, groups[-1][1], int(number), x["reason"])
+        elif number.isdigit():
+            groups.append((rel, int(number), int(number), x["reason"]))
+        else:
+            groups.append((x["line"], -1, -1, x["reason"]))
+    return ", ".join(f"`{rel}:{a}{'' if a == b else f'-{b}'}` ({reason})" if a >= 0 else f"`{rel}` ({reason})"
+                     for rel, a, b, reason in groups) or "-"
+
+
 def render(coverage: dict | None) -> list[str]:
     """REPORT.md lines."""
     lines = ["## Coverage of the patches", ""]
@@ -164,7 +179,7 @@ def render(coverage: dict | None) -> list[str]:
         if only:
             by_upstream = f"{by_upstream} (only by them: {', '.join(f'`{x}`' for x in only)})"
         missing = ", ".join(f"`{x}`" for x in p["not_executed"]) or "-"
-        excluded = ", ".join(f"`{x['line']}` ({x['reason']})" for x in p["excluded"]) or "-"
+        excluded = _excluded_ranges(p["excluded"])
         lines.append(f"| {p['fix']} | {p['variant']} | {p['added']} | {p['executed_by_probes']} | {by_upstream} "
                      f"| {excluded} | {missing} |")
     functions = coverage.get("pristine_functions")

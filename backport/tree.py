@@ -180,19 +180,23 @@ def checkout_version(repo: git.Repo, package_root: Path) -> str | None:
         where = next(n for n in ("_version.py", "version.py") if (package_root / "sglang" / n).is_file())
         raise BadInput(f"{package_root / 'sglang' / where}: says {said} but the checkout's release tag says "
                        f"v{tag[0]}{f' (+{tag[1]} commits)' if tag[1] else ''}; remove or regenerate the stale "
-                       f"file, or pass --version X")
+                       f"file, or pass --version X (run, apply, status)")
     return git_describe_version(repo)
 
 
-def no_version_message(path: Path, is_git: bool) -> str:
-    """Why a tree has no version, and the way out (variant selection needs one)."""
-    if is_git:
-        return (f"{path}: no version: no release tag (v0.5.19 ...) is reachable from HEAD and there is no "
-                f"sglang/_version.py; fetch the tags (git -C {path} fetch --tags) or pass --version X")
-    return f"{path}: no version: sglang/_version.py and sglang/version.py name none; pass --version X"
+def no_version_message(tree: Tree, kind: str) -> str:
+    """Why a tree has no version, and the way out (variant selection needs one). `kind`: checkout
+    (a user's, in place), git (a git+URL@SHA target) or path (a directory)."""
+    if kind == "checkout":
+        return (f"{tree.path}: no version: no release tag (v0.5.19 ...) is reachable from HEAD and there is no "
+                f"sglang/_version.py; fetch the tags (git -C {tree.path} fetch --tags) or pass --version X")
+    if kind == "git":
+        return (f"{tree.spec}: no version: no release tag (v0.5.19 ...) in that repository is reachable from the "
+                f"commit; pass --version X")
+    return f"{tree.spec}: no version: sglang/_version.py and sglang/version.py name none; pass --version X"
 
 
-def decided_version(tree: Tree, override: str | None, is_git: bool) -> str:
+def decided_version(tree: Tree, override: str | None, kind: str) -> str:
     """The version the toolkit works with: `--version` when given (a PEP 440 version), else the
     tree's; BadInput when there is none."""
     if override is not None:
@@ -201,7 +205,7 @@ def decided_version(tree: Tree, override: str | None, is_git: bool) -> str:
         except InvalidVersion:
             raise BadInput(f"--version {override}: not a PEP 440 version") from None
     if tree.version == "unknown":
-        raise BadInput(no_version_message(tree.path, is_git))
+        raise BadInput(no_version_message(tree, kind))
     return tree.version
 
 

@@ -148,6 +148,18 @@ def test_an_untagged_checkout_says_to_fetch_tags_or_pass_version(tmp_path, cache
     assert code == 0 and json.loads(out)["version"] == "9.9.2", "the tag, not version.py's 0.0.0.dev0"
 
 
+def test_an_untagged_git_target_names_the_spec_and_version(tmp_path, cache_dir, capsys, monkeypatch):
+    repo = checkout(tmp_path / "co", "9.9.2", upstream_layout=True)
+    spec = f"git+file://{tmp_path / 'co'}@{repo.head.commit.hexsha}"
+    job_run = importlib.import_module("backport.job.run")
+    monkeypatch.setattr(job_run, "ensure_env", lambda python=None, **_: Path(sys.executable))
+    code, _, err = run_cli(capsys, "run", spec, "--no-upstream-tests", "--reference", "none")
+    line = error_line(err)
+    assert code == 2 and spec in line and "--version" in line and "PEP 440" not in line, line
+    code, out, err = run_cli(capsys, "apply", spec, "--version", "9.9.2", "--check", "--json")
+    assert code == 0 and json.loads(out)["version"] == "9.9.2", err
+
+
 def test_version_flag_is_refused_for_a_wheel_target(tmp_path, cache_dir, capsys):
     code, _, err = run_cli(capsys, "run", "sglang==0.5.19", "--version", "0.5.20")
     assert code == 2 and "--version" in error_line(err) and not cache_dir.exists()

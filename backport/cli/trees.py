@@ -42,7 +42,7 @@ def fetch_tree(spec: str, args) -> Tree:
         raise BadInput(f"--version {version}: only for a checkout, a directory or a git target ({spec} says its "
                        f"own version)")
     tree = materialise(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins).tree
-    return replace(tree, version=decided_version(tree, version, kind == "git"))
+    return replace(tree, version=decided_version(tree, version, "git" if kind == "git" else "path"))
 
 
 def load_series(args):
@@ -127,7 +127,7 @@ def work_tree(args) -> Tree:
     out = out_dir(args.out) if args.out else None
     if is_checkout(args.target):
         checkout = open_tree(Path(args.target), version=args.version)
-        checkout = replace(checkout, version=decided_version(checkout, args.version, True))
+        checkout = replace(checkout, version=decided_version(checkout, args.version, "checkout"))
         return checkout if out is None else clone_tree(checkout, out.parent, out)
     source = fetch_tree(args.target, args)
     return clone_pristine(source, out.parent if out else cache.work_root(), out)
@@ -169,7 +169,7 @@ def cmd_apply(args) -> int:
         tree = fetch_tree(args.target, args)  # --check on a spec: the cached pristine tree, unchanged
     elif args.check:
         tree = open_tree(Path(args.target), version=args.version)
-        tree = replace(tree, version=decided_version(tree, args.version, True))
+        tree = replace(tree, version=decided_version(tree, args.version, "checkout"))
     else:
         tree = work_tree(args)
     report = apply_series(tree.path, pack, tree.version, package_prefix=tree.package_prefix,

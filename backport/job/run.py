@@ -97,7 +97,7 @@ def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
         work.append(pristine.path)
         return pristine
     source = fetch(options.spec, the_plan)
-    version = decided_version(source, options.version, the_plan.kind == "git")
+    version = decided_version(source, options.version, "git" if the_plan.kind == "git" else "path")
     return source if version == source.version else dataclasses.replace(source, version=version)
 
 

@@ -41,7 +41,7 @@ def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -
     import git
 
     tree = open_tree(path, spec=spec, version=version)
-    tree = Tree(tree.path, tree.package_prefix, decided_version(tree, version, True), tree.spec,
+    tree = Tree(tree.path, tree.package_prefix, decided_version(tree, version, "checkout"), tree.spec,
                 None, tree.tree_digest, tree.base_commit)
     with git.Repo(tree.path) as repo:
         head = repo.head.commit.hexsha

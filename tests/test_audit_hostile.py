@@ -184,6 +184,7 @@ def test_a_router_that_serves_the_over_pool_prompt_fails_gate2():
 
 @pytest.mark.parametrize("over_pool, reason", [
     ((400, {"error": "bad request"}), "does not name the input length"),
+    ((422, {"detail": [{"msg": "field required", "input": [1, 384, 2]}]}), "does not name the input length"),
     ((503, {"error": "overloaded"}), "HTTP 503"),
     ((200, b"<html>ok</html>"), "garbled"),
 ])

@@ -38,8 +38,14 @@ def _prompt(length: int) -> list[int]:
 
 
 def _names_length(text: str, length: int) -> bool:
-    """The body names the prompt's length ("Input length (400 tokens) exceeds ...")."""
-    return any(re.search(rf"(?<![\d,]){re.escape(form)}(?!\d|,\d)", text) for form in (str(length), f"{length:,}"))
+    """The body names the prompt's length as a length ("Input length (400 tokens) exceeds ...",
+    "The input (400 tokens) is longer ..."), not merely somewhere (an echo of the token ids)."""
+    for form in (str(length), f"{length:,}"):
+        number = rf"(?<![\d,]){re.escape(form)}(?!\d|,\d)"
+        if re.search(number + r"\s*tokens?\b", text, re.IGNORECASE) or \
+                re.search(r"length\D{0,20}" + number, text, re.IGNORECASE):
+            return True
+    return False
 
 
 def _send(url: str, length: int, limits: Limits) -> dict:

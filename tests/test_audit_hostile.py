@@ -385,3 +385,18 @@ def test_a_hostile_location_is_one_short_printable_line():
         _, document, _ = audit("--server", s.url)
     error = document["servers"][0]["error"]
     assert "\x1b" not in error and "http://127.0.0.1:1/?[2J" in error and len(error) < 400
+
+
+def test_the_over_pool_prompt_is_above_every_prefill_pool():
+    def handle(server, request):
+        if request.path == "/workers":
+            return send(request, 200, {"workers": [{"url": f"{server.url}/a"}, {"url": f"{server.url}/b"}]})
+        if request.path.endswith("/server_info"):
+            return send(request, 200, prefill_info(pool=200 if request.path.startswith("/a") else POOL))
+        if request.path == "/generate":
+            return send(request, *sglang_like(prompt_length(request)))
+        return send(request, 404, {})
+
+    with hostile(handle) as r:
+        _, document, _ = audit("--live", r.url, "--live-count", "1")
+    assert gate(document, 2)["details"]["live"]["prompt_tokens_sent"] == 384   # 1.5 x the larger pool, 256

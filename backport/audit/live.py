@@ -106,16 +106,18 @@ def negative_case(url: str, servers: list[ServerFacts], count: int, limits: Limi
     prefill = [s for s in servers if s.role == "prefill" and s.pool_tokens and s.context_length]
     if not prefill:
         return {"skipped": "no prefill worker reported its pool and context through the router"}
-    pool, context = prefill[0].pool_tokens, prefill[0].context_length
+    # above every prefill's pool (the router may pick any) and within every one's context
+    pool, context = max(s.pool_tokens for s in prefill), min(s.context_length for s in prefill)
     if pool >= context - NEW_TOKENS:
-        return {"skipped": f"the prefill pool ({pool:,}) holds the context ({context:,}): no prompt is within the "
-                           "context and above the pool"}
+        return {"skipped": f"no prompt is above every prefill pool (the largest {pool:,}) and within every "
+                           f"context (the smallest {context:,})"}
     length = min(context - NEW_TOKENS - 1, pool + max(1, pool // 2), max_prompt)
     if length <= pool:
         return {"skipped": f"a prompt above the prefill pool ({pool:,} tokens) is longer than --max-prompt-tokens "
                            f"({max_prompt:,})", "remedy": f"--max-prompt-tokens {pool + 1}",
                 "prefill_pool": pool, "context_length": context}
-    fits = max(1, min(prefill[0].max_req_input_len or pool, pool, max_prompt) // 2)
+    fits = max(1, min(*(s.max_req_input_len or s.pool_tokens for s in prefill),
+                      *(s.pool_tokens for s in prefill), max_prompt) // 2)
     case = {"prompt_tokens_sent": length, "prefill_pool": pool, "context_length": context,
             "baseline": {"prompt_tokens_sent": fits, **_send(url, fits, limits)}, "replies": []}
     if _baseline_problem(case["baseline"]) is None:

@@ -87,6 +87,19 @@ def test_apply_out_refused_before_any_work(case, tmp_path, cache_dir, capsys):
     assert code == 2 and "--out" in json.loads(out_text)["error"]["message"]
 
 
+def test_a_clone_destination_git_cannot_create_never_blames_the_cache(tmp_path, cache_dir):
+    from backport.errors import BadInput
+    from backport.sources import clone_pristine, materialise
+
+    source = materialise(str(write_tree(tmp_path / "plain", "9.9.3"))).tree
+    entry = source.path.parent
+    before = sorted(p.name for p in entry.iterdir())
+    with pytest.raises(BadInput, match="/proc/x") as refused:
+        clone_pristine(source, Path("/proc"), Path("/proc/x"))
+    assert "cache" not in str(refused.value)
+    assert entry.is_dir() and sorted(p.name for p in entry.iterdir()) == before, "the entry was not rebuilt"
+
+
 def test_apply_out_relative_makes_exactly_that_directory(tmp_path, cache_dir, capsys, monkeypatch):
     plain = write_tree(tmp_path / "plain", "9.9.3")
     work = tmp_path / "work"

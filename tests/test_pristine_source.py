@@ -234,6 +234,33 @@ def test_a_checkout_carrying_pack_commits_is_refused_as_pristine(tmp_path, cache
     assert code == 2 and base in line and "not a pristine release" in line, line
 
 
+def test_run_head_mode_probes_both_checkouts_as_commits(tmp_path, cache_dir, capsys, monkeypatch):
+    """`run BASE --head HEAD` with two checkouts (nothing applied): each is probed as a clone of its
+    commit; a commit made in either while the probes run changes nothing probed or recorded."""
+    base_repo = checkout(tmp_path / "base", "9.9.2", tag="v9.9.2")
+    head_repo = checkout(tmp_path / "head", "9.9.2", tag="v9.9.2")
+    (tmp_path / "head" / "sglang" / "srt" / "fixed.py").write_text("# the upstream fix\n")
+    head_commit = commit(head_repo, "fix")
+    recorded = {"pristine": base_repo.head.commit.hexsha, "patched": head_commit}
+    digests = {"pristine": tree_digest(tmp_path / "base"), "patched": tree_digest(tmp_path / "head")}
+
+    def meanwhile():
+        for root in (tmp_path / "base", tmp_path / "head"):
+            (root / "sglang" / "srt" / "later.py").write_text("# committed while the probes ran\n")
+            commit(git.Repo(root), "later")
+
+    seen = stub_matrix(monkeypatch, during=meanwhile)
+    code, out, err = run_cli(capsys, "run", str(tmp_path / "base"), "--head", str(tmp_path / "head"),
+                             "--out", str(tmp_path / "bundle"), "--reference", "none", "--no-upstream-tests",
+                             "--json")
+    assert code == 0 and json.loads(out)["result"] == "pass", err
+    trees = json.loads((tmp_path / "bundle" / "receipt.json").read_text())["predicate"]["inputs"]["trees"]
+    for role in ("pristine", "patched"):
+        assert seen[role]["root"] not in (tmp_path / "base", tmp_path / "head")
+        assert seen[role]["head"] == recorded[role] and seen[role]["digest"] == digests[role]
+        assert trees[role]["tree_digest"] == digests[role]
+
+
 # ---- run PATH on the real 0.5.19: the recorded commit is what is probed ------------------------------
 
 

@@ -17,6 +17,7 @@ from backport.evidence import cyclonedx, vex
 from backport.evidence.vulnerabilities import add_aliases, class_status, load_classes, pack_classes
 from backport.pack import load_pack
 from tests.test_evidence import _files, _receipt, fixture_run
+from tests.test_sign import keys  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -224,7 +225,10 @@ def test_a_bundle_holds_valid_openvex_and_cyclonedx(bundle):
     document = json.loads((bundle / "vex.openvex.json").read_text())
     assert vex.schema_errors(document) is None
     assert document["@context"] == "https://openvex.dev/ns/v0.2.0"
-    assert document["timestamp"] == receipt["predicate"]["timestamps"]["started"]
+    # the pack's date (the newest Last-Update of the classes' patches), not the run's: same inputs, same bytes
+    standards = json.loads((bundle / "standards.json").read_text())
+    assert document["timestamp"] == max(c["last_update"] for c in standards["classes"]) + "T00:00:00+00:00"
+    assert document["timestamp"] != receipt["predicate"]["timestamps"]["started"]
     statuses = {s["vulnerability"]["name"]: s["status"] for s in document["statements"]}
     # the fixture's admission cases are fixed or held; its one page-lifetime case ran on no tree
     assert statuses == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
@@ -330,3 +334,37 @@ def test_a_vex_tamper_is_named_by_what_changed(bundle, edit, said):
     vex_problems = [p for p in result.problems if p.file == "vex.openvex.json"]
     assert vex_problems and said in vex_problems[0].detail, result.problems
     assert ("status" in vex_problems[0].detail) == (said == "a status changed")
+
+
+def test_two_runs_of_the_same_inputs_differ_only_in_the_timestamps_field(tmp_path, classes, keys):  # noqa: F811
+    """Every file of two bundles of the same inputs (run at other times, from other paths, with
+    other import times) is byte-identical but receipt.json, which differs only in
+    predicate.timestamps, and SHA256SUMS, which lists it; the VEX documents speak as of the pack's
+    date, not the run's. Folders and files are readable by the group as the umask allows."""
+    import os
+    import stat
+
+    from backport.evidence import sign
+
+    old = os.umask(0o022)
+    try:
+        one = evidence.write_bundle(tmp_path / "a", vex_run(tmp_path / "r1", classes, started="2026-01-01T00:00:00+00:00",
+                                                             import_seconds=8.1))
+        two = evidence.write_bundle(tmp_path / "b", vex_run(tmp_path / "run2", classes,
+                                                             started="2026-03-04T05:06:07+00:00", import_seconds=12.7))
+        assert _files(one) == _files(two) and {"vex.openvex.json", "sbom.cdx.json"} <= set(_files(one))
+        assert [n for n in _files(one) if (one / n).read_bytes() != (two / n).read_bytes()] == ["SHA256SUMS",
+                                                                                              "receipt.json"]
+        r1, r2 = (json.loads((b / "receipt.json").read_bytes()) for b in (one, two))
+        assert r1["predicate"].pop("timestamps") != r2["predicate"].pop("timestamps") and r1 == r2
+        issued = json.loads((one / "vex.openvex.json").read_bytes())["timestamp"]
+        assert issued == max(c["last_update"] for c in classes) + "T00:00:00+00:00"
+        assert json.loads((one / "sbom.cdx.json").read_bytes())["metadata"]["timestamp"] == issued
+        sign.sign_bundle(one, keys[0])
+        assert cli.main(["merge", str(one), "--out", str(tmp_path / "merged")]) == 0
+        for top in (one, tmp_path / "merged"):
+            for path in [top, *top.rglob("*")]:
+                mode = stat.S_IMODE(path.stat().st_mode)
+                assert mode == (0o755 if path.is_dir() else 0o644), (path, oct(mode))
+    finally:
+        os.umask(old)

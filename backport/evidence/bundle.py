@@ -42,6 +42,7 @@ from backport.evidence.layout import (
     REPORT,
     SUMS,
     UPSTREAM_TESTS,
+    as_umask_allows,
     canonical_json,
     parse_sums,
     probe_file,
@@ -250,6 +251,7 @@ def place_bundle(out: Path, bundle: Bundle, *, replace: bool = False) -> Written
     staged = cache.staging_dir(out)
     previous = None
     try:
+        as_umask_allows(staged)  # mkdtemp's 0700 would keep the bundle from the group
         for name, data in bundle.files.items():
             target = staged / name
             target.parent.mkdir(parents=True, exist_ok=True)

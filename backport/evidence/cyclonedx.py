@@ -13,8 +13,8 @@ offline with cyclonedx-python-lib.
   -> `exploitable` (response `update`), `under_investigation` -> `in_triage`, `not_affected`
   -> `not_affected` (justification `code_not_present`).
 
-The serial number is a UUID5 of the OpenVEX document's id and the timestamp the receipt's, so
-the document is a function of the bundle; the tools entry that the library adds (its own
+The serial number is a UUID5 of the OpenVEX document's id and the timestamp the VEX document's
+(the pack's date, vulnerabilities.issued), so the document is a function of the inputs; the tools entry that the library adds (its own
 version) is left out of the comparison in `verify`.
 """
 
@@ -33,7 +33,7 @@ from backport.evidence.identifiers import (
 )
 from backport.evidence.layout import HEAD, canonical_json, product_role
 from backport.evidence.problem import Problem
-from backport.evidence.vulnerabilities import action_statement, class_status
+from backport.evidence.vulnerabilities import action_statement, class_status, issued
 
 SBOM = "sbom.cdx.json"
 _STATES = {"fixed": "resolved_with_pedigree", "affected": "exploitable", "under_investigation": "in_triage",
@@ -135,7 +135,7 @@ def build(statement: dict, standards: dict) -> str:
 
 
     component, ref = _component(statement, standards)
-    started = _dt.datetime.fromisoformat(statement["predicate"]["timestamps"]["started"])
+    started = _dt.datetime.fromisoformat(issued(statement, standards))  # not the run's time: same inputs, same bytes
     bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement)),
               metadata=BomMetaData(component=component, timestamp=started),
               vulnerabilities=_vulnerabilities(statement, standards, ref))

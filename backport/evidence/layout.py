@@ -6,7 +6,9 @@ Users and scripts read these names and this form; they do not change.
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from backport.digests import sha256_bytes, sha256_file  # noqa: F401 - part of the bundle layout API
@@ -85,3 +87,30 @@ def parse_sums(data: bytes) -> tuple[dict[str, str] | None, str | None]:
     if sums_text(entries) != text:
         return None, "lines are not in the canonical sorted form"
     return entries, None
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it; os.umask can only be read by setting it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def as_umask_allows(path: Path) -> None:
+    """Give a folder or file that mkdtemp/mkstemp made private (0700/0600) the mode a plain
+    create gets (0777/0666 less the umask, so 0755/0644 by default): a bundle is read by a team."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
+def write_readable(path: Path, data: bytes) -> None:
+    """Write a file atomically (cache.write_file_atomic, whose mkstemp makes it 0600), then give
+    it the mode a plain create would."""
+    from backport import cache
+
+    cache.write_file_atomic(path, data)
+    as_umask_allows(path)

@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from backport.errors import BadInput, Finding
-from backport.evidence.layout import ATTESTATION_SUFFIX, RECEIPT, canonical_json
+from backport.evidence.layout import ATTESTATION_SUFFIX, RECEIPT, canonical_json, write_readable
 
 MERGED_VEX = "vex.openvex.json"
 MERGED_LINES = "attestations.intoto.jsonl"
@@ -164,8 +164,6 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
     """Write the merged files of `bundles` (each already verified by the caller) into `out`;
     `expected` specs without a bundle are rows of their own. `failed` in the result: every row
     that is not a pass, with why."""
-    from backport import cache
-
     present = [_row(b) for b in bundles]
     rows = sorted(present + missing_rows(expected or [], present), key=_order)
     fixes: list[str] = []
@@ -178,10 +176,10 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
     out.mkdir(parents=True, exist_ok=True)
     document = merged_vex(rows)
     if document is not None:
-        cache.write_file_atomic(out / MERGED_VEX, canonical_json(document))
+        write_readable(out / MERGED_VEX, canonical_json(document))
     lines = b"".join(path.read_bytes() for row in rows if row["bundle"] is not None
                      for path in sorted(Path(row["bundle"]).rglob("*" + ATTESTATION_SUFFIX)))
-    cache.write_file_atomic(out / MERGED_LINES, lines)
+    write_readable(out / MERGED_LINES, lines)
     table = [{k: v for k, v in row.items() if k != "document"} for row in rows]
     summary = {"bundles": len(present), "fixes": fixes, "classes": classes, "rows": table,
                "vex_statements": len(document["statements"]) if document else 0,
@@ -189,6 +187,6 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
                "unsigned": [r["bundle"] for r in rows if not r["signed"] and r["bundle"] is not None],
                "failed": [{"release": r["release"], "spec": r["spec"], "bundle": r["bundle"], "result": r["result"],
                            "why": r["why"]} for r in rows if r["result"] != "pass"]}
-    cache.write_file_atomic(out / SUMMARY_JSON, canonical_json(summary))
-    cache.write_file_atomic(out / SUMMARY_MD, summary_markdown(rows, fixes, classes).encode())
+    write_readable(out / SUMMARY_JSON, canonical_json(summary))
+    write_readable(out / SUMMARY_MD, summary_markdown(rows, fixes, classes).encode())
     return {**summary, "out": str(out)}

@@ -16,9 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from backport import cache
 from backport.errors import BadInput, Finding
-from backport.evidence.layout import ENVELOPE, RECEIPT, canonical_json
+from backport.evidence.layout import ENVELOPE, RECEIPT, canonical_json, write_readable
 from backport.evidence.problem import Problem
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -83,9 +82,9 @@ def sign_bundle(bundle: Path, key: Path) -> Signed:
     signature = envelope.sign(signer)
     for name, payloads in attestation_payloads(Path(bundle)).items():
         lines = b"".join(_line(Envelope(payload, PAYLOAD_TYPE, {}), signer) for payload in payloads)
-        cache.write_file_atomic(Path(bundle) / name, lines)
+        write_readable(Path(bundle) / name, lines)
     path = Path(bundle) / ENVELOPE
-    cache.write_file_atomic(path, canonical_json(envelope.to_dict()))
+    write_readable(path, canonical_json(envelope.to_dict()))
     return Signed(path, signature.keyid)
 
 

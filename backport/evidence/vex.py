@@ -38,7 +38,7 @@ from backport.evidence.identifiers import (  # noqa: F401 - the names scanners m
 from backport.evidence.layout import canonical_json, product_role
 from backport.evidence.problem import Problem
 from backport.evidence.statement import first_schema_error, schema_place
-from backport.evidence.vulnerabilities import action_statement, class_status
+from backport.evidence.vulnerabilities import action_statement, class_status, issued
 
 VEX = "vex.openvex.json"
 STANDARDS = "standards.json"
@@ -88,7 +88,7 @@ def build_vex(statement: dict, standards: dict) -> dict:
             item["justification"] = "vulnerable_code_not_present"
         statements.append(item)
     return {"@context": CONTEXT, "@id": document_id(statement), "author": AUTHOR, "role": "backport maintainer",
-            "timestamp": p["timestamps"]["started"], "version": 1,
+            "timestamp": issued(statement, standards), "version": 1,
             "tooling": f"sglang-backport {toolkit.get('version')} (commit {toolkit.get('git_commit')})",
             "statements": statements}
 

@@ -142,7 +142,23 @@ def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[di
         grouped.setdefault(key, []).append(alias)
     classes = load_classes(pack.root, list(pack.fixes))
     classes = with_releases(classes, dict(pack.fixes), list(load_releases(releases_path)))
-    return add_aliases(classes, grouped)
+    return add_aliases(with_dates(classes, pack.variants), grouped)
+
+
+def with_dates(classes: list[dict], variants) -> list[dict]:
+    """Each class with `last_update`: the newest Last-Update of its fixes' patch variants (None
+    without any), the date its VEX statements speak as of."""
+    found = [max((v.last_update for f in row["fixes"] for v in variants.get(f, ())), default=None) for row in classes]
+    return [{**row, "last_update": None if day is None else day.isoformat()} for row, day in zip(classes, found)]
+
+
+def issued(statement: dict, standards: dict) -> str:
+    """The VEX documents' timestamp: the newest `last_update` of the classes at 00:00:00 UTC (the
+    pack's date, as the patched tree's commits are dated), so that the same inputs give the same
+    bytes and the run's own time stays in the receipt's predicate.timestamps; bundles written
+    before classes carried it: the run's start, as they were written."""
+    dates = [str(c["last_update"]) for c in standards["classes"] if c.get("last_update")]
+    return f"{max(dates)}T00:00:00+00:00" if dates else statement["predicate"]["timestamps"]["started"]
 
 
 @dataclass(frozen=True)

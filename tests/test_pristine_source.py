@@ -261,6 +261,16 @@ def test_run_head_mode_probes_both_checkouts_as_commits(tmp_path, cache_dir, cap
         assert trees[role]["tree_digest"] == digests[role]
 
 
+def test_uncommitted_changes_are_refused_before_the_env_build(tmp_path, cache_dir, capsys, monkeypatch):
+    co = tmp_path / "co"
+    checkout(co, "9.9.2", tag="v9.9.2")
+    (co / "sglang" / "srt" / "wip.py").write_text("# not committed\n")
+    job_run = importlib.import_module("backport.job.run")
+    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
+    assert code == 2 and "uncommitted changes" in error_line(err) and "wip.py" in err
+
+
 # ---- run PATH on the real 0.5.19: the recorded commit is what is probed ------------------------------
 
 
@@ -317,6 +327,23 @@ def test_run_refuses_a_checkout_the_pack_was_applied_to(real_cache, user_checkou
     line = error_line(err)
     assert code == 2 and pristine.base_commit in line and "Backport-Of" in line, line
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.network
+def test_run_refuses_a_checkout_with_the_pack_squashed_in(real_cache, user_checkout, capsys, monkeypatch):
+    """No trailers left (the pack's commits squashed into the user's own, one past the tag): the
+    fingerprints of the pack's own fixes, which no release has, still refuse it."""
+    co, pristine = user_checkout
+    with git.Repo(co) as repo:
+        repo.create_tag("v0.5.19")
+        assert run_cli(capsys, "apply", str(co))[0] == 0
+        repo.git.reset("--soft", pristine.base_commit)
+        commit(repo, "our hardening")
+    job_run = importlib.import_module("backport.job.run")
+    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
+    line = error_line(err)
+    assert code == 2 and "by fingerprint" in line and "sbp-transfer-coverage" in line, line
 
 
 @pytest.mark.network

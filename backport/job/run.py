@@ -26,7 +26,6 @@ from backport import cache, evidence
 from backport.engine import ApplyReport, apply_series
 from backport.errors import BadInput, Finding
 from backport.evidence.vulnerabilities import pack_classes
-from backport.gitops import uncommitted_paths
 from backport.job.coverage import measure, touched_files
 from backport.job.live import live_documents
 from backport.job.plan import Plan, RunOptions, bundle_dir, is_user_checkout, plan
@@ -71,14 +70,7 @@ def fetch(spec: str, the_plan: Plan) -> Tree:
 
 
 def check_pristine(the_plan: Plan, source: Tree) -> str:
-    """The digest of the tree to prove; a user's checkout must have no uncommitted changes."""
-    if the_plan.in_place:
-        checkout = the_plan.checkout
-        dirty = uncommitted_paths(checkout.path, f"{checkout.package_prefix}sglang")
-        if dirty:
-            raise BadInput(f"{checkout.path}: uncommitted changes under {checkout.package_prefix}sglang/ "
-                           f"({min(dirty)}); `run` proves the committed HEAD on a clone: commit or "
-                           f"stash them first")
+    """The digest of the tree to prove (a user's checkout was checked when planned: sources/local.py)."""
     digest = tree_digest(source.package_root)
     if not the_plan.in_place and digest != source.tree_digest:
         raise Finding(f"{source.path}: the cached tree no longer matches its recorded digest "

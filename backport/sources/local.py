@@ -10,6 +10,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from backport.errors import BadInput
+from backport.gitops import uncommitted_paths
 from backport.sources.base import Fetched, copy_package, snapshot
 from backport.tree import Tree, decided_version, open_tree, tree_digest
 
@@ -43,6 +44,10 @@ def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -
     tree = open_tree(path, spec=spec, version=version)
     tree = Tree(tree.path, tree.package_prefix, decided_version(tree, version, "checkout"), tree.spec,
                 None, tree.tree_digest, tree.base_commit)
+    dirty = uncommitted_paths(tree.path, f"{tree.package_prefix}sglang")
+    if dirty:
+        raise BadInput(f"{tree.path}: uncommitted changes under {tree.package_prefix}sglang/ ({min(dirty)}); `run` "
+                       f"proves the committed HEAD on a clone: commit or stash them first")
     with git.Repo(tree.path) as repo:
         head = repo.head.commit.hexsha
         # the engine's commits carry these trailers (engine/write.py); any one in HEAD's history
@@ -53,18 +58,20 @@ def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -
         raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (commit {marked[0][:12]} carries this "
                        f"pack's Backport-Of/Vendor-Fix trailer); `run` proves the release as shipped: run it on "
                        f"the base commit {base or '(none)'}, e.g. sglang-backport run git+file://{tree.path}@{base}")
-    release = Version(tree.version)
-    if release.dev is None and release.post is None:
-        # At a release tag the release's content is known: a fix its fingerprint finds that the
-        # release does not ship (fixed_in) was put there after it, without the trailers.
-        from backport.engine import detect
+    # Without trailers (squashed, or copied in by hand) the fixes' fingerprints tell: this pack's own
+    # fixes are in no release at all, and at a release tag the release's content is known, so an
+    # upstream fix it does not ship (fixed_in) was put there after it.
+    from backport.engine import detect
 
-        found = [d.fix for d in detect(tree.package_root, pack, version=tree.version)
-                 if d.present and d.how.startswith("fingerprint") and not pack.fixes[d.fix].is_fixed_in(tree.version)]
-        if found:
-            raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (it has {', '.join(found)} by "
-                           f"fingerprint, which sglang {tree.version} does not ship); `run` proves the release as "
-                           f"shipped: run it on upstream's commit of v{tree.version} or on sglang=={tree.version}")
+    release = Version(tree.version)
+    at_tag = release.dev is None and release.post is None
+    found = [d.fix for d in detect(tree.package_root, pack, version=tree.version)
+             if d.present and d.how.startswith("fingerprint")
+             and (pack.fixes[d.fix].is_vendor or (at_tag and not pack.fixes[d.fix].is_fixed_in(release)))]
+    if found:
+        raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (it has {', '.join(found)} by "
+                       f"fingerprint, which sglang {tree.version} does not ship); `run` proves the release as "
+                       f"shipped: run it on upstream's commit of the release or on sglang=={release.base_version}")
     return tree
 
 

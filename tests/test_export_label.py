@@ -84,6 +84,15 @@ def test_a_package_with_no_version_literal_is_refused_with_no_wheel_left(tmp_pat
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_wheel_whose_package_is_not_the_recorded_tree_is_refused(tmp_path):
+    import dataclasses
+
+    lineage, original = _lineage(tmp_path)
+    with pytest.raises(BadInput, match="is not the patched tree"):
+        build_wheel(dataclasses.replace(lineage, tree_digest="0" * 64), tmp_path / "out", original=original)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def _status(capsys, monkeypatch, site: Path, *extra: str) -> tuple[int, dict]:
     monkeypatch.setenv("PYTHONPATH", str(site))
     code = cli.main(["status", "installed", "--python", sys.executable, "--require-patched", "--json", *extra])

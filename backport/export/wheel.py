@@ -28,12 +28,12 @@ from packaging.version import Version
 from wheel.wheelfile import WheelFile
 
 from backport import cache
-from backport.digests import sha256_file
+from backport.digests import sha256_bytes, sha256_file
 from backport.errors import BadInput
 from backport.evidence.artifacts import PROVENANCE
-from backport.export.label import relabel, unlabelled_digest
+from backport.export.label import relabel, unlabel
 from backport.export.lineage import Lineage
-from backport.tree import is_package_source
+from backport.tree import is_package_source, manifest_digest
 
 MEMBER_DATE = (2000, 1, 1, 0, 0, 0)  # as the toolkit's pristine commits
 SIGNATURES = ("RECORD", "RECORD.jws", "RECORD.p7s")
@@ -138,13 +138,14 @@ def _build_wheel(lineage: Lineage, out_dir: Path, original: Path | None) -> Expo
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
     staged = staging / filename
     try:
-        labelled = []
+        labelled, shipped = [], []
         with zipfile.ZipFile(original) as source, _FixedDateWheel(staged, "w") as target:
             for arcname, path in _package_files(lineage.root):
                 data, changed = relabel(arcname, path.read_bytes(), str(version), new_version)
                 if changed:
                     labelled.append(arcname)
                 target.writestr(_member(arcname, stat.S_IMODE(path.stat().st_mode)), data)
+                shipped.append((arcname, sha256_bytes(unlabel(arcname, data, new_version))))
             if not labelled:
                 raise BadInput(f"{lineage.root}: no sglang/_version.py or sglang/version.py says "
                                f"__version__ = '{version}'; the wheel could not say it is patched")
@@ -174,10 +175,7 @@ def _build_wheel(lineage: Lineage, out_dir: Path, original: Path | None) -> Expo
                             json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         with CheckedWheel.open(staged) as written:  # our own RECORD must check, as pip will check it
             written.validate_record(validate_contents=True)
-        with zipfile.ZipFile(staged) as written:  # and the label must come back out to the patched tree
-            members = [(n, written.read(n), None) for n in written.namelist()
-                       if n.startswith("sglang/") and not n.endswith("/") and is_package_source(n)]
-        if unlabelled_digest(members, new_version) != lineage.tree_digest:
+        if manifest_digest(shipped) != lineage.tree_digest:  # the label comes back out to the patched tree
             raise BadInput(f"{filename}: its sglang/ is not the patched tree of {lineage.root}")
         final = out_dir / filename
         os.replace(staged, final)

@@ -46,6 +46,7 @@ PORT_ATTEMPTS = 3              # starts of one server, each on fresh ports, befo
 # uvicorn and aiohttp: "[Errno 98] error while attempting to bind on address ('127.0.0.1', 5): address
 # already in use"; smg: "Failed to bind the HTTP listener on 127.0.0.1:5: Address already in use (os error 98)"
 BIND_FAILED = re.compile(r"address already in use|errno 98|os error 98", re.IGNORECASE)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")   # smg colours its log
 
 
 def free_port() -> int:
@@ -238,7 +239,7 @@ def wait_ready(servers: list[Server], path: str, timeout: float,
                                     f"ends:\n{log_tail(server.log)}")
         if pending and now >= next_progress:
             next_progress = now + PROGRESS_SECONDS
-            last = "; ".join(f"{s.name}: {log_tail(s.log, 1)[:100]}" for s in pending)
+            last = "; ".join(f"{s.name}: {ANSI.sub('', log_tail(s.log, 1))[:100]}" for s in pending)
             log.info("live: %s starting, %.0f s, waiting for %s (%s)", "/".join(s.name for s in servers),
                      now - started, path, last)
         if pending:

@@ -170,14 +170,14 @@ def test_sigkill_during_the_scenarios_leaves_nothing(serving, release_tree, tmp_
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    port = taken.getsockname()[1]
-    cli = Cli(release_tree("0.5.22").path, serving[0], tmp_path, taken_router_port=port)
+    taken_port = taken.getsockname()[1]
+    cli = Cli(release_tree("0.5.22").path, serving[0], tmp_path, taken_router_port=taken_port)
     try:
         cli.wait_for(lambda: any("running" in line and "scenarios" in line for line in cli.lines), 900,
                      "scenarios running")
         progress = [line for line in cli.lines if re.search(r"live: .*starting, \d+ s, waiting for", line)]
         assert progress, "no progress line while the pair started"
-        retried = [line for line in cli.lines if f"router server could not bind port {port}" in line]
+        retried = [line for line in cli.lines if f"router server could not bind port {taken_port}" in line]
         assert retried and "starting router again on other ports" in retried[0], cli.lines
         time.sleep(5)  # a scenario's requests in flight
         pids = list(_tree(cli.proc.pid))

@@ -180,6 +180,8 @@ def test_merge_fails_on_a_finding_and_says_why_per_release(failing_bundle, two_b
     assert summary["failed"] == [{"release": "0.5.19", "spec": "sglang==0.5.19", "bundle": str(failing_bundle.resolve()),
                                   "result": "fail", "why": "1 still-unsafe"}]
     assert "| fail | 1 still-unsafe |" in (out / "summary.md").read_text()  # written for the CI summary all the same
+    assert [(r["bundle"].split("/")[-2], r["signed"]) for r in summary["rows"]] == [
+        ("bundles-shard-1", True), ("bundles-shard-2", True), ("bundles-shard-9", False)]
     assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out)]) == 1
     assert "1 release(s) not a pass: 0.5.19 fail (1 still-unsafe)" in capsys.readouterr().err
     assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out), "--fail-on", "never"]) == 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from backport.errors import BadInput, Finding
-from backport.evidence.layout import ATTESTATION_SUFFIX, RECEIPT, canonical_json, write_readable
+from backport.evidence.layout import ATTESTATION_SUFFIX, ENVELOPE, RECEIPT, canonical_json, write_readable
 
 MERGED_VEX = "vex.openvex.json"
 MERGED_LINES = "attestations.intoto.jsonl"
@@ -112,7 +112,7 @@ def _row(bundle: Path) -> dict:
         "upstream_tests": _upstream_cell(p.get("upstream_tests")),
         "fixes": {x["fix"]: x["status"] for x in (p.get("apply") or {}).get("patches", [])},
         "vex": {s["vulnerability"]["name"]: s["status"] for s in (document or {}).get("statements", [])},
-        "signed": any(bundle.rglob("*" + ATTESTATION_SUFFIX)),
+        "signed": (bundle / ENVELOPE).is_file(),  # the envelope that verify checked (and with --key, its signature)
         "document": document,
     }
 

@@ -135,26 +135,32 @@ def read_version(package_root: Path) -> str | None:
 
 
 def describe_tag(repo: git.Repo) -> tuple[str, int] | None:
-    """(the nearest release tag's version, commits since it) from `git describe`, or None untagged."""
+    """(the nearest release tag's version, commits since it) from `git describe`, or None untagged
+    (or when the nearest `v...` tag is no PEP 440 version)."""
     try:
         described = repo.git.describe("--tags", "--long", "--match", "v[0-9]*")
     except git.GitCommandError:
         return None
-    match = re.fullmatch(r"v(\d+(?:\.\d+)*)-(\d+)-g[0-9a-f]+", described.strip())
-    return (match.group(1), int(match.group(2))) if match else None
+    match = re.fullmatch(r"v(.+)-(\d+)-g[0-9a-f]+", described.strip())
+    try:
+        return (str(Version(match.group(1))), int(match.group(2))) if match else None
+    except InvalidVersion:
+        return None
+
+
+def tag_version(version: str, distance: int) -> str:
+    """`v0.5.20` plus 123 commits is `0.5.20.post0.dev123` (`v0.5.4.post1`: `0.5.4.post2.dev123`):
+    after the tag, before the next release, which is what variant selection needs."""
+    if distance == 0:
+        return version
+    tagged = Version(version)
+    return f"{tagged.base_version}.post{0 if tagged.post is None else tagged.post + 1}.dev{distance}"
 
 
 def git_describe_version(repo: git.Repo) -> str | None:
-    """A PEP 440 version for an upstream checkout from its nearest release tag.
-
-    `v0.5.20-123-gabc` becomes `0.5.20.post0.dev123`: after 0.5.20, before 0.5.21, which
-    is what variant selection needs for a commit between releases.
-    """
+    """A PEP 440 version for an upstream checkout from its nearest release tag (`tag_version`)."""
     tag = describe_tag(repo)
-    if tag is None:
-        return None
-    version, distance = tag
-    return version if distance == 0 else f"{version}.post0.dev{distance}"
+    return None if tag is None else tag_version(*tag)
 
 
 def _file_agrees(said: str, tag: str, distance: int) -> bool:
@@ -181,7 +187,7 @@ def checkout_version(repo: git.Repo, package_root: Path) -> str | None:
         raise BadInput(f"{package_root / 'sglang' / where}: says {said} but the checkout's release tag says "
                        f"v{tag[0]}{f' (+{tag[1]} commits)' if tag[1] else ''}; remove or regenerate the stale "
                        f"file, or pass --version X (run, apply, status)")
-    return git_describe_version(repo)
+    return tag_version(*tag)
 
 
 def no_version_message(tree: Tree, kind: str) -> str:

@@ -173,6 +173,18 @@ def test_an_untagged_git_target_names_the_spec_and_version(tmp_path, cache_dir, 
     assert code == 0 and json.loads(out)["version"] == "9.9.2", err
 
 
+@pytest.mark.parametrize(("tag", "past", "want"), [("v9.9.2", 0, "9.9.2"), ("v9.9.2", 2, "9.9.2.post0.dev2"),
+                                                   ("v9.9.2.post1", 1, "9.9.2.post2.dev1")])
+def test_a_checkout_version_is_its_tag(tag, past, want, tmp_path, cache_dir, capsys):
+    co = tmp_path / "co"
+    repo = checkout(co, "9.9.2", tag=tag, upstream_layout=True)
+    for n in range(past):
+        (co / f"later{n}.txt").write_text("later\n")
+        commit(repo, f"later {n}")
+    code, out, err = run_cli(capsys, "status", str(co), "--json")
+    assert code == 0 and json.loads(out)["version"] == want, err
+
+
 def test_version_flag_is_refused_for_a_wheel_target(tmp_path, cache_dir, capsys):
     code, _, err = run_cli(capsys, "run", "sglang==0.5.19", "--version", "0.5.20")
     assert code == 2 and "--version" in error_line(err) and not cache_dir.exists()

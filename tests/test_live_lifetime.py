@@ -119,8 +119,9 @@ def _wait(predicate, seconds: float) -> float | None:
     return None
 
 
-def _tree(root: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of `root` (reaper included)."""
+def descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of `root` (reaper included; read by parent links:
+    SGLang's setproctitle hides a scheduler's environment from /proc)."""
     table = supervisor.processes()
     found: dict[int, str] = {}
     grew = True
@@ -131,7 +132,7 @@ def _tree(root: int) -> dict[int, str]:
     return found
 
 
-def _alive(tree: dict[int, str]) -> list[int]:
+def alive(tree: dict[int, str]) -> list[int]:
     table = supervisor.processes()
     return [pid for pid, started in tree.items() if pid in table and table[pid][2] == started]
 
@@ -149,15 +150,15 @@ def test_sigkill_of_the_cli_leaves_no_process_or_listener(tmp_path):
         token = _token_of(pids[0])
         assert len(_marked(token)) == 3  # two servers, the grandchild that stayed
         time.sleep(2 * supervisor.SCAN_SECONDS)  # the reaper has read the tree once since
-        tree = _tree(driver.pid)
+        tree = descendants(driver.pid)
         assert len(tree) == 5  # two servers, two grandchildren, the reaper
         driver.kill()
         driver.wait(timeout=10)
     finally:
         if driver.poll() is None:
             driver.kill()
-    seconds = _wait(lambda: not _alive(tree) and not any(_listening(p) for p in ports), BOUND_SECONDS)
-    assert seconds is not None, f"left after {BOUND_SECONDS} s: {_alive(tree)}"
+    seconds = _wait(lambda: not alive(tree) and not any(_listening(p) for p in ports), BOUND_SECONDS)
+    assert seconds is not None, f"left after {BOUND_SECONDS} s: {alive(tree)}"
     print(f"nothing left {seconds:.1f} s after SIGKILL")
 
 

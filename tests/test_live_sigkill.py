@@ -26,27 +26,11 @@ import pytest
 from backport.live import supervisor
 from tests.conftest import REPO
 from tests.test_live import serving  # noqa: F401 - the session's serving environment and model
+from tests.test_live_lifetime import alive as _alive
+from tests.test_live_lifetime import descendants as _tree
 
 pytestmark = [pytest.mark.live, pytest.mark.probe_env]
 BOUND_SECONDS = 15.0
-
-
-def _tree(root: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of `root`: the deployment and the reaper (read
-    by parent links: SGLang's setproctitle hides a scheduler's environment from /proc)."""
-    table = supervisor.processes()
-    found: dict[int, str] = {}
-    grew = True
-    while grew:
-        more = {pid for pid, (parent, _, _) in table.items() if parent == root or parent in found} - set(found)
-        found.update({pid: table[pid][2] for pid in more})
-        grew = bool(more)
-    return found
-
-
-def _alive(tree: dict[int, str]) -> list[int]:
-    table = supervisor.processes()
-    return [pid for pid, started in tree.items() if pid in table and table[pid][2] == started]
 
 
 def _listeners(pids: list[int]) -> set[tuple[str, int]]:

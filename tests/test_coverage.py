@@ -266,10 +266,10 @@ def test_a_stale_exclusion_is_named():
     """The run must be consecutive added lines of the named variant, once (context lines do not count)."""
     hunk = SimpleNamespace(lines=((" ", "if x:"), ("+", "    return False"), ("-", "    pass"), (" ", "y = 1")))
     variant = SimpleNamespace(name="pr38935-0.5.19.patch", files=(SimpleNamespace(path=UTILS, hunks=(hunk,)),))
-    ok = Exclusion("pr38935", (variant.name,), UTILS, ("return False",), "r", "if x:")
+    ok = Exclusion("pr38935", (variant.name,), UTILS, ("return False",), "r", ("if x:",))
     assert times_added(variant, ok) == 1
     assert times_added(variant, Exclusion("pr38935", (), UTILS, ("y = 1",), "r")) == 0  # context, not added
-    assert times_added(variant, Exclusion("pr38935", (), UTILS, ("return False",), "r", "z")) == 0
+    assert times_added(variant, Exclusion("pr38935", (), UTILS, ("return False",), "r", ("z",))) == 0
 
 
 def test_the_packs_exclusions_match_their_variants_and_give_reasons():

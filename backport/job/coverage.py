@@ -44,15 +44,15 @@ EXCLUSIONS = "coverage-exclusions.toml"
 @dataclass(frozen=True)
 class Exclusion:
     """A run of consecutive lines that `variants` of `fix` add to `file` (compared with surrounding
-    whitespace stripped), excluded from the coverage promise for `reason`; `after`: the line just
-    before the run, where the run alone is not unique."""
+    whitespace stripped), excluded from the coverage promise for `reason`; `after`: the lines just
+    before the run (in order), where the run alone is not unique."""
 
     fix: str
     variants: tuple[str, ...]
     file: str
     lines: tuple[str, ...]
     reason: str
-    after: str | None = None
+    after: tuple[str, ...] = ()
 
 
 def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
@@ -73,21 +73,22 @@ def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
         texts = [e["fix"], e["file"], e["reason"], *e["variants"], *e["lines"]]
         if not e["variants"] or not e["lines"] or not all(isinstance(t, str) and t.strip() for t in texts):
             raise BadInput(f"{where}: fix, file, reason, every variant and every line must be non-empty text")
-        after = e.get("after")
-        if after is not None and not isinstance(after, str):
-            raise BadInput(f"{where}: after must be text (the line before the run)")
+        after = e.get("after", [])
+        after = [after] if isinstance(after, str) else after
+        if not isinstance(after, list) or not all(isinstance(t, str) for t in after):
+            raise BadInput(f"{where}: after must be the text of the line (or lines) before the run")
         found.append(Exclusion(e["fix"], tuple(e["variants"]), e["file"], tuple(t.strip() for t in e["lines"]),
-                               e["reason"].strip(), None if after is None else after.strip()))
+                               e["reason"].strip(), tuple(t.strip() for t in after)))
     return found
 
 
-def _runs(texts: list[str], run: tuple[str, ...], after: str | None = None, added: list[bool] | None = None
+def _runs(texts: list[str], run: tuple[str, ...], after: tuple[str, ...] = (), added: list[bool] | None = None
           ) -> list[int]:
-    """Where `run` starts in `texts` (0-based), comparing stripped lines; with `after`, only where the
-    line before is that text; with `added`, only where every line of the run is an added one."""
+    """Where `run` starts in `texts` (0-based), comparing stripped lines; only where the lines before
+    it are `after`, and with `added`, only where every line of the run is an added one."""
     stripped = [t.strip() for t in texts]
-    return [i for i in range(len(stripped) - len(run) + 1)
-            if tuple(stripped[i:i + len(run)]) == run and (after is None or (i > 0 and stripped[i - 1] == after))
+    return [i for i in range(len(after), len(stripped) - len(run) + 1)
+            if tuple(stripped[i:i + len(run)]) == run and tuple(stripped[i - len(after):i]) == after
             and (added is None or all(added[i:i + len(run)]))]
 
 

@@ -34,7 +34,8 @@ no drain-ACK accounting (no #35049): those cases are ``not-applicable``.
 NIXL (``nixl_failed_handle_withholds_ack``): the tree's real
 ``NixlKVManager.transfer_worker`` and ABORT handler on a manager built without
 its constructor (probes/nixl_rig.py; the ``nixl`` package is never imported),
-with a NIXL agent stand-in whose handles are DONE, ERR or still running.
+with a NIXL agent stand-in whose handles are DONE, ERR, still running, or
+unreadable (a state read that raises while the write runs).
 ``failed_aux_or_state_send_withholds_ack`` fails the last chunk's aux or state
 write instead of the KV write. Not driven here: Ascend's own
 ``send_kvcache``; it reaches the drain ACK through this very worker.

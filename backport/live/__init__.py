@@ -2,7 +2,8 @@
 
 environment (serving overlay, router venv) -> model (tiny Llama + reference tokens) ->
 deployment (prefill, decode, router on loopback; servers.py owns the processes) ->
-scenarios (registered, judged per request) -> tier (per tree, one document).
+scenarios (registered, judged per request) -> tier (per tree, one document); per tree also
+race (the page-lifetime race on its own 2P1D deployment in a private network namespace: netns).
 """
 
 from backport.live.environment import ServingEnv, ensure_serving_env

@@ -75,6 +75,12 @@ def set_port_range(low: int, high: int) -> None:
     run(["sh", "-c", f"echo '{low} {high}' > /proc/sys/net/ipv4/ip_local_port_range"])
 
 
+def set_send_buffer(size: int) -> None:
+    """TCP send buffers of this namespace up to `size` bytes (the MC_TCP_PROTO=1 variant: more
+    of a transfer counted "complete" while it still sits on prefill's side)."""
+    run(["sh", "-c", f"echo '4096 {size} {size}' > /proc/sys/net/ipv4/tcp_wmem"])
+
+
 @dataclass(frozen=True)
 class Shaping:
     data_port: int      # decode's Mooncake data port

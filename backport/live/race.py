@@ -138,6 +138,8 @@ class Race:
             out["a_prefill_status"] = a_prefill.result().status
             out["a_decode_status"] = a_decode.result().status
             out["a_bytes"] = self.settle(base)
+        if out.get("invalid") is None and out["abort_status"] != 200:
+            out["invalid"] = f"decode answered the abort with {out['abort_status']}"
         if out.get("invalid") is None and reply.status != 200:
             out["invalid"] = f"B got status {reply.status}: {reply.error}"
         return out
@@ -189,8 +191,10 @@ def _log_lines(server: Server, offset: int) -> list[str]:
 
 @contextlib.contextmanager
 def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir: Path,
-                  extra_env: dict[str, str] | None = None) -> Iterator[Race]:
+                  extra_env: dict[str, str] | None = None, send_buffer: int | None = None) -> Iterator[Race]:
     """Two prefills and one decode in the calling thread's private namespace; A's flow shaped."""
+    if send_buffer:
+        netns.set_send_buffer(send_buffer)
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     server_env = {**base, **SERVER_ENV, **(extra_env or {}), "PYTHONPATH": env.pythonpath(package_root),
@@ -227,8 +231,9 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
 
 
 def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: dict[str, str] | None = None,
-             max_trials: int = MAX_TRIALS, budget: float = TRIALS_BUDGET) -> dict:
-    """The scenario on one tree, in the tier's result format (scenario, verdict, observed, details)."""
+             send_buffer: int | None = None, max_trials: int = MAX_TRIALS, budget: float = TRIALS_BUDGET) -> dict:
+    """The scenario on one tree, in the tier's result format (scenario, verdict, observed, details).
+    `extra_env` and `send_buffer` make a variant (MC_TCP_PROTO=1 with a 4 MiB send buffer)."""
     started = time.monotonic()
     result = {"scenario": NAME, "must_preserve": False, "expect": EXPECT}
     reason = netns.unavailable()
@@ -238,8 +243,11 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
     details: dict = {"topology": TOPOLOGY, "shaping": {"rate": RATE, "abort_at_fraction": ABORT_AT,
                                                       "hold_rate": HOLD_RATE, "hold_limit_seconds": HOLD_LIMIT},
                      "environment": dict(extra_env or {}), "model_sha256": model.sha256}
+    if send_buffer:
+        details["tcp_send_buffer_bytes"] = send_buffer
     try:
-        with netns.private_namespace(), deployed_2p1d(env, package_root, model, workdir, extra_env) as race:
+        with netns.private_namespace(), deployed_2p1d(env, package_root, model, workdir, extra_env,
+                                                      send_buffer) as race:
             details["startup_seconds"] = round(race.startup_seconds, 1)
             details["shaping"]["data_port"] = race.shaping.data_port
             servers = (race.a.prefill, race.b.prefill, race.a.decode)

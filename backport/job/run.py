@@ -26,7 +26,7 @@ from backport import cache, evidence
 from backport.engine import ApplyReport, apply_series
 from backport.errors import BadInput, Finding
 from backport.evidence.vulnerabilities import pack_classes
-from backport.job.coverage import measure, touched_files
+from backport.job.coverage import EXCLUSIONS, measure, touched_files
 from backport.job.live import live_documents
 from backport.job.plan import Plan, RunOptions, bundle_dir, is_user_checkout, plan
 from backport.job.progress import Progress
@@ -166,11 +166,12 @@ def upstream_tests(trees: dict[str, evidence.TreeInput], series_dir: Path, pytho
 def series_files(the_plan: Plan) -> list[dict]:
     """The pack's own files, and the release matrix whose pins fetched the trees (wherever it is)."""
     series = the_plan.series_dir
-    paths = {name: series / name for name in ("series", "fixes.toml", "pairs.toml")}
+    # the coverage exclusions shape the bundle's coverage claims, so they are an input as the pack is
+    order = ("series", "fixes.toml", "releases.toml", "pairs.toml", EXCLUSIONS)
+    paths = {name: series / name for name in order if name != "releases.toml"}
     paths["releases.toml"] = the_plan.matrix
     return [{"path": name, "sha256": evidence.sha256_file(path)}
-            for name, path in sorted(paths.items(), key=lambda item: ("series", "fixes.toml", "releases.toml",
-                                                                       "pairs.toml").index(item[0]))
+            for name, path in sorted(paths.items(), key=lambda item: order.index(item[0]))
             if path.is_file()]
 
 

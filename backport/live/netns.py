@@ -25,7 +25,8 @@ CLONE_NEWNET = 0x40000000
 # A's source ports: an aligned block, so one u32 mask matches it; everything else uses OTHER_RANGE
 A_PORTS = (40960, 41983)        # 0xa000 - 0xa3ff
 A_PORT_MASK = 0xFC00
-OTHER_RANGE = (45000, 60999)
+# below 55536: 0.5.13 derives a gRPC port as --port + 10000 and refuses one above 65535
+OTHER_RANGE = (42000, 55499)
 SHAPED_CLASS = "1:10"
 
 _libc = ctypes.CDLL(None, use_errno=True)

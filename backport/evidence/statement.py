@@ -13,9 +13,10 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
+if TYPE_CHECKING:  # jsonschema costs ~1 s of start-up (its format checker's grammar): imported where used
+    import jsonschema
 
 from backport import resources
 from backport.errors import Finding
@@ -182,6 +183,8 @@ def _validator() -> jsonschema.Draft202012Validator:
     except (OSError, ValueError) as exc:
         raise Finding(f"{path}: the receipt schema cannot be read ({exc}); this installation of "
                       f"sglang-backport is incomplete, so no bundle can be verified") from exc
+    import jsonschema
+
     return jsonschema.Draft202012Validator(schema)
 
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jsonschema
+if TYPE_CHECKING:  # jsonschema costs ~1 s of start-up (its format checker's grammar): imported where used
+    import jsonschema
 
 from backport import resources
 from backport.errors import Finding
@@ -97,6 +99,8 @@ def build_vex(statement: dict, standards: dict) -> dict:
 def _validator() -> jsonschema.Draft202012Validator:
     path = resources.openvex_schema()
     schema = json.loads(path.read_text())
+    import jsonschema
+
     return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 

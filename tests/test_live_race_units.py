@@ -75,6 +75,12 @@ def test_judge_error_when_a_control_is_not_safe(control):
     assert verdict == race.ERROR and control in observed
 
 
+def test_judge_error_when_the_held_back_control_held_nothing():
+    controls = {**SAFE_CONTROLS, "held_back": _trial(True, "A's shaped flow never reached the abort point")}
+    verdict, observed = race.judge(controls, [_trial(False)])
+    assert verdict == race.ERROR and "held_back" in observed and "not valid" in observed
+
+
 def test_judge_error_without_a_valid_trial():
     verdict, observed = race.judge(SAFE_CONTROLS, [_trial(False, "A's flow never reached the abort point")])
     assert verdict == race.ERROR and "no valid trial of 1" in observed

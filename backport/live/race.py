@@ -162,6 +162,10 @@ def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[str, str]:
     broken = [name for name, c in controls.items() if not c.get("b_matches_reference")]
     if broken:
         return ERROR, f"control(s) not safe: {', '.join(broken)}: the deployment cannot judge the race"
+    # a held-back control whose A was never in flight held nothing back: it proves nothing
+    void = [f"{name} ({c['invalid']})" for name, c in controls.items() if c.get("invalid")]
+    if void:
+        return ERROR, f"control(s) not valid: {', '.join(void)}"[:400]
     valid = [t for t in trials if not t.get("invalid")]
     if not valid:
         return ERROR, f"no valid trial of {len(trials)}: " + "; ".join(t["invalid"] for t in trials)[:300]

@@ -63,6 +63,14 @@ def _group_alive(pgid: int) -> bool:
     return bool(group_members({pgid}))
 
 
+def test_free_port_leaves_room_for_the_derived_grpc_port():
+    """0.5.13+ refuse to start when --port + 10000 passes 65535: every port handed out stays below."""
+    from backport.live.servers import HIGHEST_SERVER_PORT
+
+    ports = [free_port() for _ in range(200)]
+    assert max(ports) <= HIGHEST_SERVER_PORT == 55535
+
+
 def test_free_port_is_bindable_and_skips_busy_ports():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

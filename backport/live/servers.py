@@ -49,11 +49,26 @@ BIND_FAILED = re.compile(r"address already in use|errno 98|os error 98", re.IGNO
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # smg colours its log
 
 
+# 0.5.13 and later derive a gRPC port as --port + 10000 and refuse to start when it passes 65535
+HIGHEST_SERVER_PORT = 65535 - 10000
+
+
 def free_port() -> int:
-    """A port free on loopback now (the kernel picks it; a busy port is never chosen)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+    """A port free on loopback now, at most HIGHEST_SERVER_PORT (the kernel picks it, so a busy port is
+    never chosen; picks above the bound are held while the next is drawn, so each draw is new)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(256):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+            if port <= HIGHEST_SERVER_PORT:
+                return port
+        raise OSError(f"no free loopback port at or below {HIGHEST_SERVER_PORT} in 256 draws")
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def log_tail(path: Path, lines: int = 12) -> str:

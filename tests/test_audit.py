@@ -255,6 +255,18 @@ def test_gate4_each_condition(kw, servers, verdict):
     assert gates.gate_page_lifetime(code_facts(**kw), PACK, servers).verdict == verdict
 
 
+def test_gate4_fails_on_mooncake_legacy_tcp_completion():
+    """MC_TCP_PROTO=1: Mooncake calls a transfer complete once it left prefill's socket buffer; the live
+    race showed the drain ACK then protects nothing (patched 0.5.19 and 0.5.22 unsafe)."""
+    code = code_facts()
+    code.extra["mooncake_tcp_proto"] = "1"
+    result = gates.gate_page_lifetime(code, PACK, PAIR)
+    assert result.verdict == FAIL
+    assert any("MC_TCP_PROTO=1" in e and "drain ACK" in e for e in result.evidence)
+    code.extra["mooncake_tcp_proto"] = "0"
+    assert gates.gate_page_lifetime(code, PACK, PAIR).verdict == PASS
+
+
 def test_gate4_missing_fix_names_the_command():
     result = gates.gate_page_lifetime(code_facts(missing=("pr41023",)), PACK, PAIR)
     assert "#41023" in result.remedy and "sglang-backport run sglang==0.5.19" in result.remedy

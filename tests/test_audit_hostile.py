@@ -340,7 +340,9 @@ def silent_router(count):
 def test_many_silent_workers_are_read_in_parallel():
     with hostile(silent_router(64)) as r:
         _, document, seconds = audit("--live", r.url, "--timeout", "1")
-    assert seconds < 20, seconds   # 64 one-second timeouts, 16 at a time: 4 s (64 s one by one)
+    # 64 one-second timeouts, 16 at a time: 4 s (64 s one by one); half of one by one leaves room for a
+    # loaded machine (22 s seen at load average 10) and still fails a serial read
+    assert seconds < 32, seconds
     assert gate(document, 1)["verdict"] == "unknown"
     servers = gate(document, 1)["servers"]
     assert len(servers) == 64 and all(s["verdict"] == "unknown" and "not read" in s["evidence"] for s in servers)

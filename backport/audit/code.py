@@ -34,6 +34,10 @@ TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 CAPABILITY = "supports_deferred_decode_kv_release"
 COVERAGE_FIX = "sbp-transfer-coverage"          # this pack's own transferred-coverage check
 COVERAGE_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
+# Mooncake's legacy TCP completion ("complete" once bytes leave prefill's socket buffer): measured on the
+# live tier's page-lifetime race, the drain ACK then comes before the writes land (patched 0.5.19 and
+# upstream 0.5.22 both unsafe 3 of 3)
+MOONCAKE_TCP_PROTO = "MC_TCP_PROTO"
 _COVERAGE_DEFAULT = re.compile(r'get_bool_env_var\(\s*"' + COVERAGE_ENV + r'"\s*,\s*"(\w+)"\s*\)')
 _ENV_DEFAULT = re.compile(r"^\s*(\w+)\s*=\s*Env(Bool|Float)\(\s*([^)]*?)\s*\)", re.MULTILINE)
 _FALSE = ("0", "false", "no", "off", "")
@@ -214,11 +218,12 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _run_probes(harness_python: str, package_root: Path, label: str):
+def _run_probes(harness_python: str, package_root: Path, label: str, version: str | None):
     from backport.probing import run_harness
 
-    try:
-        return run_harness(harness_python, package_root, list(ADMISSION_PROBES), label=label), None
+    try:  # the version decided here, never the probes' reading of sglang.version's fallback
+        return run_harness(harness_python, package_root, list(ADMISSION_PROBES), label=label,
+                           version=version), None
     except (Finding, BadInput) as exc:  # the harness crashed or refused: the gate stays unknown
         return None, str(exc)
 
@@ -266,11 +271,13 @@ def inspect_code(pack: Pack, *, tree: str | None = None, python: str | None = No
                             fixes=[f for f in (*ADMISSION_FIXES, *PAGE_LIFETIME_FIXES, COVERAGE_FIX)
                                    if f in pack.fixes])
         probe_root = Path(link_dir.name) if link_dir else root
-        probes, probe_error = _run_probes(harness_python, probe_root, label=how)
+        probes, probe_error = _run_probes(harness_python, probe_root, label=how, version=version)
     finally:
         if link_dir is not None:
             link_dir.cleanup()
     deferred, timeout = deferred_settings(root, environ)
+    if MOONCAKE_TCP_PROTO in environ:
+        extra["mooncake_tcp_proto"] = environ[MOONCAKE_TCP_PROTO].strip()
     return CodeFacts(how=how, package_root=root, version=None if version == "unknown" else version,
                      detections=detections, probes=probes, probe_error=probe_error, harness=harness,
                      deferred_release=deferred, timeout=timeout,

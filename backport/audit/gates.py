@@ -14,6 +14,7 @@ from backport.audit.code import (
     ADMISSION_FIXES,
     ADMISSION_PROBES,
     COVERAGE_FIX,
+    MOONCAKE_TCP_PROTO,
     PAGE_LIFETIME_FIXES,
     CodeFacts,
 )
@@ -318,6 +319,12 @@ def gate_page_lifetime(code: CodeFacts | None, pack: Pack, servers: tuple[Server
                      "timeout alone does not prove the writes stopped: size it above the worst-case drain "
                      "of one transfer chunk and treat every 'Deferred KV release ... timed out' warning as a "
                      "possible exposure")
+    if code.extra.get("mooncake_tcp_proto") == "1":
+        verdicts.append(FAIL)
+        lines.append(f"{MOONCAKE_TCP_PROTO}=1 in the audit's environment: Mooncake's legacy TCP completion reports "
+                     "a transfer complete once its bytes left prefill's socket buffer, so the drain ACK can come "
+                     "before the writes land (the live tier's page-lifetime race: patched 0.5.19 and upstream "
+                     f"0.5.22 both unsafe 3 of 3); unset {MOONCAKE_TCP_PROTO} on every prefill and decode node")
     capable = code.capable_backends
     lines.append("backends with the capability in this code: " + (
         ", ".join(capable) if capable else "none" if capable is not None

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import shlex
 
-from backport.audit.code import COVERAGE_ENV, DEFERRED_ENV, TIMEOUT_ENV, CodeFacts
+from backport.audit.code import COVERAGE_ENV, DEFERRED_ENV, MOONCAKE_TCP_PROTO, TIMEOUT_ENV, CodeFacts
 from backport.audit.gates import PASS, GateResult
 from backport.audit.servers import CHECKSUM_FLAG, PD_ROLES, ServerFacts
 
@@ -149,6 +149,8 @@ def _lifetime(gate: GateResult, code: CodeFacts | None, servers: tuple[ServerFac
     if code.timeout.value is not None and code.timeout.value <= 0:
         changes.append(f"set {TIMEOUT_ENV} to a positive number of seconds above the worst-case drain of one "
                        "transfer chunk")
+    if code.extra.get("mooncake_tcp_proto") == "1":
+        changes.append(f"unset {MOONCAKE_TCP_PROTO} on every prefill and decode node (and in this audit's environment)")
     capable = code.capable_backends or ()
     stuck = sorted({s.backend for s in servers if s.is_pd and s.backend and s.backend not in capable})
     if stuck:

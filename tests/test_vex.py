@@ -133,6 +133,26 @@ def test_an_unsafe_case_shows_the_exposure_whatever_else_errored(classes):
     assert status.status == "affected" and "1 case(s) could not be judged" in status.notes
 
 
+def _live(patched: str) -> dict:
+    return {"scenarios": [
+        {"scenario": "aborted_transfer_pages_not_reused", "must_preserve": False,
+         "verdicts": {"pristine": "unsafe", "patched": patched, "reference": "safe"}, "pair": "fixed"},
+        {"scenario": "over_pool_prompt_rejected", "must_preserve": False,
+         "verdicts": {"pristine": "safe", "patched": "unsafe"}, "pair": "regressed"}]}
+
+
+def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
+    """The page-lifetime class names its live scenario: cited where it ran, affected when the patched
+    deployment was unsafe though every probe case was fixed; another class's scenario counts not here."""
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    rows = [_row("page_lifetime", "a", "unsafe", "safe")]
+    assert class_status(page, rows).status == "fixed"
+    cited = class_status(page, rows, live=_live("safe"))
+    assert cited.status == "fixed" and "aborted_transfer_pages_not_reused pristine unsafe, patched safe" in cited.notes
+    exposed = class_status(page, rows, live=_live("unsafe"))
+    assert exposed.status == "affected" and exposed.unsafe == ("live/aborted_transfer_pages_not_reused",)
+
+
 def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     """No patched tree (the pack cannot serve the release): the pristine tree is the product, its own head."""
     from backport.evidence.scope import exposure_line

@@ -108,7 +108,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     p = statement["predicate"]
     found = []
     for row in standards["classes"]:
-        status = class_status(row, p["cases"], p["apply"])
+        status = class_status(row, p["cases"], p["apply"], p.get("live"))
         own = VulnerabilitySource(name="sglang-backport", url=XsUri(vulnerability_iri(row["id"])))
         references = [VulnerabilityReference(id=alias, source=VulnerabilitySource(
             name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD")) for alias in row["aliases"]]

@@ -77,7 +77,7 @@ def build_vex(statement: dict, standards: dict) -> dict:
     toolkit = p["toolkit"]
     statements = []
     for row in standards["classes"]:
-        status = class_status(row, p["cases"], p["apply"])
+        status = class_status(row, p["cases"], p["apply"], p.get("live"))
         vulnerability = {"@id": vulnerability_iri(row["id"]), "name": row["id"], "description": row["title"]}
         if row["aliases"]:
             vulnerability["aliases"] = list(row["aliases"])

@@ -22,10 +22,14 @@ The status of a class on the patched tree, from the pair verdicts of the class's
   event stated as a fix), and the tree the status speaks for has none of it: the release does
   not ship it (`fixed_in`) and the pack applied none. A class without `introduced_with` stays
   ``under_investigation`` when nothing ran: a case that could not run proves nothing absent.
+
+A class may name its live scenarios (`live`): where the bundle ran the live tier, their verdicts are
+cited in the notes, and one unsafe on the product tree's deployment makes the class ``affected``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from dataclasses import dataclass
@@ -41,7 +45,9 @@ CLASS_ID = re.compile(r"^SBP-\d{4}-\d{4}$")
 ALIAS = re.compile(r"^(CVE-\d{4}-\d{4,}|GHSA(-[23456789cfghjmpqrvwx]{4}){3})$")
 _KEYS = {"id": str, "name": str, "title": str, "description": str, "fixes": list, "probes": list,
          "references": list, "aliases": list}
-_OPTIONAL = {"introduced_with": str}  # the fix whose code brings the vulnerable code (see the docstring)
+# introduced_with: the fix whose code brings the vulnerable code (see the docstring); live: the live
+# tier's scenarios that show the class on a real PD deployment (cited, and an unsafe one is an exposure)
+_OPTIONAL = {"introduced_with": str, "live": list}
 _CLEAN = {"fixed", "held", "added", "not-applicable"}
 
 
@@ -71,6 +77,8 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
                                      f"{', '.join(_OPTIONAL)})")
         if not isinstance(row.get("introduced_with", ""), str):
             raise _fail(path, where, "introduced_with must be a string")
+        if not isinstance(row.get("live", []), list) or not all(isinstance(x, str) for x in row.get("live", [])):
+            raise _fail(path, where, "live must be a list of live scenario names")
         if fix_ids is not None and "introduced_with" in row and row["introduced_with"] not in fix_ids:
             raise _fail(path, where, f"introduced_with {row['introduced_with']!r} is not in fixes.toml")
         for key, kind in _KEYS.items():
@@ -170,9 +178,26 @@ class ClassStatus:
     tree: str = "patched"       # the tree the status speaks for (pristine in an exposure run)
 
 
-def class_status(row: dict, cases: list[dict], apply: dict | None = None) -> ClassStatus:
+def class_status(row: dict, cases: list[dict], apply: dict | None = None, live: dict | None = None) -> ClassStatus:
     """The status the receipt's case rows (and its apply report, for `introduced_with`) support
-    for one class (module docstring)."""
+    for one class (module docstring); the class's live scenarios, where they ran, are cited, and one
+    unsafe on the product tree makes the class affected whatever the probes said."""
+    status = _probed_status(row, cases, apply)
+    scenarios = [r for r in (live or {}).get("scenarios", []) if r["scenario"] in row.get("live", ())]
+    if not scenarios:
+        return status
+    role = status.tree
+    seen = "; ".join(f"{r['scenario']} " + ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) for r in scenarios)
+    unsafe = tuple(f"live/{r['scenario']}" for r in scenarios
+                   if not r["must_preserve"] and r["verdicts"].get(role) == "unsafe")
+    if unsafe and status.status != "affected":
+        return ClassStatus("affected", status.cases, f"{len(unsafe)} live scenario(s) unsafe on the {role} "
+                           f"deployment (first: {unsafe[0]}); live tier: {seen}; probes: {status.notes}",
+                           unsafe, role)
+    return dataclasses.replace(status, notes=f"{status.notes}; live tier: {seen}")
+
+
+def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassStatus:
     own = [c for c in cases if c["probe"] in row["probes"]]
     names = tuple(f"{c['probe']}/{c['case']}" for c in own)
     by_pair: dict[str, list[str]] = {}

@@ -141,6 +141,16 @@ def _live(patched: str) -> dict:
          "verdicts": {"pristine": "safe", "patched": "unsafe"}, "pair": "regressed"}]}
 
 
+def test_every_live_scenario_a_class_names_exists(classes):
+    """A misspelt name would never be cited: each is a registered 1P1D scenario or the 2P1D race."""
+    from backport.live import race
+    from backport.live.scenarios import REGISTRY
+
+    known = {s.name for s in REGISTRY} | {race.NAME}
+    named = [name for c in classes for name in c.get("live", [])]
+    assert named and set(named) <= known, set(named) - known
+
+
 def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
     """The page-lifetime class names its live scenario: cited where it ran, affected when the patched
     deployment was unsafe though every probe case was fixed; another class's scenario counts not here."""

@@ -153,9 +153,9 @@ def test_run_of_a_path_without_sglang_is_refused_before_the_environment_build(wo
 
 
 def test_bad_input_corpus_size():
-    """README counts this corpus; keep the number there in step."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"{len(BAD)} bad-input cases" in readme
+    """docs/development.md counts this corpus; keep the number there in step."""
+    development = (Path(__file__).resolve().parent.parent / "docs" / "development.md").read_text()
+    assert f"{len(BAD)} bad-input cases" in development
 
 
 def _subcommands():

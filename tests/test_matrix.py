@@ -1,4 +1,4 @@
-"""The release matrix (`patches/releases.toml`) against the real releases, and against README.
+"""The release matrix (`patches/releases.toml`) against the real releases, and against docs/ (reference.md, measured.md).
 
 A row holds a pin, a note and exceptions; what it expects is derived (backport/expectations.py)
 from the pack and the cases' declarations. Every measured row is checked for real: the pinned wheel is fetched and verified, the pristine
@@ -39,7 +39,7 @@ def expected_exit(version: str) -> int:
 
 
 def release_table() -> str:
-    """README's per-release table, rendered from the matrix."""
+    """docs/measured.md's per-release table, rendered from the matrix."""
     lines = ["| release | `run` exit | pristine -> patched, per case | note |", "|---|---|---|---|"]
     for version in MEASURED:
         rows = pair_rows(version)
@@ -138,10 +138,11 @@ def test_epochs_split_where_the_code_or_the_expectations_change():
 
 
 def test_readme_release_table_is_the_matrix():
-    readme = (REPO / "README.md").read_text()
-    assert f"Cases ({len(CASE_KEYS)}, same names and order on every release)" in readme
+    reference = (REPO / "docs" / "reference.md").read_text()
+    assert f"Cases ({len(CASE_KEYS)}, same names and order on every release)" in reference
     table = release_table()
-    assert table in readme, "README's per-release table differs from the matrix; it should read:\n" + table
+    measured = (REPO / "docs" / "measured.md").read_text()
+    assert table in measured, "docs/measured.md's per-release table differs from the matrix; it should read:\n" + table
 
 
 def test_every_pin_is_a_distinct_wheel():

@@ -31,7 +31,7 @@
    would change it (git hides its local changes). Unstaged edits to files the
    series does not touch are left as they are (still unstaged, on top of the
    new HEAD): they were never at risk, and finding them costs a stat of every
-   tracked file (the rule before 2026-12 did; see README);
+   tracked file (the rule before 2026-12 did; see docs/reference.md, "apply");
 6. when every fix succeeded: write.py commits the series and moves the work
    tree, crash-safe.
 

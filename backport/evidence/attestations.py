@@ -13,7 +13,7 @@ files, and compared with what the envelopes carry):
 - the OpenVEX document as a predicate, about the same products as its statements.
 
 Tree subjects are named `<role>-tree/sglang` and carry two standard digests: `dirHash1`
-(in-toto's directory hash, the receipt's tree digest: README, "Tree digests") and `gitTree`
+(in-toto's directory hash, the receipt's tree digest: docs/vex-and-ci.md, "Tree digests") and `gitTree`
 (the git tree id of `sglang/` at the tree's commit, when the tree was a git tree).
 """
 

@@ -11,7 +11,7 @@ Products of every statement:
 - with `run --export`, the exported wheel by its purl with the full local version
   (``pkg:pypi/sglang@0.5.19%2Bbackport.N``; a version-less or upstream purl would hand the
   status to every build of the release) and its sha-256;
-- the patched `sglang/` tree by its `dirHash1` (the receipt's tree digest: README, "Tree
+- the patched `sglang/` tree by its `dirHash1` (the receipt's tree digest: docs/vex-and-ci.md, "Tree
   digests"), as ``urn:sglang-backport:tree:dirHash1:<hex>``.
 
 The upstream wheel is never a product: its status is upstream's to state.

@@ -199,16 +199,9 @@ def stop_groups(servers: list[Server]) -> None:
 
 
 def group_members(pgids: set[int]) -> list[int]:
-    """Processes (zombies excepted) whose process group is one of `pgids`, read from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) in pgids and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
+    """Processes (zombies excepted) whose process group is one of `pgids`, read from /proc (by the
+    reaper's own table reader; this process is never in a server's group)."""
+    return [pid for pid, (_, group, _) in supervisor.processes().items() if group in pgids]
 
 
 def signals_held():

@@ -157,12 +157,6 @@ def tag_version(version: str, distance: int) -> str:
     return f"{tagged.base_version}.post{0 if tagged.post is None else tagged.post + 1}.dev{distance}"
 
 
-def git_describe_version(repo: git.Repo) -> str | None:
-    """A PEP 440 version for an upstream checkout from its nearest release tag (`tag_version`)."""
-    tag = describe_tag(repo)
-    return None if tag is None else tag_version(*tag)
-
-
 def _file_agrees(said: str, tag: str, distance: int) -> bool:
     """Whether a version file's `said` fits the tag: at the tag, the same public version; past it,
     no earlier release (a generated `X.dev N+g<hash>` guesses the next one)."""

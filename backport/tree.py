@@ -87,7 +87,9 @@ def is_package_source(name: str) -> bool:
     return "__pycache__" not in name.split("/") and not name.endswith(".pyc")
 
 
-def _manifest_files(package_root: Path):
+def manifest_files(package_root: Path):
+    """(path, literal bytes or None to read the file) for every source file of `sglang/`: a symbolic
+    link counts by its target."""
     top = package_root / "sglang"
     for path in sorted(top.rglob("*")):
         if not is_package_source(path.as_posix()):
@@ -112,7 +114,7 @@ def tree_manifest(package_root: Path) -> str:
     """`sha256sum` lines for every file of the `sglang/` package, sorted by path."""
     return manifest_text(
         (path.relative_to(package_root).as_posix(), sha256_bytes(literal) if literal is not None else sha256_file(path))
-        for path, literal in _manifest_files(package_root))
+        for path, literal in manifest_files(package_root))
 
 
 def tree_digest(package_root: Path) -> str:

@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from backport.digests import sha256_bytes, sha256_file
 from backport.errors import BadInput
-from backport.tree import is_package_source, manifest_digest
+from backport.tree import manifest_digest, manifest_files
 
 VERSION_MODULES = ("sglang/_version.py", "sglang/version.py")
 LABEL_PREFIX = "backport."
@@ -91,15 +91,8 @@ def unlabelled_digest(members: Iterable[tuple[str, bytes | None, Path | None]], 
 
 
 def installed_digest(package_root: Path, local: str | None) -> str:
-    """`unlabelled_digest` of a package on disk (an installed wheel's site-packages); a symbolic link
-    counts by its target, as tree.tree_digest counts it."""
-    members = []
-    for path in sorted((Path(package_root) / "sglang").rglob("*")):
-        name = path.relative_to(package_root).as_posix()
-        if not is_package_source(name):
-            continue
-        if path.is_symlink():
-            members.append((name, ("symlink:" + str(path.readlink())).encode(), None))
-        elif path.is_file():
-            members.append((name, None, path))
-    return unlabelled_digest(members, local)
+    """`unlabelled_digest` of a package on disk (an installed wheel's site-packages), over the files
+    tree.tree_digest counts."""
+    root = Path(package_root)
+    return unlabelled_digest(((path.relative_to(root).as_posix(), literal, None if literal is not None else path)
+                              for path, literal in manifest_files(root)), local)

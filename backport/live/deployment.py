@@ -21,7 +21,8 @@ import requests
 from backport import resources
 from backport.engine.detect import fingerprint_match, fs_reader
 from backport.live.environment import ServingEnv, router_command
-from backport.live.model import NEW_TOKENS, TinyModel
+from backport.live.model import TinyModel
+from backport.live.reply import Reply, generate
 from backport.live.servers import LOOPBACK, Launch, Processes, Server, serve
 from backport.pack import load_pack
 
@@ -29,7 +30,6 @@ from backport.pack import load_pack
 DEFERRED_RELEASE_TIMEOUT = 30.0
 SERVER_START_TIMEOUT = 600.0   # two loaded cores: both servers were ready in 90-120 s
 ROUTER_START_TIMEOUT = 120.0
-REQUEST_TIMEOUT = 60.0
 
 CONTEXT = 1024
 PREFILL_POOL = 256
@@ -45,47 +45,6 @@ DECODE_FLAGS = ("--disaggregation-mode", "decode", "--max-total-tokens", str(DEC
 RETRACTION_BACKUP_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1",    # else --device cpu still takes the vllm path
               "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": LOOPBACK}
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int | None          # None: no answer within the timeout
-    tokens: list[int]
-    prompt_tokens: int | None
-    seconds: float
-    error: str = ""
-
-    def to_json(self) -> dict:
-        out = {"status": self.status, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-               "seconds": round(self.seconds, 3)}
-        if self.error:
-            out["error"] = self.error[:300]
-        return out
-
-
-def generate(url: str, input_ids: list[int], *, max_new_tokens: int = NEW_TOKENS,
-             timeout: float = REQUEST_TIMEOUT, extra: dict | None = None) -> Reply:
-    """One greedy request by token ids, EOS ignored, through `url` (a router or a server);
-    `extra`: more body fields (a request id, the PD bootstrap fields when a client dispatches)."""
-    body = {"input_ids": input_ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-            **(extra or {})}
-    started = time.monotonic()
-    try:
-        response = requests.post(url + "/generate", json=body, timeout=timeout)
-    except requests.RequestException as exc:
-        return Reply(None, [], None, time.monotonic() - started, f"{type(exc).__name__}: {exc}")
-    seconds = time.monotonic() - started
-    try:
-        document = response.json()
-    except ValueError:
-        return Reply(response.status_code, [], None, seconds, response.text)
-    if isinstance(document, list):
-        document = document[0] if document else {}
-    meta = document.get("meta_info") or {}
-    tokens = document.get("output_ids") or meta.get("output_ids") or []
-    error = "" if response.status_code == 200 else str(document.get("error") or document)[:300]
-    return Reply(response.status_code, list(tokens), meta.get("prompt_tokens"), seconds, error)
 
 
 @dataclass

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backport.live.deployment import DECODE_POOL, PREFILL_POOL, Deployment, Reply
+from backport.live.deployment import DECODE_POOL, PREFILL_POOL, Deployment
 from backport.live.model import PROMPTS, TinyModel
+from backport.live.reply import Reply, WordTokenizer
 
 SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
 # what the servers log about a rejected or short-prefilled request
@@ -54,14 +55,24 @@ def _refused(reply: Reply) -> bool:
     return reply.status is not None and 400 <= reply.status < 500 and not reply.tokens
 
 
+def ask(dep: Deployment, model: TinyModel, prompt: str, **kw) -> Reply:
+    """One request of a named prompt through the router; a text-only reply is read with the
+    tiny model's tokenizer (reply.py), and one that cannot be read back is `recovered=False`."""
+    return dep.generate(PROMPTS[prompt], tokenizer=WordTokenizer.load(model.path), **kw)
+
+
+def _unreadable(*replies: Reply) -> bool:
+    return any(r.status == 200 and not r.recovered for r in replies)
+
+
 @scenario(must_preserve=True, expect="a prompt that fits gets 200 and exactly plain transformers' greedy tokens "
                                      "(so the prompt's KV moved from prefill to decode)")
 def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
-    reply = dep.generate(PROMPTS["valid"])
+    reply = ask(dep, model, "valid")
     details = {"reply": reply.to_json(), "reference": model.reference["valid"],
                "log": dep.log_lines(mark, "Traceback", "Error")}
-    if reply.status != 200:
+    if reply.status != 200 or not reply.recovered:
         return Outcome(ERROR, f"status {reply.status} for a valid 4-token prompt: {reply.error}", details)
     if reply.tokens != model.reference["valid"]:
         return Outcome(UNSAFE, "200 but the tokens differ from the reference: decode did not attend over "
@@ -73,7 +84,7 @@ def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome
                                       "tokens) gets 400 and no tokens")
 def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
-    reply = dep.generate(PROMPTS["over_pool"])
+    reply = ask(dep, model, "over_pool")
     details = {"reply": reply.to_json()}
     if dep.flush_frees_held_pages:
         details["decode_flush_skipped"] = FLUSH_HAZARD
@@ -105,8 +116,8 @@ def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -
     for earlier in ("earlier_a", "earlier_b", "earlier_a"):
         flush = rejected is None or rejected.status == 200
         flushed = dep.flush_decode() if flush else None
-        first = dep.generate(PROMPTS[earlier])
-        rejected = dep.generate(PROMPTS["over_pool"])
+        first = ask(dep, model, earlier)
+        rejected = ask(dep, model, "over_pool")
         steps.append({"earlier": earlier, "flush": "done" if flushed is not None else "refused" if flush else
                       "left out: the previous R was refused", "earlier_reply": first.to_json(),
                       "rejected_reply": rejected.to_json()})
@@ -114,6 +125,9 @@ def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -
     replies = [s["rejected_reply"] for s in steps]
     if any(s["earlier_reply"]["status"] != 200 or s["flush"] == "refused" for s in steps):
         return Outcome(ERROR, "an earlier request failed or decode never accepted a flush: no verdict", details)
+    if any(r.get("tokens_unrecoverable") for r in replies):
+        return Outcome(ERROR, "200, but the reply's generated tokens cannot be read back (reply.py): no verdict",
+                       details)
     if all(r["status"] is not None and 400 <= r["status"] < 500 and not r["tokens"] for r in replies):
         return Outcome(SAFE, "refused every time", details)
     after_a, after_b, after_a_again = (r["tokens"] for r in replies)
@@ -122,7 +136,10 @@ def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -
     if after_a != after_b:
         return Outcome(UNSAFE, "200, and the tokens differ after A and after B and repeat exactly after A: "
                                "the answer depends on another request's prompt", details)
-    return Outcome(SAFE, "answered, but the tokens do not depend on the earlier prompt", details)
+    if after_a != model.reference["over_pool"]:  # same every time, but not the prompt's own answer
+        return Outcome(ERROR, "answered with the same tokens after A and B, but not the reference tokens: "
+                              "no verdict", details)
+    return Outcome(SAFE, "answered with the reference tokens, the same after A and after B", details)
 
 
 @scenario(must_preserve=False, expect="a prompt that fits prefill but not decode's pool is refused "

@@ -1,0 +1,179 @@
+"""Reading `/generate` replies by their shape (backport/live/reply.py), and what the scenarios make
+of a reply whose tokens cannot be read back: no server, replies built as the releases return them."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from backport.live import load, reply, scenarios
+from backport.live.model import PROMPTS, TinyModel
+from backport.live.reply import FROM_IDS, FROM_TEXT, WordTokenizer, parse
+
+SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2}
+VOCAB = {**SPECIAL, **{f"t{i}": i for i in range(3, 512)}}
+
+
+def tokenizer_json(folder: Path) -> Path:
+    """The tokenizer.json make_model.make_tokenizer saves (the fields reply.py reads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "added_tokens": [{"id": i, "content": w, "special": True} for w, i in SPECIAL.items()],
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "model": {"type": "WordLevel", "vocab": VOCAB, "unk_token": "<unk>"}}))
+    return folder
+
+
+def detokenized_text(prompt: list[int], generated: list[int]) -> str:
+    """The text 0.4.7 - 0.4.10.post2 return: the detokenizer decodes the prompt's last 5 ids with
+    the generated ones and sends what follows the prompt tail's own text (incremental decoding),
+    special tokens skipped; the tiny model's tokenizer joins words with one space."""
+    def decode(ids):
+        return " ".join(f"t{i}" for i in ids if i not in SPECIAL.values())
+
+    tail = prompt[-5:]
+    return decode(tail + generated)[len(decode(tail)):]
+
+
+def meta(prompt: list[int], generated: list[int]) -> dict:
+    return {"id": "r", "finish_reason": {"type": "length", "length": len(generated)},
+            "prompt_tokens": len(prompt), "completion_tokens": len(generated), "cached_tokens": 0}
+
+
+def shape_ids(prompt, generated):           # 0.5.3 on: BatchTokenIDOut / BatchStrOut with output_ids
+    return {"text": detokenized_text(prompt, generated), "output_ids": generated, "meta_info": meta(prompt, generated)}
+
+
+def shape_ids_with_prompt_tail(prompt, generated):   # 0.5.2: decode_ids from surr_offset = read_offset - 5
+    return {"text": detokenized_text(prompt, generated), "output_ids": prompt[-5:] + generated,
+            "meta_info": meta(prompt, generated)}
+
+
+def shape_text_only(prompt, generated):     # 0.4.7 - 0.4.10.post2: BatchStrOut without ids
+    return {"text": detokenized_text(prompt, generated), "meta_info": meta(prompt, generated)}
+
+
+@pytest.fixture
+def tok(tmp_path) -> WordTokenizer:
+    return WordTokenizer.load(tokenizer_json(tmp_path / "model"))
+
+
+PROMPT = PROMPTS["valid"]
+GENERATED = [401, 77, 3, 77, 250, 9, 511, 128]
+
+
+@pytest.mark.parametrize("shape", [shape_ids, shape_ids_with_prompt_tail, shape_text_only])
+def test_every_shape_gives_the_generated_tokens(shape, tok):
+    got = parse(200, json.dumps(shape(PROMPT, GENERATED)), PROMPT, tok, 0.5)
+    assert got.recovered and got.tokens == GENERATED and got.prompt_tokens == len(PROMPT)
+    assert got.source == {shape_ids: FROM_IDS, shape_text_only: FROM_TEXT}.get(
+        shape, reply.FROM_IDS_TAIL_STRIPPED.format(n=4))
+
+
+def test_a_long_prompts_tail_is_five_ids_and_must_be_the_prompts_own(tok):
+    prompt = PROMPTS["over_pool"]
+    got = parse(200, json.dumps(shape_ids_with_prompt_tail(prompt, GENERATED)), prompt, tok, 0.1)
+    assert got.tokens == GENERATED and "last 5 ids" in got.source
+    forged = {"output_ids": [1, 2, 3] + GENERATED, "meta_info": meta(prompt, GENERATED)}
+    got = parse(200, json.dumps(forged), prompt, tok, 0.1)
+    assert not got.recovered and got.tokens == [] and "cannot be recovered" in got.error
+
+
+def test_a_text_only_reply_that_lost_a_special_token_is_unrecoverable(tok):
+    generated = [401, 2, 77, 3, 77, 250, 9, 511]   # </s> generated (EOS ignored), skipped in the text
+    got = parse(200, json.dumps(shape_text_only(PROMPT, generated)), PROMPT, tok, 0.1)
+    assert not got.recovered and got.tokens == []
+    assert parse(200, json.dumps({"text": "t5 hello", "meta_info": {}}), PROMPT, tok, 0.1).recovered is False
+    assert parse(200, json.dumps(shape_text_only(PROMPT, GENERATED)), PROMPT, None, 0.1).recovered is False
+
+
+def test_refusals_and_broken_bodies():
+    refusal = parse(400, json.dumps({"error": {"message": "Input length (400 tokens) exceeds"}}), PROMPT, None, 0.0)
+    assert refusal.recovered and refusal.tokens == [] and "exceeds" in refusal.error
+    assert parse(200, "<html>bad gateway</html>", PROMPT, None, 0.0).recovered is False
+    assert parse(502, "upstream gone", PROMPT, None, 0.0).recovered is True
+
+
+class StandIn:
+    """Stands in for a Deployment: answers every prompt with a document of the given shape."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.flush_frees_held_pages = False
+
+    def generate(self, ids, *, tokenizer=None, **kw):
+        status, document = self.answer(ids)
+        return parse(status, json.dumps(document), ids, tokenizer, 0.1)
+
+    def log_mark(self):
+        return {}
+
+    def log_lines(self, mark, *needles):
+        return {}
+
+    def flush_decode(self, timeout=60.0):
+        return 0.0
+
+
+def model_at(folder: Path, reference: dict) -> TinyModel:
+    return TinyModel(tokenizer_json(folder), reference, "0" * 64)
+
+
+def test_a_text_only_reply_is_safe_only_when_its_text_re_encodes_to_the_reference(tmp_path):
+    reference = [401, 77, 3, 77, 250, 9, 511, 128]
+    model = model_at(tmp_path / "model", {"valid": reference})
+    rng = random.Random(41)
+    safe = 0
+    for _ in range(300):
+        generated = list(reference)
+        if rng.random() < 0.6:   # one token off: a wrong value, a special one or one dropped
+            generated[rng.randrange(8)] = rng.choice((rng.randrange(3, 512), rng.randrange(0, 3)))
+        text = rng.choice((detokenized_text(PROMPT, generated), "", " t9 t9", " x" * 8,
+                           detokenized_text(PROMPT, generated) + " t7"))
+        document = {"text": text, "meta_info": meta(PROMPT, generated)}
+        outcome = scenarios.valid_prompt_matches_reference(StandIn(lambda ids, d=document: (200, d)), model)
+        encoded = WordTokenizer.load(model.path).encode(text)
+        assert (outcome.verdict == scenarios.SAFE) == (encoded == reference), (text, outcome.verdict)
+        assert outcome.verdict != scenarios.SAFE or outcome.details["reply"]["tokens_from"] == FROM_TEXT
+        safe += outcome.verdict == scenarios.SAFE
+    assert safe > 0   # the loop reached the safe case too
+
+
+def test_text_only_answers_to_the_rejected_request_are_no_longer_judged_safe_by_empty_lists(tmp_path):
+    """Pristine 0.4.10.post2 served R after A, B, A with text only: read as three empty token lists,
+    they once compared equal (safe). Now the text is read, and its dependence on A or B shows."""
+    model = model_at(tmp_path / "model", {"over_pool": [9] * 8})
+    answers = iter([[11] * 8, [12] * 8, [11] * 8])
+
+    def answer(ids):
+        if ids == PROMPTS["over_pool"]:
+            return 200, shape_text_only(ids, next(answers))
+        return 200, shape_text_only(ids, [5] * 8)
+
+    outcome = scenarios.rejected_request_reads_no_other_request(StandIn(answer), model)
+    assert outcome.verdict == scenarios.UNSAFE, outcome
+    # the same text after A and B, but a special token lost: no verdict rather than safe
+    outcome = scenarios.rejected_request_reads_no_other_request(
+        StandIn(lambda ids: (200, shape_text_only(ids, [2, 9, 9, 9, 9, 9, 9, 9]))), model)
+    assert outcome.verdict == scenarios.ERROR, outcome
+
+
+@pytest.mark.parametrize(("document", "path", "tokens", "source"), [
+    ({"loads": [{"dp_rank": 0, "num_used_tokens": 400, "num_total_tokens": 412}]}, "/v1/loads", 412,
+     "/v1/loads num_total_tokens"),
+    ({"loads": [{"dp_rank": 0, "num_used_tokens": 7}]}, "/v1/loads", 7, "/v1/loads num_used_tokens"),
+    ([{"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 400}], "/get_load", 400,
+     "/get_load num_tokens"),
+    ({"load": 12}, "/get_load", 12, "/get_load load"),
+])
+def test_decode_load_by_shape(document, path, tokens, source):
+    assert load.from_document(document, path) == load.Load(tokens, source)
+
+
+def test_decode_load_unknown_shapes_are_none():
+    assert load.from_document({"loads": [{"dp_rank": 0}]}, "/v1/loads") is None
+    assert load.from_document({"detail": "Not Found"}, "/get_load") is None
+    assert load.from_document([], "/get_load") is None

@@ -107,6 +107,26 @@ def test_only_the_reference_flushes_with_a_hold_hazard(live_results):
         assert over_pool[label]["decode_flush_accepted_after_seconds"] is not None, label
 
 
+def test_refused_requests_reservation_is_released_on_patched_and_reference(live_results, serving):
+    """Decode's load (read from /v1/loads) is back at its idle baseline within 0.5.22's bound after
+    two refused over-pool requests, and the next valid prompt gets the reference tokens; pristine
+    serves the prompt, so there is no refusal to release."""
+    pristine = live_results["pristine-0.5.19"]["scenarios"]["rejected_request_releases_decode_reservation"]
+    assert pristine["verdict"] == "not-applicable" and "served" in pristine["observed"], pristine
+    for label in ("patched-0.5.19", "reference-0.5.22"):
+        result = live_results[label]["scenarios"]["rejected_request_releases_decode_reservation"]
+        assert result["verdict"] == "safe", (label, result)
+        details = result["details"]
+        assert details["decode_load"].startswith("/v1/loads") and details["baseline_tokens"] == 0, details
+        assert [r["status"] for r in details["refused"]] == [400, 400]
+        assert details["released_after_seconds"] is not None
+        assert details["released_after_seconds"] <= details["bound_seconds"]
+        assert details["next_valid"]["tokens"] == serving[1].reference["valid"]
+        cost = details["concurrent_cost"]
+        assert cost["valid_only"]["valid_p50_seconds"] is not None and cost["mix"]["valid_wrong_tokens"] == 0
+        assert cost["mix"]["over_pool_statuses"] == ["400"], cost
+
+
 def test_over_decode_pool_is_not_applicable_with_its_reason(live_results):
     for label in TREES:
         result = live_results[label]["scenarios"]["over_decode_pool_prompt_rejected"]

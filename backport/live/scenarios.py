@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backport.live.deployment import DECODE_POOL, PREFILL_POOL, Deployment
+from backport.live import load, traffic
+from backport.live.deployment import DECODE_POOL, DEFERRED_RELEASE_TIMEOUT, PREFILL_POOL, Deployment
 from backport.live.model import PROMPTS, TinyModel
 from backport.live.reply import Reply, WordTokenizer
 
@@ -20,6 +21,10 @@ SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable
 # what the servers log about a rejected or short-prefilled request
 FLUSH_HAZARD = ("this tree's decode frees a deferred hold's pages twice when flushed during the hold "
                 "(sbp-flush-holds): the flush is not sent right after a refused request")
+# 0.5.22 holds a refused request's reservation up to its deferred-release timeout; the rest is the
+# scheduler loop's and the polling's slack on two loaded cores
+RESERVATION_BOUND = DEFERRED_RELEASE_TIMEOUT + 15.0
+REFUSED_IN_A_ROW = 2   # two 400-token reservations do not fit decode's 512: the second must wait for the first
 LOG_NEEDLES = ("exceeds the maximum allowed length", "#new-token: 1,", "Abort", "abort", "Traceback", "Error")
 
 
@@ -151,3 +156,82 @@ def over_decode_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outco
     return Outcome(NOT_APPLICABLE, f"not driven on this pair: decode's pool ({DECODE_POOL} tokens) is larger "
                                    f"than prefill's ({PREFILL_POOL}), so no prompt fits prefill and not decode",
                    {"prefill_pool": PREFILL_POOL, "decode_pool": DECODE_POOL})
+
+
+@scenario(must_preserve=False, expect="after refused over-pool requests decode's tokens in use return to the "
+                                      f"idle baseline within {RESERVATION_BOUND:.0f} s (0.5.22's deferred-release "
+                                      "timeout and slack) and the next valid prompt gets the reference tokens")
+def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyModel) -> Outcome:
+    """The router sends each request to both sides at once, so decode reserves pages for a prompt
+    prefill then refuses. Baseline: decode idle (holds of earlier scenarios run out first); then
+    the over-pool request twice in a row; decode's load polled until back at the baseline; a
+    valid prompt; then (measured, judged only on wrong tokens) a seeded mix of valid and
+    over-pool prompts at concurrency 3 against valid prompts alone."""
+    details: dict[str, Any] = {"bound_seconds": RESERVATION_BOUND}
+    url = dep.decode.url
+    exposed = load.read_load(url)
+    baseline = None
+    if exposed is None:
+        details["decode_load"] = ("decode exposes no load (no /v1/loads or /get_load): judged only by the "
+                                  "next valid prompt")
+    else:
+        _, readings = load.wait_for(url, 0, RESERVATION_BOUND)
+        baseline = readings[-1][1]
+        details.update(decode_load=exposed.source, baseline_tokens=baseline, baseline_readings=readings)
+    mark = dep.log_mark()
+    refused = [ask(dep, model, "over_pool") for _ in range(REFUSED_IN_A_ROW)]
+    details["refused"] = [r.to_json() for r in refused]
+    if any(r.status == 200 for r in refused):
+        return Outcome(NOT_APPLICABLE, "the over-pool prompt is served, not refused: no refused request whose "
+                                      "reservation could be held (over_pool_prompt_rejected judges that)", details)
+    if not all(_refused(r) for r in refused):
+        details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
+        return Outcome(ERROR, f"the over-pool prompt got {[r.status for r in refused]}, not a refusal: no verdict",
+                       details)
+    held = None
+    if baseline is not None:
+        held, readings = load.wait_for(url, baseline, RESERVATION_BOUND)
+        details.update(released_after_seconds=None if held is None else round(held, 2), readings=readings)
+    after = ask(dep, model, "valid")
+    details["next_valid"] = after.to_json()
+    details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
+    if baseline is not None and held is None:
+        return Outcome(UNSAFE, f"decode still holds {readings[-1][1] - baseline} tokens of the refused requests "
+                               f"{RESERVATION_BOUND:.0f} s after the refusal", details)
+    if after.status is None or after.status >= 500:
+        return Outcome(UNSAFE, f"decode stopped serving: the next valid prompt got {after.status or 'no answer'} "
+                               f"({after.error[:120]})", details)
+    if after.status != 200 or not after.recovered:
+        return Outcome(ERROR, f"the next valid prompt got {after.status} ({after.error[:120]}): no verdict", details)
+    if after.tokens != model.reference["valid"]:
+        return Outcome(UNSAFE, "the next valid prompt got other tokens than the reference", details)
+    details["concurrent_cost"] = _reservation_cost(dep, model)
+    if details["concurrent_cost"]["mix"]["valid_wrong_tokens"]:
+        return Outcome(UNSAFE, "under the mix of valid and over-pool prompts a valid prompt got other tokens "
+                               "than the reference", details)
+    released = "" if held is None else f"decode's load back at its baseline after {held:.1f} s, "
+    return Outcome(SAFE, f"refused {REFUSED_IN_A_ROW} times; {released}the next valid prompt got the reference "
+                         "tokens", details)
+
+
+def _reservation_cost(dep: Deployment, model: TinyModel) -> dict:
+    """Valid prompts alone, then the seeded mix (traffic.py); the aborts decode logged meanwhile."""
+    def send(kind: str, timeout: float) -> Reply:
+        return ask(dep, model, kind, timeout=timeout)
+
+    reference = model.reference["valid"]
+    valid_only = traffic.run(send, ["valid"] * traffic.VALID_ONLY, reference)
+    since = dep.log_mark()["decode"]
+    mix = traffic.run(send, traffic.plan(), reference)
+    return {"concurrency": traffic.CONCURRENCY, "seed": traffic.SEED, "valid_only": valid_only, "mix": mix,
+            "decode_abort_lines_during_mix": _count_lines(dep.decode.log, since, "abort")}
+
+
+def _count_lines(path, offset: int, needle: str) -> int:
+    """Lines of a log after `offset` that contain `needle` (any case)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return sum(needle in line.lower() for line in f.read().decode(errors="replace").splitlines())
+    except OSError:
+        return 0

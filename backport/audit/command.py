@@ -52,6 +52,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allow-unknown", action="store_true",
                    help="exit 0 when no gate fails even if some are unknown (not verified: no server given, "
                         "unreadable); by default an unknown gate exits 1")
+    p.add_argument("--launch-flags", metavar="FLAGS",
+                   help="the servers' launch flags, quoted as one argument (e.g. '--disaggregation-mode prefill "
+                        "--host 0.0.0.0 --enable-custom-logit-processor'): the advisories table reads them when "
+                        "no --server was read")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=cmd_audit)
     return p
@@ -74,7 +78,8 @@ def _pack(series: str | None):
 
 
 def _audit(args) -> tuple[int, dict, str]:
-    from backport.audit import gates, remedies, report
+    from backport.advisories import parse_launch_flags
+    from backport.audit import advisories, gates, remedies, report
     from backport.audit.code import inspect_code
     from backport.audit.fetch import Limits
     from backport.audit.servers import check_url, fetch_servers
@@ -98,6 +103,7 @@ def _audit(args) -> tuple[int, dict, str]:
         raise BadInput(f"--report {args.report}: its directory does not exist")
     if args.tree and not Path(args.tree).is_dir():
         raise BadInput(f"{args.tree}: not a directory")
+    launch = parse_launch_flags(args.launch_flags) if args.launch_flags is not None else None
     pack = _pack(args.series)
     # the code first: its probes take minutes, and --total-timeout bounds the network alone
     code = inspect_code(pack, tree=args.tree, python=args.python) if (args.tree or args.python) else None
@@ -110,11 +116,14 @@ def _audit(args) -> tuple[int, dict, str]:
         results = apply_live(results, args.live, count=args.live_count, limits=limits,
                              max_prompt=args.max_prompt_tokens)
     results = remedies.attach(results, code, servers, args)
+    # what else is open on this release: information beside the gates, never part of the exit code
+    table = advisories.rows(pack, code, servers, launch)
     if args.report:
-        Path(args.report).write_text(report.markdown(results, code, servers))
+        Path(args.report).write_text(report.markdown(results, code, servers, table))
     allow = args.allow_unknown
-    return (report.exit_code(results, allow_unknown=allow), report.to_json(results, code, servers, allow_unknown=allow),
-            report.terminal(results, servers))
+    return (report.exit_code(results, allow_unknown=allow),
+            report.to_json(results, code, servers, allow_unknown=allow, advisories=table),
+            report.terminal(results, servers, table))
 
 
 def cmd_audit(args) -> int:

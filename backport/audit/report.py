@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from backport import __version__
+from backport.advisories import EXPOSED_IF, OPEN, Row
+from backport.advisories import markdown as advisories_table
 from backport.audit.code import CodeFacts
 from backport.audit.gates import FAIL, PASS, UNKNOWN, GateResult, worst
 from backport.audit.servers import ServerFacts
@@ -19,7 +21,7 @@ def exit_code(gates: tuple[GateResult, ...], *, allow_unknown: bool = False) -> 
 
 
 def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...], *,
-            allow_unknown: bool = False) -> dict:
+            allow_unknown: bool = False, advisories: list[Row] = ()) -> dict:
     return {
         "schema": SCHEMA,
         "toolkit_version": __version__,
@@ -28,10 +30,11 @@ def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tupl
         "code": code.to_json() if code else None,
         "servers": [s.to_json() for s in servers],
         "gates": [g.to_json() for g in gates],
+        "advisories": [r.to_json() for r in advisories],
     }
 
 
-def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = ()) -> str:
+def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (), advisories: list[Row] = ()) -> str:
     # an unread server's reason is printed once, here; the gates it leaves unknown point back to it
     unread = [s for s in servers if s.error]
     lines = [f"server {s.url}: not read: {s.error}" for s in unread]
@@ -53,14 +56,29 @@ def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (
     tail = (f"; not verified: gate {', '.join(unverified)} (exit 1 unless --allow-unknown)"
             if unverified else "")
     lines.append(f"overall: {overall.upper()}{tail}")
+    lines += _advisory_lines(advisories)
     return "\n".join(lines)
+
+
+def _advisory_lines(advisories: list[Row]) -> list[str]:
+    """The open advisories and those open under a condition not seen (the rest is in --json and
+    --report), after the verdict: information, not a gate."""
+    shown = [r for r in advisories if r.status in (OPEN, EXPOSED_IF)]
+    if not advisories:
+        return []
+    opened = sum(r.status == OPEN for r in advisories)
+    lines = [f"advisories: {opened} open of {len(advisories)} rows (not a gate; every row in --json and --report)"]
+    lines += [f"    {r.status}: {r.advisory}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''} on {r.subject}: "
+              f"{r.reason}; {r.pack}" for r in shown]
+    return lines
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...]) -> str:
+def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...],
+             advisories: list[Row] = ()) -> str:
     overall = worst(g.verdict for g in gates)
     out = ["# SGLang PD deployment audit: the four operator gates", "",
            (f"Overall: **{overall}** (sglang-backport {__version__}). Gates from the incident analysis: "
@@ -94,4 +112,8 @@ def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tup
             out += ["", f"Remedy: {g.remedy}"]
     if overall != PASS:
         out += ["", "A gate that is not `pass` is not verified for this deployment."]
+    if advisories:
+        out += ["", "## What else is open on this release", "",
+                "Known advisories beyond the four gates (information, not a gate).", ""]
+        out += advisories_table(advisories)
     return "\n".join(out) + "\n"

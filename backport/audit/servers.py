@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from backport.advisories import settings_of
 from backport.audit.fetch import Limits, describe, request
 from backport.errors import BadInput
 
@@ -39,6 +40,9 @@ class ServerFacts:
     is_server_args_dump: bool = False     # True when the document carries ServerArgs fields
     mem_fraction_static: float | None = None   # what sizes the KV pool, for gate 1's remedy
     problems: tuple[str, ...] = field(default_factory=tuple)   # unreadable fields, by name
+    # the server arguments the advisories' conditions read (backport/advisories.py SETTINGS; the admin
+    # key as configured or not): kept for the advisories table, never printed as such
+    settings: dict = field(default_factory=dict)
 
     @property
     def is_pd(self) -> bool:
@@ -139,7 +143,7 @@ def facts_from_documents(url: str, endpoint: str, info: dict, model_info: dict |
         is_server_args_dump="disaggregation_mode" in info and "model_path" in info,
         mem_fraction_static=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
         else None,
-        problems=tuple(problems),
+        problems=tuple(problems), settings=settings_of(info),
     )
 
 

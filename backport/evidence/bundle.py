@@ -83,7 +83,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
              upstream_tests: dict | None, environment: dict, toolkit: dict, timestamps: dict,
              reference_choice: str | None = None, extra_paths: Iterable[tuple[str | Path, str]] = (),
              coverage: dict | None = None, export: Exported | None = None,
-             vulnerabilities: list[dict] | None = None, live: dict[str, dict] | None = None) -> Bundle:
+             vulnerabilities: list[dict] | None = None, live: dict[str, dict] | None = None,
+             advisories: dict | None = None) -> Bundle:
     """Normalise the raw outputs of a run and lay out every file of its bundle (in memory).
 
     Each tree's package root becomes its role name and its top directory `<role>-tree`; the
@@ -146,7 +147,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
             mode=mode, target=target, trees=trees, probes=probes, apply_report=apply_doc, patches=patches,
             series_files=series_files, upstream_tests=upstream, environment=environment, toolkit=toolkit,
             files=digests, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage,
-            export=None if export is None else export.record, live=None if live is None else live_section(live))
+            export=None if export is None else export.record, live=None if live is None else live_section(live),
+            advisories=advisories)
 
     if vulnerabilities is not None:  # the VEX documents (vex.py): a function of the statement, which they do not change
         files.update(vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees))))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backport.advisories import render as advisories_section
 from backport.evidence.verdicts import REFERENCE, ROLES, is_finding
 
 from . import artifacts, coverage, live, scope, upstream_section
@@ -88,6 +89,8 @@ def render_report(statement: dict) -> str:
         lines += [""] + coverage.render(p["coverage"])[:-1]
     if p.get("live") is not None:
         lines += [""] + live.render(p)[:-1]
+    if p.get("advisories"):
+        lines += [""] + advisories_section(p["advisories"])
     lines += ["", "## Summary", ""]
     lines += [f"- {v}: {n}" for v, n in _pair_counts(summary)]
     lines.append(f"- must-preserve cases: {summary['must_preserve_cases']}")

@@ -71,7 +71,7 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
                     apply_report: dict | None, patches: list[dict], series_files: list[dict],
                     upstream_tests: dict, environment: dict, toolkit: dict, files: dict[str, str],
                     timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None,
-                    export: dict | None = None, live: dict | None = None) -> dict:
+                    export: dict | None = None, live: dict | None = None, advisories: dict | None = None) -> dict:
     """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
     the artifacts (artifacts.py): the patched tree and, with `export`, the exported files."""
     rows = case_rows(probes)
@@ -103,6 +103,8 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         predicate["coverage"] = coverage
     if live is not None:
         predicate["live"] = live
+    if advisories is not None:  # what else is open on the release (backport/advisories.py)
+        predicate["advisories"] = advisories
     return {
         "_type": STATEMENT_TYPE,
         "subject": artifacts.subjects(trees[product_role(trees)].tree_digest, trees[product_role(trees)].version,

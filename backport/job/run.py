@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backport import cache, evidence
+from backport.advisories import bundle_section
 from backport.engine import ApplyReport, apply_series
 from backport.errors import BadInput, Finding
 from backport.evidence.vulnerabilities import pack_classes
@@ -344,7 +345,8 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             reference_choice=None if run.exposure else the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
             coverage=coverage, export=exported, live=live,
-            vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases))
+            vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases),
+            advisories=bundle_section(the_plan.pack, {role: (t.package_root, t.version) for role, t in trees.items()}))
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
     return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),

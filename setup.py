@@ -25,7 +25,7 @@ setup(
         "sglang_backport_data.patches": "patches",
     },
     package_data={
-        "backport.live": ["requirements-*.txt"],
+        "backport.live": ["requirements-*.txt", "standins/**/*.py"],
         "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
         "sglang_backport_data": ["receipt.schema.json", "openvex.schema.json"],
         "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],

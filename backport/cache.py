@@ -30,7 +30,11 @@ def cache_root() -> Path:
 
 
 def work_root() -> Path:
-    return cache_root() / "work"
+    """Work clones and the live tier's temporary folders; made here, since on a fresh cache nothing
+    else makes it before a caller creates a temporary directory in it."""
+    root = cache_root() / "work"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def staging_dir(final: Path) -> Path:

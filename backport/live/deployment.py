@@ -24,6 +24,7 @@ from backport.live.environment import ServingEnv, router_command
 from backport.live.model import TinyModel
 from backport.live.reply import Reply, generate
 from backport.live.servers import LOOPBACK, Launch, Processes, Server, serve
+from backport.live.setups import ServingSetup, pythonpath_extras, record, server_environment, serving_for
 from backport.pack import load_pack
 
 # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT's default on every release that has it
@@ -38,8 +39,9 @@ COMMON_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dis
                 "--dtype", "float32", "--disable-radix-cache", "--disaggregation-transfer-backend", "mooncake",
                 "--context-length", str(CONTEXT))
 PREFILL_FLAGS = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL))
+RESERVED_DECODE_TOKENS = 16
 DECODE_FLAGS = ("--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL),
-                "--num-reserved-decode-tokens", "16")
+                "--num-reserved-decode-tokens", str(RESERVED_DECODE_TOKENS))
 # cpu_tensor: the default retraction backup registers host memory with CUDA; the option exists
 # from 0.5.18 (0.5.17's launch_server refuses it as unrecognized), so it is passed where it exists
 RETRACTION_BACKUP_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
@@ -126,13 +128,19 @@ def _router_ready(response: requests.Response) -> bool:
         return False
 
 
-def decode_flags(package_root: Path) -> tuple[str, ...]:
-    """DECODE_FLAGS, and the retraction backup option where the release defines it (its field
-    name, in server_args.py up to 0.5.18 and in the config modules from 0.5.19)."""
+def decode_flags(package_root: Path, setup: ServingSetup | None = None) -> tuple[str, ...]:
+    """DECODE_FLAGS as the setup has them (the reserved tokens in the environment instead of the
+    flag, a bigger pool where the reserve is hard-coded), and the retraction backup option where
+    the release defines it (its field name, in server_args.py up to 0.5.18 and in the config
+    modules from 0.5.19)."""
+    flags = ("--disaggregation-mode", "decode", "--max-total-tokens",
+             str(DECODE_POOL + (setup.decode_pool_extra if setup else 0)))
+    if setup is None or not (setup.reserved_tokens_env or setup.decode_pool_extra):
+        flags += ("--num-reserved-decode-tokens", str(RESERVED_DECODE_TOKENS))
     field = RETRACTION_BACKUP_FLAGS[0].lstrip("-").replace("-", "_")
     defined = any(field in path.read_text(errors="replace")
                   for path in (package_root / "sglang" / "srt").rglob("*.py"))
-    return DECODE_FLAGS + (RETRACTION_BACKUP_FLAGS if defined else ())
+    return flags + (RETRACTION_BACKUP_FLAGS if defined else ())
 
 
 def server_argv(env: ServingEnv, model: TinyModel, role_flags: tuple[str, ...], port: int) -> list[str]:
@@ -146,13 +154,20 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
     """Prefill, decode and router of one tree on free loopback ports; all stopped on leaving."""
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    server_env = {**base, **SERVER_ENV, "PYTHONPATH": env.pythonpath(package_root), "PYTHONNOUSERSITE": "1"}
+    setup = serving_for(version)
+    setup_env = server_environment(setup, RESERVED_DECODE_TOKENS)
+    server_env = {**base, **SERVER_ENV, **setup_env, "PYTHONNOUSERSITE": "1",
+                  "PYTHONPATH": env.pythonpath(package_root, pythonpath_extras(setup))}
     started = time.monotonic()
-    decode_role = decode_flags(package_root)
+    decode_role = decode_flags(package_root, setup)
+    nccl = ("nccl",) if setup.nccl_port else ()  # a free port of its own, chosen (and retried) as the others
+
+    def with_nccl(role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
+        return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
 
     def prefill_argv(ports: dict[str, int]) -> list[str]:
         role = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        return server_argv(env, model, role, ports["prefill"])
+        return server_argv(env, model, with_nccl(role, ports), ports["prefill"])
 
     def router_argv(ports: dict[str, int]) -> list[str]:
         return [*router_command(env), "launch", "--pd-disaggregation",
@@ -163,13 +178,13 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
     with Processes(workdir) as processes:
         # each started on free loopback ports, again on others if one was taken meanwhile
         pair = serve(processes, [
-            Launch("prefill", prefill_argv, ("prefill", "bootstrap"), server_env),
-            Launch("decode", lambda ports: server_argv(env, model, decode_role, ports["decode"]), ("decode",),
-                   server_env)], "/health", SERVER_START_TIMEOUT)
+            Launch("prefill", prefill_argv, ("prefill", "bootstrap", *nccl), server_env),
+            Launch("decode", lambda ports: server_argv(env, model, with_nccl(decode_role, ports), ports["decode"]),
+                   ("decode", *nccl), server_env)], "/health", SERVER_START_TIMEOUT)
         prefill, decode = pair["prefill"], pair["decode"]
         router = serve(processes, [Launch("router", router_argv, ("router", "metrics"), base)],
                        "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)["router"]
         flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(decode_role),
-                 "environment": dict(SERVER_ENV)}
+                 "environment": {**SERVER_ENV, **setup_env}, "setup": record(setup)}
         yield Deployment(version, router.url, prefill, decode, router, time.monotonic() - started, flags,
                          flush_frees_held_pages=flush_frees_held_pages(package_root))

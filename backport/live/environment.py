@@ -37,9 +37,10 @@ class ServingEnv:
     overlay: Path       # extra packages for launch_server
     router: Path        # the smg executable
 
-    def pythonpath(self, package_root: Path) -> str:
-        """Stand-ins first, then the overlay, then the tree: the tree is the only SGLang on the path."""
-        paths = [str(SHIMS / name) for name in STAND_INS] + [str(self.overlay), str(package_root)]
+    def pythonpath(self, package_root: Path, extras: list[str] | tuple[str, ...] = ()) -> str:
+        """Stand-ins first (the probes' and a serving setup's `extras`), then the overlay, then the
+        tree: the tree is the only SGLang on the path."""
+        paths = [str(SHIMS / name) for name in STAND_INS] + [*extras, str(self.overlay), str(package_root)]
         return ":".join(paths)
 
 

@@ -28,10 +28,18 @@ from pathlib import Path
 import requests
 
 from backport.live import netns
-from backport.live.deployment import SERVER_ENV, Reply, decode_flags, generate, server_argv
+from backport.live.deployment import (
+    RESERVED_DECODE_TOKENS,
+    SERVER_ENV,
+    Reply,
+    decode_flags,
+    generate,
+    server_argv,
+)
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
 from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
+from backport.live.setups import pythonpath_extras, server_environment, serving_for
 
 SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
 NAME = "aborted_transfer_pages_not_reused"
@@ -195,18 +203,26 @@ def _log_lines(server: Server, offset: int) -> list[str]:
 
 @contextlib.contextmanager
 def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir: Path,
-                  extra_env: dict[str, str] | None = None, send_buffer: int | None = None) -> Iterator[Race]:
-    """Two prefills and one decode in the calling thread's private namespace; A's flow shaped."""
+                  extra_env: dict[str, str] | None = None, send_buffer: int | None = None,
+                  version: str | None = None) -> Iterator[Race]:
+    """Two prefills and one decode in the calling thread's private namespace; A's flow shaped;
+    served as `version`'s serving setup has it (setups.py; the newest setup when None)."""
+    setup = serving_for(version or "9999")
     if send_buffer:
         netns.set_send_buffer(send_buffer)
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    server_env = {**base, **SERVER_ENV, **(extra_env or {}), "PYTHONPATH": env.pythonpath(package_root),
-                  "PYTHONNOUSERSITE": "1"}
+    server_env = {**base, **SERVER_ENV, **server_environment(setup, RESERVED_DECODE_TOKENS), **(extra_env or {}),
+                  "PYTHONPATH": env.pythonpath(package_root, pythonpath_extras(setup)), "PYTHONNOUSERSITE": "1"}
+
+    def nccl() -> tuple[str, ...]:
+        return ("--nccl-port", str(free_port())) if setup.nccl_port else ()
+
     started = time.monotonic()
     netns.set_port_range(*netns.OTHER_RANGE)
     with Processes(workdir) as processes:
-        decode_role = (*decode_flags(package_root), "--max-total-tokens", str(DECODE_POOL))
+        decode_role = (*decode_flags(package_root, setup), "--max-total-tokens",
+                       str(DECODE_POOL + setup.decode_pool_extra), *nccl())
         port = free_port()
         decode = processes.start("decode", server_argv(env, model, decode_role, port),
                                  url=f"http://{LOOPBACK}:{port}", env=server_env)
@@ -214,7 +230,7 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
         for name in ("prefill_a", "prefill_b"):
             port, boot = free_port(), free_port()
             flags = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL),
-                     "--disaggregation-bootstrap-port", str(boot))
+                     "--disaggregation-bootstrap-port", str(boot), *nccl())
             server = processes.start(name, server_argv(env, model, flags, port), url=f"http://{LOOPBACK}:{port}",
                                      env=server_env)
             pairs.append(Pair(server, boot, decode))
@@ -235,7 +251,8 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
 
 
 def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: dict[str, str] | None = None,
-             send_buffer: int | None = None, max_trials: int = MAX_TRIALS, budget: float = TRIALS_BUDGET) -> dict:
+             send_buffer: int | None = None, max_trials: int = MAX_TRIALS, budget: float = TRIALS_BUDGET,
+             version: str | None = None) -> dict:
     """The scenario on one tree, in the tier's result format (scenario, verdict, observed, details).
     `extra_env` and `send_buffer` make a variant (MC_TCP_PROTO=1 with a 4 MiB send buffer)."""
     started = time.monotonic()
@@ -251,7 +268,7 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
         details["tcp_send_buffer_bytes"] = send_buffer
     try:
         with netns.private_namespace(), deployed_2p1d(env, package_root, model, workdir, extra_env,
-                                                      send_buffer) as race:
+                                                      send_buffer, version) as race:
             details["startup_seconds"] = round(race.startup_seconds, 1)
             details["shaping"]["data_port"] = race.shaping.data_port
             servers = (race.a.prefill, race.b.prefill, race.a.decode)

@@ -55,7 +55,7 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
         flags = dep.flags
     if race:  # its own deployment (2P1D, private namespace), after the pair is stopped: one at a time
         log.info("live: %s: %s on two prefills and one decode ...", label, RACE_NAME)
-        scenarios.append(run_race(env, package_root, workdir / "2p1d"))
+        scenarios.append(run_race(env, package_root, workdir / "2p1d", version=version))
     return {"tree": label, "version": version, "startup_seconds": round(startup, 1),
             "server": {"version": version, "flags": flags, "backend": BACKEND, "router": router_name(),
                        "model_sha256": model.sha256},

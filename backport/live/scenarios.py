@@ -176,7 +176,7 @@ def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyMod
                                   "next valid prompt")
     else:
         _, readings = load.wait_for(url, 0, RESERVATION_BOUND)
-        baseline = readings[-1][1]
+        baseline = readings[-1][1] if readings else exposed.tokens
         details.update(decode_load=exposed.source, baseline_tokens=baseline, baseline_readings=readings)
     mark = dep.log_mark()
     refused = [ask(dep, model, "over_pool") for _ in range(REFUSED_IN_A_ROW)]
@@ -196,8 +196,8 @@ def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyMod
     details["next_valid"] = after.to_json()
     details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
     if baseline is not None and held is None:
-        return Outcome(UNSAFE, f"decode still holds {readings[-1][1] - baseline} tokens of the refused requests "
-                               f"{RESERVATION_BOUND:.0f} s after the refusal", details)
+        holds = f"still holds {readings[-1][1] - baseline} tokens" if readings else "no longer reports its load"
+        return Outcome(UNSAFE, f"decode {holds} {RESERVATION_BOUND:.0f} s after the refused requests", details)
     if after.status is None or after.status >= 500:
         return Outcome(UNSAFE, f"decode stopped serving: the next valid prompt got {after.status or 'no answer'} "
                                f"({after.error[:120]})", details)

@@ -2,13 +2,14 @@
 
 Trees run one after another (each pair is ~4 GB and two busy cores); after a tree's pair, its
 2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. The document of one tree:
-`{"tree", "version", "server": {version, flags, backend, router}, "startup_seconds", "scenarios":
+`{"tree", "version", "server": {version, setup, flags, backend, router}, "startup_seconds", "scenarios":
 [{"scenario", "must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import time
 import traceback
@@ -24,7 +25,25 @@ from backport.live.scenarios import ERROR, REGISTRY, Scenario
 from backport.live.servers import sigterm_raises
 
 log = logging.getLogger("backport.live")
-BACKEND = "mooncake (MOONCAKE_PROTOCOL=tcp, mooncake-transfer-engine-non-cuda)"
+ENGINE = "mooncake-transfer-engine-non-cuda"
+# Mooncake's own log lines at engine start: the protocol the release asked for (0.5.12 and older
+# hard-code "rdma"; MOONCAKE_PROTOCOL=tcp is read from 0.5.13), and the transport it installed
+REQUESTED = re.compile(r"for protocol: (\w+)")
+TRANSPORT = re.compile(r"(\w+)Transport: listen")
+NO_RDMA = "No RDMA devices found"
+
+
+def backend_from_logs(logs: list[Path]) -> str:
+    """The transfer backend as the servers' logs show it, e.g. "mooncake (protocol rdma requested, no
+    RDMA device: tcp transport; ...)"; "unknown" parts where a log lacks the line."""
+    text = "\n".join(path.read_text(errors="replace") for path in logs if path.is_file())
+    requested = sorted(set(REQUESTED.findall(text))) or ["unknown"]
+    transports = sorted({t.lower() for t in TRANSPORT.findall(text)}) or ["unknown"]
+    used = "/".join(transports)
+    if requested == transports:
+        return f"mooncake (protocol {used}; {ENGINE})"
+    why = ", no RDMA device" if NO_RDMA in text else ""
+    return f"mooncake (protocol {'/'.join(requested)} requested{why}: {used} transport; {ENGINE})"
 
 
 def router_name() -> str:
@@ -53,12 +72,13 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
         scenarios = [run_scenario(item, dep, model) for item in REGISTRY]
         startup = dep.startup_seconds
         flags = dep.flags
+        backend = backend_from_logs([dep.prefill.log, dep.decode.log])
     if race:  # its own deployment (2P1D, private namespace), after the pair is stopped: one at a time
         log.info("live: %s: %s on two prefills and one decode ...", label, RACE_NAME)
         scenarios.append(run_race(env, package_root, workdir / "2p1d", version=version))
     return {"tree": label, "version": version, "startup_seconds": round(startup, 1),
-            "server": {"version": version, "flags": flags, "backend": BACKEND, "router": router_name(),
-                       "model_sha256": model.sha256},
+            "server": {"version": version, "setup": flags["setup"]["name"], "flags": flags, "backend": backend,
+                       "router": router_name(), "model_sha256": model.sha256},
             "scenarios": scenarios}
 
 

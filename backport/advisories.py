@@ -372,12 +372,14 @@ def bundle_section(pack, trees: Mapping[str, tuple[Path | None, str | None]]) ->
             for role, (root, version) in trees.items() if root is not None}
 
 
-def render(section: Mapping[str, list[dict]] | None) -> list[str]:
-    """REPORT.md's section from predicate.advisories (a pure function of the receipt)."""
+def render(section: Mapping[str, list[dict]] | None, roles: Iterable[str] = ()) -> list[str]:
+    """REPORT.md's section from predicate.advisories (a pure function of the receipt), trees in the
+    order of `roles` (the receipt's canonical JSON sorts its keys, so their order is not kept)."""
     if not section:
         return []
+    order = [r for r in roles if r in section] + sorted(set(section) - set(roles))
     rows = [Row(r["advisory"], tuple(r["aliases"]), r["title"], r["subject"], r["status"], r["reason"], r["pack"])
-            for role in section for r in section[role]]
+            for role in order for r in section[role]]
     return ["## What else is open on this release", "",
             ("Known advisories beyond this pack's classes (patches/advisories.toml), judged on each tree's code. "
              "No deployment was read: `exposed-if` is open when its condition holds (audit a deployment to see "

@@ -241,7 +241,8 @@ def test_every_range_agrees_with_the_tree_check(version, release_tree):
 def test_report_md_section_from_real_trees(tmp_path, monkeypatch, release_tree):
     from tests import test_evidence
 
-    section = advisories.bundle_section(PACK, {"pristine": (release_tree("0.5.19").package_root, "0.5.19"),
+    root19 = release_tree("0.5.19").package_root
+    section = advisories.bundle_section(PACK, {"pristine": (root19, "0.5.19"), "patched": (root19, "0.5.19"),
                                                "reference": (release_tree("0.5.22").package_root, "0.5.22")})
     monkeypatch.setattr(evidence, "assemble", functools.partial(evidence.assemble, advisories=section))
     bundle = evidence.write_bundle(tmp_path / "bundle", test_evidence.fixture_run(tmp_path / "run"))
@@ -253,6 +254,9 @@ def test_report_md_section_from_real_trees(tmp_path, monkeypatch, release_tree):
     assert f"| {LORA}: /load_lora_adapter_from_tensors lacks the admin auth decorator | reference | not-applicable |" \
         in report
     assert f"| {SHADOWMQ} (CVE-2026-3060, CVE-2026-3989): " in report
+    # the trees in the run's order, though the receipt's canonical JSON sorts its keys
+    table = report.split("## What else is open on this release")[1].split("## Summary")[0]
+    assert table.index("| pristine |") < table.index("| patched |") < table.index("| reference |")
     assert evidence.verify(bundle).ok, evidence.verify(bundle).problems
 
 

@@ -90,7 +90,7 @@ def render_report(statement: dict) -> str:
     if p.get("live") is not None:
         lines += [""] + live.render(p)[:-1]
     if p.get("advisories"):
-        lines += [""] + advisories_section(p["advisories"])
+        lines += [""] + advisories_section(p["advisories"], ROLES)
     lines += ["", "## Summary", ""]
     lines += [f"- {v}: {n}" for v, n in _pair_counts(summary)]
     lines.append(f"- must-preserve cases: {summary['must_preserve_cases']}")

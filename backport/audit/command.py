@@ -53,9 +53,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="exit 0 when no gate fails even if some are unknown (not verified: no server given, "
                         "unreadable); by default an unknown gate exits 1")
     p.add_argument("--launch-flags", metavar="FLAGS",
-                   help="the servers' launch flags, quoted as one argument (e.g. '--disaggregation-mode prefill "
-                        "--host 0.0.0.0 --enable-custom-logit-processor'): the advisories table reads them when "
-                        "no --server was read")
+                   help="the servers' launch flags as one argument, joined with '=' since they start with "
+                        "'--' (e.g. --launch-flags='--disaggregation-mode prefill --host 0.0.0.0 "
+                        "--enable-custom-logit-processor'): the advisories table reads them when no --server was read")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=cmd_audit)
     return p

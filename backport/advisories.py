@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import shlex
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -259,7 +258,7 @@ def condition(adv: Advisory, settings: Mapping | None) -> tuple[str, str]:
     if role is None and "disaggregation_mode" not in settings:
         return UNKNOWN, "disaggregation_mode not reported: whether a bootstrap server runs is not known"
     if role != "prefill" and not switch:
-        return NOT_APPLICABLE, f"a {role or 'non-PD'} server runs no bootstrap server"
+        return NOT_APPLICABLE, f"a {role if role == 'decode' else 'non-PD'} server runs no bootstrap server"
     backend = settings.get("disaggregation_transfer_backend")
     if isinstance(backend, str) and backend not in BOOTSTRAP_BACKENDS:
         return NOT_APPLICABLE, f"transfer backend {backend} has no bootstrap server"
@@ -279,29 +278,6 @@ def settings_of(document: Mapping) -> dict:
     if "admin_api_key" in out:
         out["admin_api_key"] = _is_set(out["admin_api_key"])
     return out
-
-
-def parse_launch_flags(text: str) -> dict:
-    """`--enable-custom-logit-processor --host 0.0.0.0 ...` (launch_server's flags) as settings:
-    a flag followed by a value takes it, a bare flag is true; flags not set are false/absent."""
-    try:
-        words = shlex.split(text)
-    except ValueError as exc:
-        raise BadInput(f"--launch-flags: cannot split ({exc})") from None
-    out: dict = {"enable_custom_logit_processor": False, "admin_api_key": False, "enable_pd_role_switch": False,
-                 "host": "127.0.0.1", "disaggregation_mode": "null"}   # launch_server's defaults
-    i = 0
-    while i < len(words):
-        word = words[i]
-        if not word.startswith("--"):
-            raise BadInput(f"--launch-flags: {word!r} is not a --flag")
-        name, _, value = word[2:].partition("=")
-        name = name.replace("-", "_")
-        if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
-            value, i = words[i + 1], i + 1
-        out[name] = value if value else True
-        i += 1
-    return settings_of(out)
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -345,12 +321,26 @@ def tree_rows(advisories: Iterable[Advisory], subject: str, root: Path, version:
             for a in advisories]
 
 
+def pack_classes(series_dir: Path) -> dict[str, list[str]]:
+    """{class id: its fixes} of the pack's vulnerabilities.toml; {} for a pack without one."""
+    from backport.evidence.vulnerabilities import FILE as CLASSES
+    from backport.evidence.vulnerabilities import load_classes
+
+    if not (Path(series_dir) / CLASSES).is_file():
+        return {}
+    return {c["id"]: c["fixes"] for c in load_classes(series_dir)}
+
+
+def load_for(pack) -> tuple[Advisory, ...]:
+    """The advisories of a loaded pack, their class links checked against its classes."""
+    return load(pack.root, pack_classes(pack.root))
+
+
 def class_fixed(pack, root: Path) -> Callable[[str], bool]:
     """pack_fixed for `row`: a class is in the tree when every fix it names is detected there."""
     from backport.engine import detect
-    from backport.evidence.vulnerabilities import load_classes
 
-    classes = {c["id"]: c["fixes"] for c in load_classes(pack.root)}
+    classes = pack_classes(pack.root)
 
     def fixed(class_id: str) -> bool:
         fixes = [f for f in classes.get(class_id, []) if f in pack.fixes]
@@ -363,9 +353,7 @@ def bundle_section(pack, trees: Mapping[str, tuple[Path | None, str | None]]) ->
     """predicate.advisories of a run's receipt: {role: [row, ...]} for each tree given as (package
     root, version); None when the pack knows no advisory. No deployment is read: an affected
     advisory whose condition is a server argument is `exposed-if`."""
-    from backport.evidence.vulnerabilities import load_classes
-
-    known = load(pack.root, [c["id"] for c in load_classes(pack.root)])
+    known = load_for(pack)
     if not known:
         return None
     return {role: [r.to_json() for r in tree_rows(known, role, root, version, class_fixed(pack, root))]

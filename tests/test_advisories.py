@@ -20,6 +20,7 @@ from packaging.version import Version
 
 from backport import advisories, evidence
 from backport.advisories import EXPOSED_IF, NOT_APPLICABLE, OPEN, UNKNOWN, Part, Rule
+from backport.audit.advisories import parse_launch_flags
 from backport.audit.advisories import rows as audit_rows
 from backport.errors import BadInput
 from backport.pack import load_pack
@@ -146,11 +147,13 @@ def test_admin_key_is_kept_as_configured_only():
 
 
 def test_launch_flags_are_read_as_server_arguments():
-    s = advisories.parse_launch_flags("--disaggregation-mode prefill --host=0.0.0.0 --enable-custom-logit-processor")
+    s = parse_launch_flags("--disaggregation-mode prefill --host=0.0.0.0 --enable-custom-logit-processor")
     assert s["enable_custom_logit_processor"] is True and s["host"] == "0.0.0.0" and s["admin_api_key"] is False
-    assert advisories.parse_launch_flags("--model-path m")["host"] == "127.0.0.1"   # launch_server's default
+    plain = parse_launch_flags("--model-path m")
+    assert plain["host"] == "127.0.0.1"   # launch_server's default
+    assert advisories.condition(BY_ID[BOOTSTRAP], plain) == (NOT_APPLICABLE, "a non-PD server runs no bootstrap server")
     with pytest.raises(BadInput, match="not a --flag"):
-        advisories.parse_launch_flags("prefill")
+        parse_launch_flags("prefill")
 
 
 def test_rows_by_release_when_no_tree_is_given():
@@ -165,6 +168,15 @@ def test_a_linked_pack_class_in_the_tree_is_fixed_by_the_pack(tmp_path):
                               BY_ID[LOGITS].parts)
     got = advisories.row(adv, "patched", version="0.5.19", root=tmp_path, pack_fixed=lambda c: c == "SBP-2026-0003")
     assert got.status == advisories.FIXED_BY_PACK and "SBP-2026-0003" in got.reason
+
+
+def test_a_pack_without_advisories_or_classes_has_no_table(tmp_path):
+    from types import SimpleNamespace
+
+    assert advisories.bundle_section(SimpleNamespace(root=tmp_path), {"pristine": (tmp_path, "0.5.19")}) is None
+    (tmp_path / "advisories.toml").write_text(ENTRY)      # no vulnerabilities.toml: no class to link
+    section = advisories.bundle_section(SimpleNamespace(root=tmp_path, fixes={}), {"pristine": (tmp_path, "0.5.19")})
+    assert [r["status"] for r in section["pristine"]] == [NOT_APPLICABLE]   # the tree lacks file f
 
 
 # ---- the audit ---------------------------------------------------------------------------------
@@ -214,7 +226,7 @@ def test_audit_rows_of_a_tree_with_the_flag(release_tree):
     root = release_tree("0.5.19").package_root
     facts = code_facts("0.5.19")
     code = type(facts)(**{**facts.__dict__, "package_root": root})
-    flags = advisories.parse_launch_flags("--disaggregation-mode prefill --enable-custom-logit-processor")
+    flags = parse_launch_flags("--disaggregation-mode prefill --enable-custom-logit-processor")
     got = {r.advisory: r for r in audit_rows(PACK, code, (), flags)}
     assert got[LOGITS].status == OPEN and got[LOGITS].reason.startswith("--enable-custom-logit-processor set")
     assert "this tree's code has: dill.loads" in got[LOGITS].reason

@@ -10,18 +10,19 @@ is `exposed-if` its condition. The rows never change the audit's exit code (docs
 
 from __future__ import annotations
 
+import shlex
+
 from backport import advisories
 from backport.audit.code import CodeFacts
 from backport.audit.servers import ServerFacts
+from backport.errors import BadInput
 from backport.export.label import same_build
 from backport.pack import Pack
 
 
 def rows(pack: Pack, code: CodeFacts | None, servers: tuple[ServerFacts, ...],
          launch_flags: dict | None = None) -> list[advisories.Row]:
-    from backport.evidence.vulnerabilities import load_classes
-
-    known = advisories.load(pack.root, [c["id"] for c in load_classes(pack.root)])
+    known = advisories.load_for(pack)
     if not known:
         return []
     fixed = advisories.class_fixed(pack, code.package_root) if code is not None else None
@@ -36,3 +37,26 @@ def rows(pack: Pack, code: CodeFacts | None, servers: tuple[ServerFacts, ...],
     if not read and code is not None:
         out += advisories.tree_rows(known, code.how, code.package_root, code.version, fixed, launch_flags)
     return out
+
+
+def parse_launch_flags(text: str) -> dict:
+    """`--enable-custom-logit-processor --host 0.0.0.0 ...` (launch_server's flags) as settings:
+    a flag followed by a value takes it, a bare flag is true; flags not set are false/absent."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise BadInput(f"--launch-flags: cannot split ({exc})") from None
+    out: dict = {"enable_custom_logit_processor": False, "admin_api_key": False, "enable_pd_role_switch": False,
+                 "host": "127.0.0.1", "disaggregation_mode": "null"}   # launch_server's defaults
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--"):
+            raise BadInput(f"--launch-flags: {word!r} is not a --flag")
+        name, _, value = word[2:].partition("=")
+        name = name.replace("-", "_")
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            value, i = words[i + 1], i + 1
+        out[name] = value if value else True
+        i += 1
+    return advisories.settings_of(out)

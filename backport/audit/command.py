@@ -78,7 +78,6 @@ def _pack(series: str | None):
 
 
 def _audit(args) -> tuple[int, dict, str]:
-    from backport.advisories import parse_launch_flags
     from backport.audit import advisories, gates, remedies, report
     from backport.audit.code import inspect_code
     from backport.audit.fetch import Limits
@@ -103,7 +102,7 @@ def _audit(args) -> tuple[int, dict, str]:
         raise BadInput(f"--report {args.report}: its directory does not exist")
     if args.tree and not Path(args.tree).is_dir():
         raise BadInput(f"{args.tree}: not a directory")
-    launch = parse_launch_flags(args.launch_flags) if args.launch_flags is not None else None
+    launch = advisories.parse_launch_flags(args.launch_flags) if args.launch_flags is not None else None
     pack = _pack(args.series)
     # the code first: its probes take minutes, and --total-timeout bounds the network alone
     code = inspect_code(pack, tree=args.tree, python=args.python) if (args.tree or args.python) else None

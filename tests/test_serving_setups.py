@@ -52,6 +52,8 @@ def test_exceptions_follow_the_code_of_the_releases_they_name():
     assert setups.serving_for("0.4.6.post3").reserved_tokens_env
     hard_coded = setups.serving_for("0.4.6.post2")
     assert not hard_coded.reserved_tokens_env and hard_coded.decode_pool_extra == 512 - 16
+    assert setups.serving_for("0.4.10.post1").health_before_warmup
+    assert not setups.serving_for("0.4.10.post2").health_before_warmup
     assert setups.serving_for("0.5.22").exceptions == ()
 
 

@@ -120,6 +120,21 @@ def _size(path: Path) -> int:
         return 0
 
 
+WARMED_UP = "The server is fired up and ready to roll"
+
+
+def wait_warmed_up(servers: list[Server], timeout: float) -> None:
+    """Until every server's log has the line its warmup ends with (where /health answers before it)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while waiting:
+        waiting = [s for s in waiting if WARMED_UP not in s.log.read_text(errors="replace")]
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(s.name for s in waiting)}: no {WARMED_UP!r} in the log within "
+                               f"{timeout:.0f} s of /health answering")
+        time.sleep(0.5 if waiting else 0)
+
+
 def _router_ready(response: requests.Response) -> bool:
     """smg answers /health at once; /readiness says "ready" when both workers passed its checks."""
     try:
@@ -182,6 +197,8 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
             Launch("decode", lambda ports: server_argv(env, model, with_nccl(decode_role, ports), ports["decode"]),
                    ("decode", *nccl), server_env)], "/health", SERVER_START_TIMEOUT)
         prefill, decode = pair["prefill"], pair["decode"]
+        if setup.health_before_warmup:
+            wait_warmed_up([prefill, decode], SERVER_START_TIMEOUT)
         router = serve(processes, [Launch("router", router_argv, ("router", "metrics"), base)],
                        "/readiness", ROUTER_START_TIMEOUT, ready=_router_ready)["router"]
         flags = {"common": list(COMMON_FLAGS), "prefill": list(PREFILL_FLAGS), "decode": list(decode_role),

@@ -35,6 +35,7 @@ from backport.live.deployment import (
     decode_flags,
     generate,
     server_argv,
+    wait_warmed_up,
 )
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
@@ -235,6 +236,8 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
                                      env=server_env)
             pairs.append(Pair(server, boot, decode))
         wait_ready([p.prefill for p in pairs] + [decode], "/health", START_TIMEOUT)
+        if setup.health_before_warmup:
+            wait_warmed_up([p.prefill for p in pairs] + [decode], START_TIMEOUT)
         a, b = pairs
         # A's first transfer opens its Mooncake connection from A's port block; everything else not
         netns.set_port_range(*netns.A_PORTS)

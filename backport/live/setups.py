@@ -36,6 +36,7 @@ class ServingSetup:
     reserved_tokens_env: bool = False   # SGLANG_NUM_RESERVED_DECODE_TOKENS instead of the flag
     stand_in_cpus: int | None = None    # os.cpu_count() reports at least this many in the servers
     decode_pool_extra: int = 0          # decode's --max-total-tokens raised by this many
+    health_before_warmup: bool = False  # /health answers 200 at once: ready is the warmup's log line
     exceptions: tuple[str, ...] = ()    # the exceptions that applied (their reasons), once resolved
 
     def covers(self, version: str) -> bool:
@@ -70,6 +71,10 @@ SETUPS = (
 )
 
 EXCEPTIONS = (
+    SetupException("<0.4.10.post2", {"health_before_warmup": True},
+                   "http_server.py's /health returns 200 unconditionally up to 0.4.10.post1, before the "
+                   "server's warmup request finished (0.4.6.post5: 2 min later, and the first requests timed "
+                   "out); the server is ready when its log says \"The server is fired up and ready to roll\""),
     SetupException("<0.4.9", {"nccl_port": False},
                    "server_args.py defines --nccl-port from 0.4.9; older releases pick their own port (the race "
                    "stays: a bind failure is seen and the server started again)"),
@@ -125,4 +130,5 @@ def record(setup: ServingSetup) -> dict:
     return {"name": setup.name, "releases": setup.releases, "vllm_layers": setup.vllm_layers,
             "nccl_port": setup.nccl_port, "addons": setup.addons, "reserved_tokens_env": setup.reserved_tokens_env,
             "stand_in_cpus": setup.stand_in_cpus, "decode_pool_extra": setup.decode_pool_extra,
+            "health_before_warmup": setup.health_before_warmup,
             "exceptions": list(setup.exceptions)}

@@ -1,0 +1,103 @@
+"""The serving setups on real PD deployments: one release per setup older than 0.5.8.
+
+0.5.5.post1 (vllm-layers), 0.4.10.post2 (addons), 0.4.6.post5 (reserved-tokens-env, with the
+4-CPU host stand-in): each pristine pair is started, a valid prompt is answered and the over-pool
+prompt gets 200 (the incident); the patched pair is started and answers the valid prompt. No
+2P1D race and no scenario sequence here (tests/test_live.py and `live` run those): a pair, two or
+three requests, stopped. Measured at this stop, 2 cores shared with three other jobs: TIME_NOTE.
+The computing vLLM stand-in is checked against plain torch first (probe interpreter only).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backport.live import setups
+from tests.conftest import _with_cache
+
+RELEASES = ("0.5.5.post1", "0.4.10.post2", "0.4.6.post5")
+
+STAND_IN_CHECK = """
+import json, torch, torch.nn.functional as F
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+torch.manual_seed(0)
+x, r = torch.randn(3, 8), torch.randn(3, 8)
+norm = RMSNorm(8, eps=1e-5)
+with torch.no_grad():
+    norm.weight.copy_(torch.randn(8))
+def rms(v, w):
+    return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+out, res = norm(x, r)
+def kernel_raises():
+    from vllm import _custom_ops
+    try:
+        _custom_ops.rms_norm(x)
+    except RuntimeError:
+        return True
+    return False
+gemma = GemmaRMSNorm(8, eps=1e-5)
+print(json.dumps({
+    "silu": torch.allclose(SiluAndMul()(x), F.silu(x[:, :4]) * x[:, 4:]),
+    "gelu": torch.allclose(GeluAndMul("tanh")(x), F.gelu(x[:, :4], approximate="tanh") * x[:, 4:]),
+    "rms": torch.allclose(norm(x), rms(x, norm.weight), atol=1e-6),
+    "rms_residual": torch.allclose(out, rms(x + r, norm.weight), atol=1e-6) and torch.equal(res, x + r),
+    "gemma": torch.allclose(gemma(x), rms(x, 1.0), atol=1e-6),
+    "kernel_raises": kernel_raises(),
+}))
+"""
+
+
+@pytest.mark.probe_env
+def test_vllm_layer_stand_ins_compute_what_vllm_computes(probe_python):
+    out = subprocess.run([probe_python, "-c", STAND_IN_CHECK], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(setups.VLLM_LAYERS), "PATH": "/usr/bin:/bin"})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"silu": True, "gelu": True, "rms": True, "rms_residual": True, "gemma": True,
+                      "kernel_raises": True}
+
+
+@pytest.fixture(scope="module")
+def serving(shared_cache, probe_python):
+    from backport.live import ensure_model, ensure_serving_env
+
+    with _with_cache(shared_cache):
+        env = ensure_serving_env(probe_python)
+        return env, ensure_model(env.python)
+
+
+def _drive(serving, tree, workdir: Path, over_pool: bool) -> dict:
+    from backport.live.deployment import deployed
+    from backport.live.model import PROMPTS
+
+    env, model = serving
+    with deployed(env, Path(tree.package_root), tree.version, model, workdir) as dep:
+        result = {"setup": dep.flags["setup"]["name"], "startup": dep.startup_seconds,
+                  "valid": dep.generate(PROMPTS["valid"])}
+        if over_pool:
+            result["over_pool"] = dep.generate(PROMPTS["over_pool"])
+    return result
+
+
+@pytest.mark.live
+@pytest.mark.probe_env
+@pytest.mark.parametrize("version", RELEASES)
+def test_pristine_pair_serves_and_shows_the_incident(serving, release_tree, tmp_path, version):
+    result = _drive(serving, release_tree(version), tmp_path, over_pool=True)
+    assert result["setup"] == setups.serving_for(version).name
+    assert result["valid"].status == 200, result["valid"]
+    over = result["over_pool"]
+    assert over.status == 200 and over.prompt_tokens == 400, over   # served though the prefill pool is 256
+
+
+@pytest.mark.live
+@pytest.mark.probe_env
+@pytest.mark.parametrize("version", RELEASES)
+def test_patched_pair_serves(serving, patched_tree, tmp_path, version):
+    tree, _report = patched_tree(version)
+    result = _drive(serving, tree, tmp_path, over_pool=False)
+    assert result["valid"].status == 200, result["valid"]

@@ -2,9 +2,10 @@
 
 One interpreter serves every pinned release (0.4.5.post1 - 0.5.23), as it probes them: the CPU
 probe environment (torch 2.13 CPU, the pinned SGLang dependency set), with the tree, the stand-ins
-of probes/shims (and, per release range, those of setups.py) and an overlay folder on PYTHONPATH. The overlay holds what `launch_server` needs
-beyond the probe set (`requirements-serve.txt`: Mooncake, the HTTP and grammar extras), installed
-with `--no-deps` so it can never replace a probe pin. The router `smg` is a Rust binary in its own
+of probes/shims (and, per release range, those of setups.py) and an overlay folder on PYTHONPATH.
+The overlay holds what `launch_server` needs beyond the probe set (`requirements-serve.txt`:
+Mooncake, the HTTP and grammar extras, torchao), installed with `--no-deps` so it can never
+replace a probe pin. The router `smg` is a Rust binary in its own
 virtual environment (`requirements-router.txt`). Both are content-addressed cache entries, built
 once. Mooncake's engine needs Debian's `libibverbs1`: checked here, installed by `.ci/run`.
 """

@@ -27,12 +27,15 @@ def tokenizer_json(folder: Path) -> Path:
     return folder
 
 
-def detokenized_text(prompt: list[int], generated: list[int]) -> str:
+def detokenized_text(prompt: list[int], generated: list[int], skip_special_tokens: bool = False) -> str:
     """The text 0.4.7 - 0.4.10.post2 return: the detokenizer decodes the prompt's last 5 ids with
     the generated ones and sends what follows the prompt tail's own text (incremental decoding),
-    special tokens skipped; the tiny model's tokenizer joins words with one space."""
+    special tokens kept as the live requests ask (skipped by the servers' default); the tiny
+    model's tokenizer joins words with one space."""
+    names = {i: w for w, i in SPECIAL.items()}
+
     def decode(ids):
-        return " ".join(f"t{i}" for i in ids if i not in SPECIAL.values())
+        return " ".join(names.get(i, f"t{i}") for i in ids if not (skip_special_tokens and i in names))
 
     tail = prompt[-5:]
     return decode(tail + generated)[len(decode(tail)):]
@@ -52,8 +55,8 @@ def shape_ids_with_prompt_tail(prompt, generated):   # 0.5.2: decode_ids from su
             "meta_info": meta(prompt, generated)}
 
 
-def shape_text_only(prompt, generated):     # 0.4.7 - 0.4.10.post2: BatchStrOut without ids
-    return {"text": detokenized_text(prompt, generated), "meta_info": meta(prompt, generated)}
+def shape_text_only(prompt, generated, skip_special_tokens=False):   # 0.4.7 - 0.4.10.post2: no ids
+    return {"text": detokenized_text(prompt, generated, skip_special_tokens), "meta_info": meta(prompt, generated)}
 
 
 @pytest.fixture
@@ -82,9 +85,12 @@ def test_a_long_prompts_tail_is_five_ids_and_must_be_the_prompts_own(tok):
     assert not got.recovered and got.tokens == [] and "cannot be recovered" in got.error
 
 
-def test_a_text_only_reply_that_lost_a_special_token_is_unrecoverable(tok):
-    generated = [401, 2, 77, 3, 77, 250, 9, 511]   # </s> generated (EOS ignored), skipped in the text
-    got = parse(200, json.dumps(shape_text_only(PROMPT, generated)), PROMPT, tok, 0.1)
+def test_a_text_only_reply_keeps_special_tokens_or_is_unrecoverable(tok):
+    generated = [401, 2, 77, 3, 77, 1, 9, 511]   # </s> (EOS ignored) and <s> generated
+    kept = {"text": detokenized_text(PROMPT, generated), "meta_info": meta(PROMPT, generated)}
+    assert parse(200, json.dumps(kept), PROMPT, tok, 0.1).tokens == generated
+    skipped = {"text": detokenized_text(PROMPT, generated, skip_special_tokens=True), "meta_info": meta(PROMPT, generated)}
+    got = parse(200, json.dumps(skipped), PROMPT, tok, 0.1)
     assert not got.recovered and got.tokens == []
     assert parse(200, json.dumps({"text": "t5 hello", "meta_info": {}}), PROMPT, tok, 0.1).recovered is False
     assert parse(200, json.dumps(shape_text_only(PROMPT, GENERATED)), PROMPT, None, 0.1).recovered is False
@@ -123,16 +129,17 @@ def model_at(folder: Path, reference: dict) -> TinyModel:
 
 
 def test_a_text_only_reply_is_safe_only_when_its_text_re_encodes_to_the_reference(tmp_path):
-    reference = [401, 77, 3, 77, 250, 9, 511, 128]
+    reference = [401, 1, 3, 77, 250, 9, 511, 128]   # <s> in it, as in the tiny model's answer to "valid"
     model = model_at(tmp_path / "model", {"valid": reference})
     rng = random.Random(41)
     safe = 0
     for _ in range(300):
         generated = list(reference)
-        if rng.random() < 0.6:   # one token off: a wrong value, a special one or one dropped
+        if rng.random() < 0.6:   # one token off: a wrong value or a special one
             generated[rng.randrange(8)] = rng.choice((rng.randrange(3, 512), rng.randrange(0, 3)))
-        text = rng.choice((detokenized_text(PROMPT, generated), "", " t9 t9", " x" * 8,
-                           detokenized_text(PROMPT, generated) + " t7"))
+        skip = rng.random() < 0.3   # a server that skipped special tokens after all
+        text = rng.choice((detokenized_text(PROMPT, generated, skip), "", " t9 t9", " x" * 8,
+                           detokenized_text(PROMPT, generated, skip) + " t7"))
         document = {"text": text, "meta_info": meta(PROMPT, generated)}
         outcome = scenarios.valid_prompt_matches_reference(StandIn(lambda ids, d=document: (200, d)), model)
         encoded = WordTokenizer.load(model.path).encode(text)
@@ -155,9 +162,9 @@ def test_text_only_answers_to_the_rejected_request_are_no_longer_judged_safe_by_
 
     outcome = scenarios.rejected_request_reads_no_other_request(StandIn(answer), model)
     assert outcome.verdict == scenarios.UNSAFE, outcome
-    # the same text after A and B, but a special token lost: no verdict rather than safe
+    # the same text after A and B, but a special token lost (skipped by the server): no verdict, not safe
     outcome = scenarios.rejected_request_reads_no_other_request(
-        StandIn(lambda ids: (200, shape_text_only(ids, [2, 9, 9, 9, 9, 9, 9, 9]))), model)
+        StandIn(lambda ids: (200, shape_text_only(ids, [2, 9, 9, 9, 9, 9, 9, 9], skip_special_tokens=True))), model)
     assert outcome.verdict == scenarios.ERROR, outcome
 
 

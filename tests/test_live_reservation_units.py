@@ -90,8 +90,8 @@ def test_a_served_over_pool_prompt_is_not_applicable(monkeypatch, model):
 
 
 def test_a_text_only_next_prompt_that_cannot_be_read_is_error_not_safe(monkeypatch, model):
-    lost = [2, *REFERENCE[1:]]   # the special token the text skipped
-    dep = deployment(model, refusing(lambda ids: (200, shape_text_only(ids, lost))), [0])
+    lost = [2, *REFERENCE[1:]]   # a special token the server skipped in the text
+    dep = deployment(model, refusing(lambda ids: (200, shape_text_only(ids, lost, skip_special_tokens=True))), [0])
     outcome = run(monkeypatch, dep)
     assert outcome.verdict == scenarios.ERROR, outcome
 

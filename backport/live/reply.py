@@ -11,8 +11,9 @@ each release's tokenizer_manager and detokenizer_manager):
   prompt's own tail;
 - `text` and no `output_ids` (0.4.7 - 0.4.10.post2 and older: `BatchStrOut` without ids): the
   text is re-encoded with the tiny model's own tokenizer (WordLevel over whitespace-split words,
-  `tN` is id N). It was decoded with special tokens skipped, so it is trusted only when it gives
-  back exactly `completion_tokens` ids, every word in the vocabulary.
+  `tN` is id N). Requests ask `skip_special_tokens: false` (the detokenizer honours it per batch on
+  every release), so a generated `<s>` stays in the text; the text is still trusted only when it
+  gives back exactly `completion_tokens` ids, every word in the vocabulary.
 
 A 200 whose tokens cannot be recovered this way has `recovered=False` and empty tokens: the
 scenarios make it `error`, never `safe` (an empty list compared with an empty list once judged a
@@ -136,8 +137,11 @@ def generate(url: str, input_ids: list[int], *, max_new_tokens: int = NEW_TOKENS
     """One greedy request by token ids, EOS ignored, through `url` (a router or a server);
     `extra`: more body fields (a request id, the PD bootstrap fields when a client dispatches);
     `tokenizer`: reads a text-only reply (without it such a reply is unrecoverable)."""
+    # skip_special_tokens off: where a release answers with text only, a generated special token
+    # (the tiny model's greedy answers contain <s>) must stay in the text to be read back
     body = {"input_ids": input_ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                "skip_special_tokens": False},
             **(extra or {})}
     started = time.monotonic()
     try:

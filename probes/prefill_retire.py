@@ -431,3 +431,63 @@ def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
     if ok:
         return Outcome(SAFE, "The pending-bootstrap request was released and requeued for its retry; nothing retired.", obs)
     return Outcome(UNSAFE, "The pending-bootstrap middle result did not take the optimistic retry.", obs)
+
+
+@case(
+    proves=("pr36988",), needs=(">=0.5.4,<0.5.9",),
+    must_preserve=False,
+    expect="Where the release's own KV release leaves req.req_pool_idx set (0.5.4 - 0.5.8.post1), retiring the same "
+           "aborted request twice releases it once: the second call finds nothing owned, returns False and "
+           "releases, frees and raises nothing.",
+)
+def second_retirement_is_inert(ctx) -> Outcome:
+    """The retirement helper's "already retired" test, called twice on the real module. These
+    releases' own release (``cache_finished_req``; ``release_kv_cache`` from 0.5.5.post1) frees the
+    request's row and pages but leaves ``req.req_pool_idx`` set (0.5.9 clears it in the pool), so the
+    stand-ins here release pages without touching the request's indices, as the real code does."""
+    prefill = sg("disaggregation.prefill")
+    retire = getattr(prefill.SchedulerDisaggregationPrefillMixin, "_retire_aborted_prefill_result", None)
+    if retire is None:
+        return judged(["no _retire_aborted_prefill_result (#36988 absent): nothing retires the request"],
+                      "", {"helper": False})
+    rig = RetireRig(ctx)
+    ledger, pages = rig.ledger, rig.pages
+
+    def release_keeping_indices(req, tree_cache, *args, **kwargs):
+        insert = kwargs.get("is_insert", args[0] if args else True)
+        ledger.record("release_kv_cache", rid=req.rid, insert=bool(insert), pages=pages.release(req.rid))
+
+    class TreeKeepingIndices(type(rig.shell.tree_cache)):
+        def cache_finished_req(self, req, is_insert=True, *args, **kwargs):
+            release_keeping_indices(req, self, is_insert=is_insert)
+
+    ctx.patch_if_present(prefill, "release_kv_cache", release_keeping_indices)
+    rig.shell.tree_cache = TreeKeepingIndices(ledger)
+    req = rig.prefilled_req("retired-twice", 64, room=311)
+    reject_at_intake(req, "Input length exceeds the maximum allowed length.")
+    first = retire(rig.shell, req)
+    try:
+        second, raised = retire(rig.shell, req), None
+    except Exception as exc:  # noqa: BLE001 - the latent bug is an exception from the second release
+        second, raised = None, f"{type(exc).__name__}: {exc}"
+    obs: dict[str, Any] = {
+        "first_call": first,
+        "second_call": second,
+        "second_call_raised": raised,
+        "release_kv_cache_calls": ledger.count("release_kv_cache", rid=req.rid),
+        "pages_double_released": ledger.count("pages_double_release"),
+        "metadata_frees": ledger.count("metadata_free"),
+        "metadata_double_frees": ledger.count("metadata_double_free"),
+    }
+    problems = []
+    if first is not True:
+        problems.append("the first call did not retire the request")
+    if raised:
+        problems.append(f"the second call raised {raised}")
+    elif second is not False:
+        problems.append("the second call retired the request again")
+    if obs["release_kv_cache_calls"] != 1 or obs["pages_double_released"]:
+        problems.append(f"KV released {obs['release_kv_cache_calls']} time(s), not once")
+    if obs["metadata_frees"] != 1 or obs["metadata_double_frees"]:
+        problems.append("metadata buffer not freed exactly once")
+    return judged(problems, "Retired once; the second call found nothing owned and did nothing.", obs)

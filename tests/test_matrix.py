@@ -234,8 +234,9 @@ COVERAGE_DEBT: dict[str, int] = {
     # 0.4.5.post2 - 0.5.12.post1: lines of pr36988 and pr38935 (prefill's branches for an aborted request
     # with logprobs, a retirement that finds nothing to free, ...), not yet driven or reviewed one by one;
     # 0.5.21 - 0.5.23: sbp-transfer-coverage's refusal when decode recorded no reservation
-    "0.4.5.post2": 2, "0.4.5.post3": 2, "0.4.6": 2, "0.4.6.post3": 2, "0.4.6.post4": 2, "0.4.6.post5": 7,
-    "0.4.7": 7, "0.4.7.post1": 9, "0.4.9.post4": 10, "0.4.10.post2": 12, "0.5.1.post3": 12, "0.5.2": 14,
+    "0.4.5.post2": 2, "0.4.5.post3": 2, "0.4.6": 2, "0.4.6.post1": 2, "0.4.6.post3": 2, "0.4.6.post4": 2,
+    "0.4.6.post5": 7, "0.4.7": 7, "0.4.7.post1": 9, "0.4.9.post4": 10, "0.4.10.post1": 12, "0.4.10.post2": 12,
+    "0.5.1.post3": 12, "0.5.2": 14,
     "0.5.3": 14, "0.5.3.post1": 14, "0.5.4.post1": 11, "0.5.4.post2": 9, "0.5.5": 9, "0.5.6.post2": 9,
     "0.5.8.post1": 9, "0.5.9": 9, "0.5.10.post1": 9, "0.5.12.post1": 7, "0.5.21": 1, "0.5.22": 1, "0.5.23": 1
 }

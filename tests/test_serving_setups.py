@@ -103,3 +103,20 @@ def test_the_four_cpu_host_stand_in_reports_at_least_four_and_only_when_asked():
 def test_a_fresh_cache_has_a_work_root(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(tmp_path / "fresh"))
     assert cache.work_root().is_dir()
+
+
+RDMA_REQUESTED = """W1206 07:26:44.569913  5829 transfer_engine_py.cpp:120] Using default malloc/free for protocol: rdma
+W1206 07:26:44.570116  5829 topology.cpp:201] No RDMA devices found, check your device installation
+I1206 07:26:44.570163  5829 tcp_transport.cpp:391] TcpTransport: listen on port 16803
+"""
+
+
+def test_backend_is_what_the_servers_logs_show(tmp_path):
+    from backport.live.tier import backend_from_logs
+
+    old, new = tmp_path / "old.log", tmp_path / "new.log"
+    old.write_text(RDMA_REQUESTED)    # the lines of a 0.5.5.post1 prefill, measured
+    new.write_text(RDMA_REQUESTED.replace("protocol: rdma", "protocol: tcp"))
+    assert backend_from_logs([old]).startswith("mooncake (protocol rdma requested, no RDMA device: tcp transport")
+    assert backend_from_logs([new]).startswith("mooncake (protocol tcp;")
+    assert "unknown" in backend_from_logs([tmp_path / "missing.log"])

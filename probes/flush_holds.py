@@ -27,7 +27,7 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
+from probes import NotApplicable, Outcome, case, judged, tree_version
 from probes.failed_transfer_rig import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
 from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
 
@@ -164,8 +164,14 @@ def flush_with_queued_transfer_frees_nothing_twice(ctx) -> Outcome:
     of the live tier); /flush_cache arrives; then the router's abort ends the request, and the
     transfer queue gives its pages back (the stand-in pool's release: the pages the request's row
     names). The real ``Scheduler.flush_cache`` decides whether the flush clears the pool first."""
+    from packaging.version import Version
+
     from probes.standins import Ledger, prefill_bootstrap_queue_attr
     from probes.standins_memory import CountingTokenToKVPoolAllocator
+
+    if tree_version() >= Version("0.5.13"):
+        raise NotApplicable("from 0.5.13 the idle check is is_fully_idle, which counts the PD queues "
+                            "(flush_during_deferred_hold_frees_nothing_twice drives it)")
 
     ledger = Ledger()
     pages = CountingTokenToKVPoolAllocator(ledger, "decode", num_pages=512, page_size=PAGE_SIZE)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged, tree_version
 from probes.standins import (
     Ledger,
     aborted_prefetch_releasable,
@@ -445,6 +445,12 @@ def second_retirement_is_inert(ctx) -> Outcome:
     releases' own release (``cache_finished_req``; ``release_kv_cache`` from 0.5.5.post1) frees the
     request's row and pages but leaves ``req.req_pool_idx`` set (0.5.9 clears it in the pool), so the
     stand-ins here release pages without touching the request's indices, as the real code does."""
+    from packaging.specifiers import SpecifierSet
+
+
+    if tree_version() not in SpecifierSet(">=0.5.4,<0.5.9"):
+        raise NotApplicable("the release's own KV release clears req_pool_idx (0.5.3.post3 and older in "
+                            "Req, 0.5.9 and later in the pool): the helper's test reads it sound")
     prefill = sg("disaggregation.prefill")
     retire = getattr(prefill.SchedulerDisaggregationPrefillMixin, "_retire_aborted_prefill_result", None)
     if retire is None:

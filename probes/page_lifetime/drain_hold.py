@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, tree_version
 from probes.failed_transfer_rig import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
 from probes.standins import Ledger, pin_runtime
 
@@ -158,8 +158,13 @@ def abort_ack_sent_under_endpoint_lock(ctx) -> Outcome:
     as the real ``_connect`` leaves them after the first send (0.5.17 creates the lock there)."""
     import threading
 
+    from packaging.specifiers import SpecifierSet
     from sglang.srt.disaggregation.common import conn as common_conn
 
+
+    if tree_version() not in SpecifierSet(">=0.5.14,<0.5.19"):
+        raise NotApplicable("0.5.13 opens a socket per send; from 0.5.19 the ACK is upstream's own "
+                            "(_send_multipart_locked)")
     if not hasattr(common_conn.CommonKVManager, "_send_abort_ack"):
         raise NotApplicable("prefill sends no drain ABORT_ACK in this tree (no #35049 groundwork)")
     pin_runtime(ctx)

@@ -3,12 +3,14 @@ puts in the servers' argv and environment, the 4-CPU host stand-in, and a fresh 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from backport import cache
 from backport.errors import BadInput
@@ -98,6 +100,57 @@ def test_the_four_cpu_host_stand_in_reports_at_least_four_and_only_when_asked():
     real = os.cpu_count()
     assert _cpu_count({}) == real
     assert _cpu_count({"SGLANG_BACKPORT_STAND_IN_CPUS": "4"}) == max(real, 4)
+
+
+def test_the_configured_route_is_set_on_exactly_the_releases_whose_connector_takes_the_routed_address():
+    # 0.4.5.post1 - 0.5.2's Mooncake connector calls get_local_ip_by_remote; 0.5.3 tries get_ip first
+    for version in load_releases():
+        setup = setups.serving_for(version)
+        assert setup.configured_route == (Version(version) < Version("0.5.3")), version
+        env = setups.server_environment(setup, 16)
+        assert ("SGLANG_BACKPORT_CONFIGURED_ROUTE" in env) == setup.configured_route, version
+        assert (str(setups.SERVER_ADDONS) in setups.pythonpath_extras(setup)) == (
+            setup.configured_route or setup.addons or bool(setup.stand_in_cpus)), version
+    assert setups.record(setups.serving_for("0.5.2"))["configured_route"]
+
+
+_UTILS_LIKE = """import socket
+def get_local_ip_by_remote():
+    return "routed"
+def get_local_ip_auto():
+    return get_local_ip_by_remote()
+def get_ip():
+    return "get_ip"
+"""
+
+
+def _lookups(tmp_path: Path, extra_env: dict[str, str], utils_source: str = _UTILS_LIKE) -> list[str]:
+    """What a module importing the name from sglang.srt.utils sees, as Mooncake's connector does,
+    in a process started with the server sitecustomize on its path."""
+    srt = tmp_path / "sglang" / "srt"
+    srt.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (srt / "__init__.py").write_text("")
+    (srt / "utils.py").write_text(utils_source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    env.update({"PYTHONPATH": os.pathsep.join([str(setups.SERVER_ADDONS), str(tmp_path)]), **extra_env})
+    probe = ("import json, sglang.srt.utils as u\n"
+             "names = [n for n in ('get_local_ip_by_remote', 'get_local_ip_auto', 'get_ip') if hasattr(u, n)]\n"
+             "print(json.dumps([getattr(u, n)() for n in names]))")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout)
+
+
+def test_the_configured_route_answers_sglang_host_ip_only_when_asked(tmp_path):
+    asked = {"SGLANG_BACKPORT_CONFIGURED_ROUTE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+    assert _lookups(tmp_path, {"SGLANG_HOST_IP": "127.0.0.1"}) == ["routed", "routed", "get_ip"]
+    # the lookup, and get_local_ip_auto through it (0.4.8 - 0.5.2), answer the configured address; get_ip stays
+    assert _lookups(tmp_path, asked) == ["127.0.0.1", "127.0.0.1", "get_ip"]
+    # no configured address: the release's own lookup stays
+    assert _lookups(tmp_path, {"SGLANG_BACKPORT_CONFIGURED_ROUTE": "1"}) == ["routed", "routed", "get_ip"]
+    # a module without the function gains none
+    assert _lookups(tmp_path, asked, "def get_ip():\n    return 'get_ip'\n") == ["get_ip"]
 
 
 def test_a_fresh_cache_has_a_work_root(tmp_path, monkeypatch):

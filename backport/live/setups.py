@@ -21,7 +21,7 @@ from backport.errors import BadInput
 
 STAND_INS = Path(__file__).resolve().parent / "standins"
 VLLM_LAYERS = STAND_INS / "vllm_layers"       # computing plain-torch layers for vLLM's (no CPU wheel)
-SERVER_ADDONS = STAND_INS / "server_addons"   # a sitecustomize: the probes' add-ons, the 4-CPU host
+SERVER_ADDONS = STAND_INS / "server_addons"   # a sitecustomize: the probes' add-ons, the 4-CPU host, the route
 STAND_IN_CPUS = 4
 
 
@@ -37,6 +37,7 @@ class ServingSetup:
     stand_in_cpus: int | None = None    # os.cpu_count() reports at least this many in the servers
     decode_pool_extra: int = 0          # decode's --max-total-tokens raised by this many
     health_before_warmup: bool = False  # /health answers 200 at once: ready is the warmup's log line
+    configured_route: bool = False      # the host's route lookup answers SGLANG_HOST_IP (loopback)
     exceptions: tuple[str, ...] = ()    # the exceptions that applied (their reasons), once resolved
 
     def covers(self, version: str) -> bool:
@@ -86,6 +87,12 @@ EXCEPTIONS = (
                    "decode.py hard-codes 512 reserved decode tokens (no flag, no variable before 0.4.6.post3): "
                    "decode's pool is raised by 496 so a request's reservation leaves the same room as 16 "
                    "reserved tokens in the 512-token pool"),
+    SetupException("<0.5.3", {"configured_route": True},
+                   "Mooncake's connector takes its own address from sglang.srt.utils.get_local_ip_by_remote (the "
+                   "route to a public address; SGLANG_LOCAL_IP_NIC skips 127.0.0.1), not SGLANG_HOST_IP, up to "
+                   "0.5.2 (0.5.3's get_local_ip_auto tries get_ip first): the pair advertised the host's address "
+                   "and the race's namespace, with no route, stopped prefill (\"Can not get local ip\"); in the "
+                   "servers, that lookup answers SGLANG_HOST_IP, the loopback address the deployment set"),
 )
 
 
@@ -109,7 +116,7 @@ def serving_for(version: str) -> ServingSetup:
 def pythonpath_extras(setup: ServingSetup) -> list[str]:
     """Folders the setup puts on the servers' PYTHONPATH, ahead of the overlay and the tree."""
     extras = [str(VLLM_LAYERS)] if setup.vllm_layers else []
-    if setup.addons or setup.stand_in_cpus:
+    if setup.addons or setup.stand_in_cpus or setup.configured_route:
         extras.append(str(SERVER_ADDONS))
     return extras
 
@@ -120,6 +127,8 @@ def server_environment(setup: ServingSetup, reserved_decode_tokens: int) -> dict
         env["SGLANG_BACKPORT_ADDONS"] = str(resources.probes_dir() / "addons.py")
     if setup.stand_in_cpus:
         env["SGLANG_BACKPORT_STAND_IN_CPUS"] = str(setup.stand_in_cpus)
+    if setup.configured_route:
+        env["SGLANG_BACKPORT_CONFIGURED_ROUTE"] = "1"
     if setup.reserved_tokens_env:
         env["SGLANG_NUM_RESERVED_DECODE_TOKENS"] = str(reserved_decode_tokens)
     return env
@@ -130,5 +139,5 @@ def record(setup: ServingSetup) -> dict:
     return {"name": setup.name, "releases": setup.releases, "vllm_layers": setup.vllm_layers,
             "nccl_port": setup.nccl_port, "addons": setup.addons, "reserved_tokens_env": setup.reserved_tokens_env,
             "stand_in_cpus": setup.stand_in_cpus, "decode_pool_extra": setup.decode_pool_extra,
-            "health_before_warmup": setup.health_before_warmup,
+            "health_before_warmup": setup.health_before_warmup, "configured_route": setup.configured_route,
             "exceptions": list(setup.exceptions)}

@@ -107,7 +107,7 @@ def test_patched_pair_serves(serving, patched_tree, tmp_path, version):
     assert result["valid"].status == 200, result["valid"]
 
 
-CODE_FACT_RELEASES = ("0.5.8", "0.5.7", "0.5.2", "0.5.1.post3", "0.4.10.post2", "0.4.10.post1", "0.4.9",
+CODE_FACT_RELEASES = ("0.5.8", "0.5.7", "0.5.3", "0.5.2", "0.5.1.post3", "0.4.10.post2", "0.4.10.post1", "0.4.9",
                       "0.4.8.post1", "0.4.7.post1", "0.4.7", "0.4.6.post5", "0.4.6.post3", "0.4.6.post2", "0.4.6",
                       "0.4.5.post3")
 
@@ -136,3 +136,20 @@ def test_each_setup_field_is_what_the_trees_code_says(release_tree, version):
     body = health.group(1) if health else ""   # newer releases take the request: not this plain form
     unconditional = body.strip().endswith("return Response(status_code=200)") and body.count("\n") < 3
     assert unconditional == setup.health_before_warmup
+    assert _connector_takes_the_routed_address(srt) == setup.configured_route
+
+
+def _connector_takes_the_routed_address(srt: Path) -> bool:
+    """Mooncake's connector calls get_local_ip_by_remote, itself or through a get_local_ip_auto that
+    does not try get_ip (SGLANG_HOST_IP) first."""
+    conn = (srt / "disaggregation" / "mooncake" / "conn.py").read_text(errors="replace")
+    if "get_local_ip_by_remote()" in conn:
+        return True
+    if "get_local_ip_auto(" not in conn:
+        return False
+    for utils in (srt / "utils.py", *sorted((srt / "utils").glob("*.py"))):
+        text = utils.read_text(errors="replace") if utils.is_file() else ""
+        if "def get_local_ip_auto(" in text:
+            body = text.split("def get_local_ip_auto(", 1)[1].split("\ndef ", 1)[0]
+            return "get_local_ip_by_remote()" in body and "get_ip()" not in body
+    return False

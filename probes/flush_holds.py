@@ -27,9 +27,9 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged, tree_version
+from probes import NotApplicable, Outcome, case, judged
 from probes.failed_transfer_rig import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
-from probes.standins_scheduler import InertCollaborator, make_scheduler_shell
+from probes.standins_scheduler import InertCollaborator
 
 ROOM = 601
 
@@ -62,7 +62,7 @@ def _idle_decode_shell(rig: TransferRig) -> None:
     )
 
 
-def _flush(shell) -> bool:
+def flush_cache(shell) -> bool:
     from sglang.srt.managers.scheduler import Scheduler
 
     if "empty_cache" in inspect.signature(Scheduler.flush_cache).parameters:
@@ -92,7 +92,7 @@ def flush_during_deferred_hold_frees_nothing_twice(ctx) -> Outcome:
         raise NotApplicable("the tree formed no deferred hold for the failed transfer (page_lifetime's cases "
                             "judge the hold itself)")
     _idle_decode_shell(rig)
-    during = _flush(rig.shell)
+    during = flush_cache(rig.shell)
     generation = getattr(rcv, "_abort_generation", None)
     for rank in (0, 1):
         note_ack(mgr, ROOM, rank, generation)
@@ -105,7 +105,7 @@ def flush_during_deferred_hold_frees_nothing_twice(ctx) -> Outcome:
         "pool_tokens": rig.pages.size,
         **rig.snapshot(req),
     }
-    after = details["flush_accepted_after_release"] = _flush(rig.shell)
+    after = details["flush_accepted_after_release"] = flush_cache(rig.shell)
     problems = []
     if during:
         problems.append("the flush was accepted while the hold was pending")
@@ -118,99 +118,3 @@ def flush_during_deferred_hold_frees_nothing_twice(ctx) -> Outcome:
         problems.append("a flush after the release was still refused")
     return judged(problems, "Flush refused during the hold; pages released once after the drain ACKs; "
                             "the next flush accepted.", details)
-
-
-# ---- the old releases' flush: decode's PD queues not counted (#12107, pack's pr12107) ----------
-
-RESERVED_TOKENS = 400  # what the live tier saw decode hold for the refused over-pool request
-PAGE_SIZE = 1
-
-
-def _queued_decode_shell(ledger, pages, transfer_queue: list):
-    """The tree's ``Scheduler`` (its real flush_cache and idle checks) on a decode with nothing
-    waiting or running and one request in its transfer queue: decode after the prefill door refused
-    an over-pool request, before the router's abort. Both spellings of these releases' idle state
-    are given (flush_cache's own checks up to 0.5.4.post1, _is_no_request's from 0.5.4.post2)."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return make_scheduler_shell(
-        ledger,
-        disaggregation_mode=DisaggregationMode.DECODE,
-        disagg_decode_transfer_queue=SimpleNamespace(queue=transfer_queue),
-        disagg_decode_prealloc_queue=SimpleNamespace(queue=[], retracted_queue=[]),
-        running_batch=SimpleNamespace(is_empty=lambda: True, reqs=[]),
-        running_mbs=[],
-        pp_size=1,
-        last_batch=None,
-        cur_batch=None,
-        result_queue=deque(),
-        grammar_backend=None,
-        draft_worker=None,
-        req_to_token_pool=InertCollaborator("req_to_token_pool"),
-        tree_cache=InertCollaborator("tree_cache"),
-        token_to_kv_pool_allocator=pages,
-        enable_hierarchical_cache=False,
-    )
-
-
-@case(
-    proves=("pr12107",), needs=("<0.5.13",), must_preserve=False,
-    expect="/flush_cache on a decode whose transfer queue holds a request's reserved pages is refused: when the "
-           "request ends its pages go back once, no page is on the free list twice, and a flush after that is "
-           "accepted; a prefill with a request in flight refuses too, a scheduler outside PD flushes.",
-)
-def flush_with_queued_transfer_frees_nothing_twice(ctx) -> Outcome:
-    """Decode reserved pages for a request now in its transfer queue (the refused over-pool request
-    of the live tier); /flush_cache arrives; then the router's abort ends the request, and the
-    transfer queue gives its pages back (the stand-in pool's release: the pages the request's row
-    names). The real ``Scheduler.flush_cache`` decides whether the flush clears the pool first."""
-    from packaging.version import Version
-
-    from probes.standins import Ledger, prefill_bootstrap_queue_attr
-    from probes.standins_memory import CountingTokenToKVPoolAllocator
-
-    if tree_version() >= Version("0.5.13"):
-        raise NotApplicable("from 0.5.13 the idle check is is_fully_idle, which counts the PD queues "
-                            "(flush_during_deferred_hold_frees_nothing_twice drives it)")
-
-    ledger = Ledger()
-    pages = CountingTokenToKVPoolAllocator(ledger, "decode", num_pages=512, page_size=PAGE_SIZE)
-    rid = "refused-over-pool"
-    pages.reserve(rid, RESERVED_TOKENS)
-    queue = [SimpleNamespace(req=SimpleNamespace(rid=rid))]
-    shell = _queued_decode_shell(ledger, pages, queue)
-    during = _flush(shell)
-    queue.clear()  # the router's abort: the request leaves the transfer queue ...
-    pages.release(rid)  # ... and its pages go back to the pool
-    details: dict[str, Any] = {
-        "flush_accepted_while_queued": during,
-        "pages_listed_twice": pages.pages_listed_twice(),
-        "available_tokens": pages.available_size(),
-        "pool_tokens": pages.size,
-    }
-    after = details["flush_accepted_after_release"] = _flush(shell)
-    # The same rule on the other two sides: a prefill whose inflight queue holds a request (its pages
-    # being sent) refuses, a scheduler outside PD with nothing queued flushes.
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    shell.disaggregation_mode = DisaggregationMode.PREFILL
-    shell.disagg_prefill_inflight_queue = [SimpleNamespace(rid="being-sent")]
-    setattr(shell, prefill_bootstrap_queue_attr(), SimpleNamespace(queue=[]))
-    prefill_during = details["prefill_flush_accepted_while_inflight"] = _flush(shell)
-    shell.disagg_prefill_inflight_queue = []
-    shell.disaggregation_mode = DisaggregationMode.NULL
-    plain = details["flush_accepted_outside_pd"] = _flush(shell)
-    problems = []
-    if during:
-        problems.append("the flush was accepted while the transfer queue held a request")
-    if prefill_during:
-        problems.append("a prefill flushed while its inflight queue held a request")
-    if not plain:
-        problems.append("a scheduler outside PD with nothing queued refused the flush")
-    if details["pages_listed_twice"]:
-        problems.append(f"{details['pages_listed_twice']} page(s) on the free list twice (available "
-                        f"{details['available_tokens']} of {details['pool_tokens']} tokens)")
-    if not after:
-        problems.append("a flush with every queue empty was refused")
-    return judged(problems, "Flush refused while the transfer queue held the request; its pages returned "
-                            "once; the next flush accepted.", details)

@@ -120,7 +120,8 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert all(len(s["products"]) == 1 for s in document["statements"])
     # both bundles are of one product (the same patched tree): each class is stated once for it
     assert [s["vulnerability"]["name"] for s in document["statements"]] == ["SBP-2026-0001", "SBP-2026-0002",
-                                                                                "SBP-2026-0003", "SBP-2026-0004"]
+                                                                                "SBP-2026-0003", "SBP-2026-0004",
+                                                                                "SBP-2026-0006"]
     # the bundles' own VEX timestamps are the pack's date (the same inputs give the same bytes)
     assert document["timestamp"] == max(json.loads((b / "vex.openvex.json").read_text())["timestamp"] for b in two_bundles)
     lines = (out / "attestations.intoto.jsonl").read_text().splitlines()
@@ -130,12 +131,13 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert [r["release"] for r in table["rows"]] == ["0.5.19", "0.5.19"]
     assert table["rows"][0]["fixes"] == {"pr36988": "applied", "pr38935": "applied"}
     assert table["rows"][0]["vex"] == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
-                                       "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation"}
+                                       "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation",
+                                       "SBP-2026-0006": "under_investigation"}
     markdown = (out / "summary.md").read_text()
     assert ("| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 "
-            "| live tier | upstream tests | signed | result | why |") in markdown
+            "| SBP-2026-0006 | live tier | upstream tests | signed | result | why |") in markdown
     assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation "
-                          "| under_investigation | no | ran (3 tests) | yes | pass |  |") == 2
+                          "| under_investigation | under_investigation | no | ran (3 tests) | yes | pass |  |") == 2
     assert summary["failed"] == []
 
 

@@ -92,7 +92,7 @@ def test_a_bad_classes_file_is_bad_input(tmp_path):
 
 def test_aliases_are_added_by_class_id_or_name_and_checked(classes):
     more = add_aliases(classes, {"SBP-2026-0001": ["CVE-2026-12345"], "page-lifetime-release-race": ["GHSA-c3g4-8h2j-mpqr"]})
-    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"], [], []]
+    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"], [], [], []]
     with pytest.raises(BadInput, match="no vulnerability class 'nope'"):
         add_aliases(classes, {"nope": ["CVE-2026-1"]})
     with pytest.raises(BadInput, match="not a CVE"):
@@ -262,7 +262,8 @@ def test_a_bundle_holds_valid_openvex_and_cyclonedx(bundle):
     statuses = {s["vulnerability"]["name"]: s["status"] for s in document["statements"]}
     # the fixture's admission cases are fixed or held; its one page-lifetime case ran on no tree
     assert statuses == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
-                        "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation"}
+                        "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation",
+                        "SBP-2026-0006": "under_investigation"}
     tree = receipt["predicate"]["inputs"]["trees"]["patched"]["tree_digest"]
     for statement in document["statements"]:
         # no export: the patched tree is the only product, and no purl speaks for upstream's build
@@ -279,7 +280,8 @@ def test_a_bundle_holds_valid_openvex_and_cyclonedx(bundle):
     assert resolved == {"pr36988", "pr38935", "SBP-2026-0001"}
     states = {v["id"]: v["analysis"]["state"] for v in bom["vulnerabilities"]}
     assert states == {"SBP-2026-0001": "resolved_with_pedigree", "SBP-2026-0002": "in_triage",
-                      "SBP-2026-0003": "in_triage", "SBP-2026-0004": "in_triage"}
+                      "SBP-2026-0003": "in_triage", "SBP-2026-0004": "in_triage",
+                      "SBP-2026-0006": "in_triage"}
     assert evidence.verify(bundle).ok
 
 

@@ -1,6 +1,7 @@
 """The serving environment of the live tier: the probe environment plus a small overlay, and the router.
 
-One interpreter serves every pinned release (0.4.5.post1 - 0.5.23), as it probes them: the CPU
+One interpreter serves the pinned releases, as it probes them (per release range through setups.py;
+the pairs served so far are listed in docs/live-tier.md): the CPU
 probe environment (torch 2.13 CPU, the pinned SGLang dependency set), with the tree, the stand-ins
 of probes/shims (and, per release range, those of setups.py) and an overlay folder on PYTHONPATH.
 The overlay holds what `launch_server` needs beyond the probe set (`requirements-serve.txt`:

@@ -47,6 +47,12 @@ def _queued_decode_shell(ledger, pages, transfer_queue: list):
         cur_batch=None,
         result_queue=deque(),
         grammar_backend=None,
+        grammar_manager=InertCollaborator("grammar_manager", grammar_queue=[]),
+        grammar_queue=[],
+        dllm_manager=SimpleNamespace(any_staging_reqs=lambda: False),  # 0.5.10 - 0.5.12.post1's idle check
+        chunked_req=None,
+        decode_offload_manager=None,
+        enable_lmcache=False,
         draft_worker=None,
         req_to_token_pool=InertCollaborator("req_to_token_pool"),
         tree_cache=InertCollaborator("tree_cache"),

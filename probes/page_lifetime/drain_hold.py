@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, tree_version
+from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.failed_transfer_rig import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
 from probes.standins import Ledger, pin_runtime
 
@@ -140,56 +140,3 @@ def ack_after_release_not_counted(ctx) -> Outcome:
     if drained and not tracked_after_late and not safe_on_reuse:
         return Outcome(SAFE, "The late ACK was dropped; the reused room waits for its own ACK.", details)
     return Outcome(UNSAFE, "A late ACK survived release and counted for the reused room.", details)
-
-
-@case(
-    # the pack's pr35049-ack on releases whose _connect caches one socket per endpoint (0.5.14 - 0.5.18;
-    # 0.5.13 opens a socket per send; from 0.5.19 the ACK's signature is upstream's own)
-    proves=("pr35049-ack",), needs=("pr35049-ack", ">=0.5.14,<0.5.19"),
-    must_preserve=False,
-    expect="Prefill's drain ABORT_ACK goes out on the endpoint's cached socket while holding that endpoint's send "
-           "lock (the ACK leaves from the bootstrap thread and from transfer workers; a zmq socket is not "
-           "thread-safe).",
-)
-def abort_ack_sent_under_endpoint_lock(ctx) -> Outcome:
-    """The tree's real ``CommonKVManager._send_abort_ack`` on a manager built without its network
-    constructor. Stand-in: the cached PUSH socket to the decode endpoint (records, for each send,
-    whether the endpoint's send lock was held). The socket is in the cache, and its lock beside it,
-    as the real ``_connect`` leaves them after the first send (0.5.17 creates the lock there)."""
-    import threading
-
-    from packaging.specifiers import SpecifierSet
-    from sglang.srt.disaggregation.common import conn as common_conn
-
-
-    if tree_version() not in SpecifierSet(">=0.5.14,<0.5.19"):
-        raise NotApplicable("0.5.13 opens a socket per send; from 0.5.19 the ACK is upstream's own "
-                            "(_send_multipart_locked)")
-    if not hasattr(common_conn.CommonKVManager, "_send_abort_ack"):
-        raise NotApplicable("prefill sends no drain ABORT_ACK in this tree (no #35049 groundwork)")
-    pin_runtime(ctx)
-    endpoint = common_conn.NetworkAddress("127.0.0.1", 17001).to_tcp()
-    mgr = object.__new__(common_conn.CommonKVManager)
-    sends: list[dict[str, Any]] = []
-
-    class RecordingSocket:
-        def send_multipart(self, parts, *args, **kwargs):
-            lock = mgr._socket_send_locks.get(endpoint)
-            sends.append({"frames": [bytes(p).decode("ascii", "replace") for p in parts],
-                          "lock_held": bool(lock is not None and lock.locked())})
-
-    mgr.__dict__.update(
-        _socket_lock=threading.Lock(),
-        _socket_cache={endpoint: RecordingSocket()},
-        _monitor_cache={endpoint: None},
-        _socket_send_locks={endpoint: threading.Lock()},
-        attn_tp_rank=0, attn_cp_rank=0, attn_cp_size=1, pp_rank=0, pp_size=1,
-    )
-    mgr._send_abort_ack("127.0.0.1", 17001, 901)
-    details: dict[str, Any] = {"sends": sends}
-    if not sends:
-        return Outcome(UNSAFE, "No ABORT_ACK was sent.", details)
-    if not all(s["lock_held"] for s in sends):
-        return Outcome(UNSAFE, "The ABORT_ACK went out on the shared socket without the endpoint's send lock.",
-                       details)
-    return Outcome(SAFE, "The ABORT_ACK went out under the endpoint's send lock.", details)

@@ -90,6 +90,20 @@ def case_rules() -> tuple[CaseRule, ...]:
     return tuple(rules)
 
 
+def outside_release(key: str, version: str | None) -> bool:
+    """The case `key` ("probe/case") declares a release range in its `needs` that `version` is
+    outside: not-applicable there by design, not a case that could not run (the toolkit's side of
+    the harness's `outside_needs`)."""
+    from packaging.version import InvalidVersion
+
+    try:
+        release = Version(version or "")
+    except InvalidVersion:
+        return False
+    return any(rule.key == key and any(release not in spec for spec in rule.needs_releases)
+               for rule in case_rules())
+
+
 def _registered_cases(directory: Path) -> list:
     """The cases of the probe package in `directory`. Its modules import each other as `probes.*`;
     when this process has not imported that very package (installed, it ships under another

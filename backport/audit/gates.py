@@ -146,25 +146,11 @@ def _fixes_evidence(code: CodeFacts, pack: Pack, fixes) -> tuple[list[str], list
     return lines, missing
 
 
-def _outside_release(key: str, version: str | None) -> bool:
-    """The case declares a release range (`needs`) that `version` is outside: not-applicable there by design."""
-    from packaging.version import InvalidVersion, Version
-
-    from backport.expectations import case_rules
-
-    if not version:
-        return False
-    try:
-        release = Version(version)
-    except InvalidVersion:
-        return False
-    return any(rule.key == key and any(release not in spec for spec in rule.needs_releases)
-               for rule in case_rules())
-
-
 def _probe_evidence(code: CodeFacts) -> tuple[list[str], str]:
     """(lines, worst verdict the probes allow): unsafe or error cases fail; an incident case
     that could not run leaves the gate unknown."""
+    from backport.expectations import outside_release  # reads the probes' registry: only when probes ran
+
     if code.probes is None:
         return [f"the admission and prefill-retirement probes did not run: {code.probe_error}"], UNKNOWN
     cases = [c for c in code.probes.get("cases", []) if c.get("probe") in ADMISSION_PROBES]
@@ -180,7 +166,7 @@ def _probe_evidence(code: CodeFacts) -> tuple[list[str], str]:
                 verdict = FAIL
                 lines.append(f"  {c['verdict']}: {probe}/{c['case']}: {c['observed']}")
             elif c["verdict"] == "not-applicable" and not c["must_preserve"]:
-                if _outside_release(f"{probe}/{c['case']}", code.version):
+                if outside_release(f"{probe}/{c['case']}", code.version):
                     continue  # the case's code is another release range's (its `needs`), not missing here
                 verdict = worst((verdict, UNKNOWN))
                 lines.append(f"  not run: {probe}/{c['case']}: {c['observed']}")

@@ -16,7 +16,6 @@ from pathlib import Path
 from backport import cache
 from backport.cli import emit
 from backport.errors import BadInput, Finding
-from backport.tree import open_tree
 
 WATCH_SECONDS = 1.0
 
@@ -35,6 +34,7 @@ def render(documents: list[dict]) -> str:
 
 def cmd_live(args) -> int:
     from backport.live import ensure_model, ensure_serving_env, run_live
+    from backport.tree import open_tree
 
     if args.serve and len(args.trees) != 1:
         raise BadInput(f"live --serve keeps one pair up: give one TREE, not {len(args.trees)}")

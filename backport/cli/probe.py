@@ -7,7 +7,6 @@ from pathlib import Path
 from backport import resources
 from backport.cli import emit
 from backport.errors import BadInput
-from backport.tree import open_tree
 
 
 def cmd_env(args) -> int:
@@ -20,6 +19,7 @@ def cmd_env(args) -> int:
 
 def cmd_probe(args) -> int:
     from backport.probing import ensure_env, run_harness
+    from backport.tree import open_tree
 
     # Bad input is refused before the probe environment is built.
     trees = [open_tree(Path(target)) for target in args.trees]

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from backport import evidence
 from backport.errors import BadInput
-from backport.evidence.scope import covers_line, reference_comparison
+
+if TYPE_CHECKING:  # the evidence package (jsonschema, cyclonedx) is imported where a run needs it
+    from backport.evidence import Bundle
 
 
-def render_summary(bundle: evidence.Bundle, written: Path, previous: Path | None = None) -> str:
+def render_summary(bundle: Bundle, written: Path, previous: Path | None = None) -> str:
+    from backport import evidence
+    from backport.evidence.scope import covers_line, reference_comparison
+
     p = bundle.statement["predicate"]
     roles = [r for r in evidence.ROLES if r in p["probes"]]
     exposure = [evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])] if p["mode"] == "exposure" else []
@@ -89,6 +94,8 @@ def options_from(args) -> list:
 
 
 def _document(outcome) -> dict:
+    from backport import evidence
+
     p = outcome.bundle.statement["predicate"]
     return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
             "mode": p["mode"], "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])
@@ -99,10 +106,10 @@ def _document(outcome) -> dict:
 
 
 def cmd_run(args) -> int:
-    from backport.job import SeriesDoesNotApply, run_many
-
     if args.jobs is not None and args.jobs < 1:
         raise BadInput(f"--jobs {args.jobs}: must be 1 or more")
+    from backport.job import SeriesDoesNotApply, run_many  # after the checks that need none of it
+
     try:
         outcomes = run_many(options_from(args), jobs=args.jobs)
     except SeriesDoesNotApply as exc:

@@ -7,13 +7,14 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backport import cache, resources
 from backport.cli import emit
 from backport.errors import BadInput
-from backport.export.installed import describe_installed, rollout
-from backport.sources import clone_pristine
-from backport.tree import Tree, clone_tree, decided_version, open_tree
+
+if TYPE_CHECKING:  # the library is imported by the commands that use it: --help and bad input stay light
+    from backport.tree import Tree
 
 
 def version_arg(p) -> None:
@@ -33,6 +34,7 @@ def fetch_tree(spec: str, args) -> Tree:
     the version is --version's, or the tree's own (none: bad input saying how to give one)."""
     from backport.releases import default_path, load_pins
     from backport.sources import materialise, parse_spec, source_kind
+    from backport.tree import decided_version
 
     series = getattr(args, "series", None)
     pins = load_pins(default_path(Path(series))) if series else None
@@ -72,6 +74,8 @@ def cmd_fetch(args) -> int:
 
 def cmd_status(args) -> int:
     from backport.engine import detect
+    from backport.export.installed import describe_installed, rollout
+    from backport.tree import open_tree
 
     pack = load_series(args)
     path = Path(args.target)
@@ -124,6 +128,9 @@ def installed_lines(installed, asked: bool) -> list[str]:
 def work_tree(args) -> Tree:
     """The tree `apply` changes: a user's checkout in place, else a fresh clone (of the fetched spec,
     or with --out of the checkout's HEAD, leaving the checkout as it is)."""
+    from backport.sources import clone_pristine
+    from backport.tree import clone_tree, decided_version, open_tree
+
     out = out_dir(args.out) if args.out else None
     if is_checkout(args.target):
         checkout = open_tree(Path(args.target), version=args.version)
@@ -158,12 +165,13 @@ def _existing_parent(path: Path) -> Path:
 
 
 def cmd_apply(args) -> int:
-    from backport.engine import apply_series
-
     if args.check and args.out:
         raise BadInput(f"--out {args.out}: --check changes nothing and makes no clone; drop one of them")
     if args.out:
         out_dir(args.out)  # refused before the pack is read or anything is fetched or cloned
+    from backport.engine import apply_series
+    from backport.tree import decided_version, open_tree
+
     pack = load_series(args)
     if args.check and not is_checkout(args.target):
         tree = fetch_tree(args.target, args)  # --check on a spec: the cached pristine tree, unchanged

@@ -10,11 +10,16 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from backport import upstream
 from backport.errors import BadInput, Finding
-from backport.probing import ensure_env
-from backport.tree import package_root_of
+
+if TYPE_CHECKING:  # imported by the handler: the package pulls requests and git, which --help need not pay
+    from backport import upstream
+
+# What --help says the default is; test_startup holds them to backport.upstream's own constants.
+BASE_URL_ENV = "SGLANG_BACKPORT_UPSTREAM_URL"
+DEFAULT_BASE_URL = "https://raw.githubusercontent.com/sgl-project/sglang"
 
 log = logging.getLogger("backport.upstream")
 
@@ -48,8 +53,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--test", action="append", metavar="PATH",
                         help="an upstream test file path to run instead of fixes.toml's (needs --rev; repeatable)")
     parser.add_argument("--base-url", metavar="URL",
-                        help=f"raw-file base URL (default ${upstream.BASE_URL_ENV} or "
-                             f"{upstream.DEFAULT_BASE_URL})")
+                        help=f"raw-file base URL (default ${BASE_URL_ENV} or {DEFAULT_BASE_URL})")
     parser.add_argument("--python", metavar="EXE", help="probe interpreter (default: the cached probe environment)")
     parser.add_argument("--series", metavar="DIR", type=Path, help="the patch pack directory (default: patches/)")
     parser.add_argument("--print-pins", action="store_true",
@@ -61,6 +65,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _refs(args) -> list[upstream.TestRef]:
+    from backport import upstream
+
     if args.test:
         if not args.rev:
             raise BadInput("--test needs --rev (the upstream commit to take the file from)")
@@ -75,6 +81,8 @@ def _refs(args) -> list[upstream.TestRef]:
 
 
 def render(document: dict) -> str:
+    from backport import upstream
+
     if document["skipped"]:
         return f"upstream tests skipped: {document['skipped']}\n"
     lines: list[str] = []
@@ -120,6 +128,8 @@ def render(document: dict) -> str:
 
 def print_pins(args, roots: list[tuple[str, Path]], refs: list[upstream.TestRef], base_url: str) -> int:
     """`--print-pins`: each file's sha256 as served now, as toml lines to paste into fixes.toml."""
+    from backport import upstream
+
     measured = upstream.measure_pins(roots, refs, base_url=base_url)
     bad = [m.error or m.refused or m.unavailable for m in measured if m.error or m.refused or m.unavailable]
     if bad:
@@ -141,6 +151,10 @@ def print_pins(args, roots: list[tuple[str, Path]], refs: list[upstream.TestRef]
 
 
 def handle(args) -> int:
+    from backport import upstream
+    from backport.probing import ensure_env
+    from backport.tree import package_root_of
+
     if not args.trees and not args.print_pins:
         raise BadInput("upstream-tests needs at least one TREE (or --print-pins)")
     roots = [(spec, package_root_of(spec)) for spec in args.trees]

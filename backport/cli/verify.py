@@ -38,14 +38,14 @@ def _line(path: Path, document: dict) -> str:
 def cmd_verify(args) -> int:
     """One bundle: its verdict as before. Several (CI fan-in): one JSON verdict over all of them;
     every bundle is checked, none stops the others."""
-    from backport.evidence import sign
-    from backport.evidence.verify import verify_signed
-
-    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
     paths = [Path(b) for b in args.bundle]
     for path in paths:
         if not path.is_dir():
             raise BadInput(f"{path}: not a directory")
+    from backport.evidence import sign  # after the check that needs none of it
+    from backport.evidence.verify import verify_signed
+
+    key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
     documents = [_document(*verify_signed(path, key)) for path in paths]
     failed = [d["bundle"] for d in documents if d["integrity"] != "ok"]
     not_pass = [d["bundle"] for d in documents if d["integrity"] == "ok" and d["result"] != "pass"]

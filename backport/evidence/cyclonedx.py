@@ -144,6 +144,9 @@ def build(statement: dict, standards: dict) -> str:
 
 def validation_error(text: str | bytes) -> str | None:
     """The strict CycloneDX 1.6 JSON schema's complaint about a document (None: valid)."""
+    from backport.evidence import jsonschemas
+
+    jsonschemas.load()  # before cyclonedx imports jsonschema: its IRI checks without the rfc3987 grammar
     from cyclonedx.schema import SchemaVersion
     from cyclonedx.validation.json import JsonStrictValidator
 

@@ -15,11 +15,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # jsonschema costs ~1 s of start-up (its format checker's grammar): imported where used
+if TYPE_CHECKING:  # jsonschema is imported where used, through jsonschemas.load (start-up stays light)
     import jsonschema
 
 from backport import resources
 from backport.errors import Finding
+from backport.evidence import jsonschemas
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
@@ -185,9 +186,7 @@ def _validator() -> jsonschema.Draft202012Validator:
     except (OSError, ValueError) as exc:
         raise Finding(f"{path}: the receipt schema cannot be read ({exc}); this installation of "
                       f"sglang-backport is incomplete, so no bundle can be verified") from exc
-    import jsonschema
-
-    return jsonschema.Draft202012Validator(schema)
+    return jsonschemas.load().Draft202012Validator(schema)
 
 
 def schema_errors(statement: Any) -> str | None:

@@ -24,11 +24,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # jsonschema costs ~1 s of start-up (its format checker's grammar): imported where used
+if TYPE_CHECKING:  # jsonschema is imported where used, through jsonschemas.load (start-up stays light)
     import jsonschema
 
 from backport import resources
 from backport.errors import Finding
+from backport.evidence import jsonschemas
 from backport.evidence.identifiers import (  # noqa: F401 - the names scanners match, part of this API
     SITE,
     document_id,
@@ -99,8 +100,7 @@ def build_vex(statement: dict, standards: dict) -> dict:
 def _validator() -> jsonschema.Draft202012Validator:
     path = resources.openvex_schema()
     schema = json.loads(path.read_text())
-    import jsonschema
-
+    jsonschema = jsonschemas.load()
     return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 

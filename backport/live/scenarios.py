@@ -235,3 +235,8 @@ def _count_lines(path, offset: int, needle: str) -> int:
             return sum(needle in line.lower() for line in f.read().decode(errors="replace").splitlines())
     except OSError:
         return 0
+
+
+# Registered last, so it runs after every other scenario of the pair: a route it poisons on a pristine
+# tree is put back, and decode has cached the real entry by then (bootstrap.py says why both matter).
+from backport.live import bootstrap  # noqa: F401 - registers bootstrap_route_poisoning_refused

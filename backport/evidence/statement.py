@@ -9,7 +9,6 @@ digests and statuses in ``inputs.patches``, the patched tree's commit, ``environ
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -18,9 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # jsonschema is imported where used, through jsonschemas.load (start-up stays light)
     import jsonschema
 
-from backport import resources
-from backport.errors import Finding
-from backport.evidence import jsonschemas
+from backport.evidence import formats, jsonschemas
 from backport.evidence.coverage import problems as coverage_problems
 from backport.evidence.environment import probe_torch
 from backport.evidence.layout import (
@@ -40,8 +37,9 @@ from . import live as live_evidence
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
-SCHEMA_VERSION = 3  # 3: toolkit.code (digests of the code that judged) and toolkit.distribution; the bundle marker
-# 2: subjects are the artifacts, bundle files in predicate.files, predicate.export
+# predicate.schema_version, the bundle format: the receipt schema's `$id` says it (formats.py).
+# 3: toolkit.code (digests of the code that judged) and toolkit.distribution; the bundle marker.
+# 2: subjects are the artifacts, bundle files in predicate.files, predicate.export.
 _EMBEDDING_KEYS = ("file", "sha256")
 
 
@@ -78,7 +76,7 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
     predicate = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": formats.current(),
         "mode": mode,
         "toolkit": toolkit,
         "environment": environment,
@@ -180,13 +178,7 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
 
 @cache
 def _validator() -> jsonschema.Draft202012Validator:
-    path = resources.receipt_schema()
-    try:
-        schema = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise Finding(f"{path}: the receipt schema cannot be read ({exc}); this installation of "
-                      f"sglang-backport is incomplete, so no bundle can be verified") from exc
-    return jsonschemas.load().Draft202012Validator(schema)
+    return jsonschemas.load().Draft202012Validator(formats.receipt_schema())
 
 
 def schema_errors(statement: Any) -> str | None:

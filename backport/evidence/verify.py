@@ -2,6 +2,8 @@
 
 Problems come in a fixed order, and each stage runs only when the one before found none:
 
+0. the bundle format its receipt says (formats.py): one this toolkit does not read is bad input,
+   said in one line with the toolkit that reads it, not judged;
 1. the files against SHA256SUMS (in name order);
 2. the files against the receipt's list of them (predicate.files);
 3. the receipt against the receipt schema and against itself (statement.check_statement);
@@ -29,7 +31,7 @@ from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.statement import check_statement, schema_errors
 
-from . import vex
+from . import formats, vex
 
 
 def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list[Problem], dict | None]:
@@ -63,6 +65,7 @@ def verify(bundle: Path | str) -> VerifyResult:
     if not (bundle / MARKER).exists() and not (bundle / RECEIPT).exists():
         # neither the marker nor the receipt: not a damaged bundle, not a bundle at all
         raise BadInput(f"{bundle}: not an evidence bundle (no {MARKER}, no {RECEIPT})")
+    formats.check_readable(bundle)  # a format this toolkit cannot read: said, not judged as altered
     present = bundle_files(bundle)
     actual = digests(present)
     problems, statement = _problems(bundle, present, actual)

@@ -302,7 +302,11 @@ def row(adv: Advisory, subject: str, *, version: str | None, root: Path | None =
     def make(status: str, reason: str) -> Row:
         return Row(adv.id, adv.aliases, adv.title, subject, status, reason, adv.pack_text(), adv.references)
 
-    if adv.pack_class and root is not None and pack_fixed is not None and pack_fixed(adv.pack_class):
+    # "fixed by the pack" only on a release the advisory affects as shipped: a release that ships the
+    # class's fixes itself (0.5.22 for #26789) has them too, and is judged on its code like any other
+    shipped_affected = version is None or any(p.in_range(version) for p in adv.parts)
+    if (adv.pack_class and root is not None and pack_fixed is not None and shipped_affected
+            and pack_fixed(adv.pack_class)):
         return make(FIXED_BY_PACK, f"{adv.pack_class}'s fixes are in this tree")
     hit, how = _affected_parts(adv, version, root)
     if not how:

@@ -133,6 +133,29 @@ def test_over_decode_pool_is_not_applicable_with_its_reason(live_results):
         assert result["verdict"] == "not-applicable" and "decode's pool" in result["observed"]
 
 
+def test_bootstrap_route_poisoned_on_pristine_and_reference_refused_on_patched(live_results, serving):
+    """No release authenticates PUT /route (sgl-project/sglang#39400): on pristine 0.5.19 and on
+    0.5.22 a client without a token points rank 0's entry at the scenario's sink and reads it back;
+    the entry is put back and the pair serves on. Patched (sbp-bootstrap-auth): 401 without a
+    header, 403 with a wrong token, the entry unchanged, the sink silent."""
+    reference = serving[1].reference["valid"]
+    for label in ("pristine-0.5.19", "reference-0.5.22"):
+        result = live_results[label]["scenarios"]["bootstrap_route_poisoning_refused"]
+        assert result["verdict"] == "unsafe", (label, result)
+        details = result["details"]
+        assert [a["put"]["status"] for a in details["attempts"]] == [200, 200], details
+        assert details["attempts"][0]["read_back"]["entry"] == details["attacker"]
+        assert details["restore"]["read_back"]["entry"] == details["before"]["entry"]
+        assert details["final_valid"]["tokens"] == reference
+    result = live_results["patched-0.5.19"]["scenarios"]["bootstrap_route_poisoning_refused"]
+    assert result["verdict"] == "safe", result
+    details = result["details"]
+    assert [a["put"]["status"] for a in details["attempts"]] == [401, 403]
+    assert all(a["read_back"]["entry"] == details["before"]["entry"] for a in details["attempts"])
+    assert details["dp_rank"]["register"]["status"] == 401 and details["sink_connections"] == []
+    assert "restore" not in details and details["final_valid"]["tokens"] == reference
+
+
 def test_audit_live_gate_2_fails_on_pristine_passes_on_patched_and_reference(live_results):
     def gate(label, number):
         return next(g for g in live_results[label]["audit"]["gates"] if g["gate"] == number)

@@ -1,4 +1,4 @@
-"""The two ways a command can end other than success (DESIGN.md, CLI contract)."""
+"""The two ways a command can end other than success (the CLI contract: docs/reference.md)."""
 
 
 class BadInput(Exception):

@@ -1,6 +1,6 @@
 """`sglang-backport`: a thin CLI over the toolkit's library (sources, engine, probing, job, evidence).
 
-Exit codes (DESIGN.md): 0 success or safe, 1 a finding, 2 bad input (one line, no traceback).
+Exit codes: 0 success or safe, 1 a finding, 2 bad input (one line, no traceback).
 With --json every subcommand prints exactly one JSON document on stdout, also on an error
 (`{"error": {"code": N, "message": ...}}`); progress and human output go to stderr.
 """

@@ -161,10 +161,16 @@ def _part(path: Path, where: str, row: dict) -> Part:
     for item in row["exceptions"]:
         if not isinstance(item, dict) or set(item) != {"version", "affected", "reason"}:
             raise _fail(path, where, "an exception is { version, affected, reason }")
-        exceptions.append((_version(path, where, item["version"]), bool(item["affected"]), str(item["reason"])))
+        exceptions.append(
+            (_version(path, where, item["version"]), bool(item["affected"]), str(item["reason"]))
+        )
     rules = []
     for rule in row["affected_when"]:
-        if not isinstance(rule, dict) or not {"file", "pattern"} <= set(rule) <= {"file", "pattern", "absent"}:
+        if not isinstance(rule, dict) or not {"file", "pattern"} <= set(rule) <= {
+            "file",
+            "pattern",
+            "absent",
+        }:
             raise _fail(path, where, "a rule is { file, pattern[, absent] }")
         try:
             re.compile(rule["pattern"])
@@ -198,18 +204,32 @@ def load(series_dir: Path, class_ids: Iterable[str] | None = None) -> tuple[Advi
         where = f"advisory {row['id']}"
         pack = row["pack"]
         if pack not in PACK_WORDS and not (isinstance(pack, str) and _CLASS_ID.fullmatch(pack)):
-            raise _fail(path, where, f"pack {pack!r}: one of {', '.join(PACK_WORDS)} or a class id SBP-YYYY-NNNN")
+            raise _fail(
+                path, where, f"pack {pack!r}: one of {', '.join(PACK_WORDS)} or a class id SBP-YYYY-NNNN"
+            )
         if class_ids is not None and _CLASS_ID.fullmatch(pack) and pack not in set(class_ids):
             raise _fail(path, where, f"pack {pack!r} is not a class of vulnerabilities.toml")
         cond = row["exposed_when"]
-        if not isinstance(cond, dict) or "why" not in cond or len(set(cond) & {"flag", "listener", "release"}) != 1:
+        if (
+            not isinstance(cond, dict)
+            or "why" not in cond
+            or len(set(cond) & {"flag", "listener", "release"}) != 1
+        ):
             raise _fail(path, where, "exposed_when is { flag | listener | release, why }")
-        if cond.get("listener", "bootstrap") != "bootstrap" or (cond.get("flag") and cond["flag"] not in SETTINGS):
-            raise _fail(path, where, f"exposed_when: a flag among {', '.join(SETTINGS)}, listener 'bootstrap'")
+        if cond.get("listener", "bootstrap") != "bootstrap" or (
+            cond.get("flag") and cond["flag"] not in SETTINGS
+        ):
+            raise _fail(
+                path, where, f"exposed_when: a flag among {', '.join(SETTINGS)}, listener 'bootstrap'"
+            )
         if not row["references"] or not all(str(r).startswith("https://") for r in row["references"]):
             raise _fail(path, where, "references must be https URLs (at least one)")
         affects = row["affects"]
-        if not isinstance(affects, dict) or affects.get("package") != "sglang" or not affects.get("component"):
+        if (
+            not isinstance(affects, dict)
+            or affects.get("package") != "sglang"
+            or not affects.get("component")
+        ):
             raise _fail(path, where, 'affects is { package = "sglang", component = "..." }')
         parts = tuple(_part(path, f"{where} part #{i + 1}", p) for i, p in enumerate(row["part"]))
         if not parts:
@@ -370,12 +390,22 @@ def render(section: Mapping[str, list[dict]] | None, roles: Iterable[str] = ()) 
     if not section:
         return []
     order = [r for r in roles if r in section] + sorted(set(section) - set(roles))
-    rows = [Row(r["advisory"], tuple(r["aliases"]), r["title"], r["subject"], r["status"], r["reason"], r["pack"])
-            for role in order for r in section[role]]
-    return ["## What else is open on this release", "",
-            ("Known advisories beyond this pack's classes (patches/advisories.toml), judged on each tree's code. "
-             "No deployment was read: `exposed-if` is open when its condition holds (audit a deployment to see "
-             "it). Information, not a verdict."), "", *markdown(rows)]
+    rows = [
+        Row(r["advisory"], tuple(r["aliases"]), r["title"], r["subject"], r["status"], r["reason"], r["pack"])
+        for role in order
+        for r in section[role]
+    ]
+    return [
+        "## What else is open on this release",
+        "",
+        (
+            "Known advisories beyond this pack's classes (patches/advisories.toml), judged on each tree's code. "
+            "No deployment was read: `exposed-if` is open when its condition holds (audit a deployment to see "
+            "it). Information, not a verdict."
+        ),
+        "",
+        *markdown(rows),
+    ]
 
 
 def markdown(rows: Iterable[Row]) -> list[str]:
@@ -384,5 +414,7 @@ def markdown(rows: Iterable[Row]) -> list[str]:
     for r in rows:
         ident = r.advisory + (f" ({', '.join(r.aliases)})" if r.aliases else "")
         status = f"**{r.status}**" if r.status == OPEN else r.status
-        out.append(f"| {ident}: {r.title} | {r.subject} | {status} | {r.reason.replace('|', '/')} | {r.pack} |")
+        out.append(
+            f"| {ident}: {r.title} | {r.subject} | {status} | {r.reason.replace('|', '/')} | {r.pack} |"
+        )
     return out

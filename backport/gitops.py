@@ -50,7 +50,9 @@ class Background:
         self.args = args
         stdin = _ready_input(input)
         try:
-            self.p = subprocess.Popen(command(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self.p = subprocess.Popen(
+                command(root, args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
         finally:
             if isinstance(stdin, int):
                 if stdin >= 0:
@@ -63,7 +65,9 @@ class Background:
         if self.out is None:
             out, err = self.p.communicate()
             if self.p.returncode != 0:
-                raise GitError(f"git {' '.join(self.args[:2])} failed: {err.decode(errors='replace').strip()}")
+                raise GitError(
+                    f"git {' '.join(self.args[:2])} failed: {err.decode(errors='replace').strip()}"
+                )
             self.out = out
         return self.out
 
@@ -118,7 +122,11 @@ def work_tree(root: Path) -> tuple[Path, str | None]:
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         raise BadInput(f"{root}: not a git repository") from None
     try:
-        if repo.bare or repo.working_tree_dir is None or Path(repo.working_tree_dir).resolve() != root.resolve():
+        if (
+            repo.bare
+            or repo.working_tree_dir is None
+            or Path(repo.working_tree_dir).resolve() != root.resolve()
+        ):
             raise BadInput(f"{root}: not the root of a git work tree")
         return Path(repo.git_dir), _deref(repo, "HEAD")
     finally:

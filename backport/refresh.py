@@ -104,8 +104,10 @@ def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant,
     if source.applies(v):
         specs = [str(s) for s in source.applies_to]
         if f">={v}" not in specs or upper is None or not any(source.applies(r) for r in later):
-            raise BadInput(f"{source.name}: its Applies-To {source.applies_to} serves sglang {v} and does not "
-                           f"start there alone; narrow it by hand first")
+            raise BadInput(
+                f"{source.name}: its Applies-To {source.applies_to} serves sglang {v} and does not "
+                f"start there alone; narrow it by hand first"
+            )
         narrowed = ",".join([f">={upper}"] + [s for s in specs if s != f">={v}"])
     return v, source, applies, narrowed
 
@@ -167,9 +169,13 @@ def continue_refresh(pack: Pack, fix_id: str, version: str, work_tree: Path) -> 
         raise BadInput(f"{work_tree}: not a work tree left by `sglang-backport refresh`") from None
     v, source, applies, narrowed = _plan(pack, fix_id, version)
     if (state["fix"], state["release"]) != (fix_id, str(v)):
-        raise BadInput(f"{work_tree}: a refresh of {state['fix']} for {state['release']}, not {fix_id} for {v}")
+        raise BadInput(
+            f"{work_tree}: a refresh of {state['fix']} for {state['release']}, not {fix_id} for {v}"
+        )
     if state["from_variant"] != source.name:
-        raise BadInput(f"{work_tree}: refreshed from {state['from_variant']}; the nearest is now {source.name}")
+        raise BadInput(
+            f"{work_tree}: refreshed from {state['from_variant']}; the nearest is now {source.name}"
+        )
     if leftover := sorted(p.relative_to(work_tree).as_posix() for p in work_tree.rglob("*.rej")):
         raise BadInput(f"{work_tree}: {leftover[0]} is still there; carry it into its file and delete it")
     if dirty := gitops.uncommitted_paths(work_tree, f"{state['prefix']}sglang"):
@@ -194,7 +200,9 @@ def _closure(pack: Pack, fix_id: str, v: Version) -> list[str]:
     return [f for f in pack.series if f in need]
 
 
-def _place(root: Path, variant: PatchVariant, *, write: bool) -> tuple[tuple[HunkResult, ...], dict[str, str]]:
+def _place(
+    root: Path, variant: PatchVariant, *, write: bool
+) -> tuple[tuple[HunkResult, ...], dict[str, str]]:
     """Place every file of the variant on the tree under ``root`` (the package root); with
     ``write``, write what places. Returns the hunk results and {file: reject text}."""
     ov = Overlay(root)
@@ -221,7 +229,9 @@ def _place(root: Path, variant: PatchVariant, *, write: bool) -> tuple[tuple[Hun
         out = [f"--- {'a/' + fp.old_path if fp.old_path else '/dev/null'}",
                f"+++ {'b/' + fp.new_path if fp.new_path else '/dev/null'}"]
         for h in bad:
-            out += [f"@@ -{h.old_start},{h.old_len} +{h.new_start},{h.new_len} @@"] + [t + x for t, x in h.lines]
+            out += [f"@@ -{h.old_start},{h.old_len} +{h.new_start},{h.new_len} @@"] + [
+                t + x for t, x in h.lines
+            ]
         rejects[fp.path] = "\n".join(out) + "\n"
     return tuple(results), rejects
 
@@ -233,7 +243,10 @@ def _summary(hunks: tuple[HunkResult, ...]) -> str:
         if mine := [h for h in hunks if h.status == status]:
             offsets = "/".join(f"{o:+d}" for o in sorted({h.offset for h in mine}))
             fuzz = f" {max(h.fuzz for h in mine)} at offset {offsets}"
-            parts.append(f"{len(mine)} of {len(hunks)} {label}" + {"exact": "", "offset": f" {offsets}"}.get(status, fuzz))
+            parts.append(
+                f"{len(mine)} of {len(hunks)} {label}"
+                + {"exact": "", "offset": f" {offsets}"}.get(status, fuzz)
+            )
     return ", ".join(parts)
 
 

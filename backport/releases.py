@@ -138,7 +138,9 @@ def _row(path: Path, index: int, row: object) -> Release:
     if set(wheel) != {"file", "sha256"} or not all(isinstance(v, str) for v in wheel.values()):
         raise _fail(path, where, "wheel must be { file = \"...whl\", sha256 = \"<64 hex>\" }")
     if not _SHA256.fullmatch(wheel["sha256"]) or not wheel["file"].endswith(".whl"):
-        raise _fail(path, where, f"wheel pin {wheel['file']!r} / {wheel['sha256']!r} is not a .whl and a sha256")
+        raise _fail(
+            path, where, f"wheel pin {wheel['file']!r} / {wheel['sha256']!r} is not a .whl and a sha256"
+        )
     if "tag" in row and not _COMMIT.fullmatch(row["tag"]):
         raise _fail(path, where, f"tag {row['tag']!r} is not a 40-hex commit id")
     if "exceptions" in row and not row.get("measured"):
@@ -164,12 +166,18 @@ def _exception(path: Path, where: str, index: int, entry: object) -> StatedExcep
         raise _fail(path, where, "names exactly one of `case` or `fix`")
     if "case" in entry:
         if entry["case"].count("/") != 1 or "apply" in entry or not ({"pristine", "patched"} & set(entry)):
-            raise _fail(path, where, "a case exception is { case = \"probe/case\", pristine/patched = VERDICT }")
+            raise _fail(
+                path, where, "a case exception is { case = \"probe/case\", pristine/patched = VERDICT }"
+            )
         for role in ("pristine", "patched"):
             if role in entry and entry[role] not in TREE_VERDICTS:
-                raise _fail(path, where, f"{role} = {entry[role]!r}; expected one of {', '.join(TREE_VERDICTS)}")
+                raise _fail(
+                    path, where, f"{role} = {entry[role]!r}; expected one of {', '.join(TREE_VERDICTS)}"
+                )
     elif entry.get("apply") not in APPLY_OUTCOMES or {"pristine", "patched"} & set(entry):
-        raise _fail(path, where, f"a fix exception is {{ fix = ID, apply = one of {', '.join(APPLY_OUTCOMES)} }}")
+        raise _fail(
+            path, where, f"a fix exception is {{ fix = ID, apply = one of {', '.join(APPLY_OUTCOMES)} }}"
+        )
     return StatedException(entry["reason"], entry.get("case"), entry.get("fix"), entry.get("pristine"),
                            entry.get("patched"), entry.get("apply"))
 

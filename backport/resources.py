@@ -56,10 +56,14 @@ def probes_dir() -> Path:
 
 def receipt_schema() -> Path:
     root = checkout_root()
-    return root / "evidence" / "receipt.schema.json" if root else _installed(DATA_PACKAGE, "receipt.schema.json")
+    return (
+        root / "evidence" / "receipt.schema.json" if root else _installed(DATA_PACKAGE, "receipt.schema.json")
+    )
 
 
 def openvex_schema() -> Path:
     """The OpenVEX 0.2.0 schema this project wrote from the spec (evidence/openvex.schema.json)."""
     root = checkout_root()
-    return root / "evidence" / "openvex.schema.json" if root else _installed(DATA_PACKAGE, "openvex.schema.json")
+    return (
+        root / "evidence" / "openvex.schema.json" if root else _installed(DATA_PACKAGE, "openvex.schema.json")
+    )

@@ -113,8 +113,12 @@ def manifest_digest(entries) -> str:
 def tree_manifest(package_root: Path) -> str:
     """`sha256sum` lines for every file of the `sglang/` package, sorted by path."""
     return manifest_text(
-        (path.relative_to(package_root).as_posix(), sha256_bytes(literal) if literal is not None else sha256_file(path))
-        for path, literal in manifest_files(package_root))
+        (
+            path.relative_to(package_root).as_posix(),
+            sha256_bytes(literal) if literal is not None else sha256_file(path),
+        )
+        for path, literal in manifest_files(package_root)
+    )
 
 
 def tree_digest(package_root: Path) -> str:
@@ -180,9 +184,11 @@ def checkout_version(repo: git.Repo, package_root: Path) -> str | None:
         return said
     if said is not None and not _file_agrees(said, *tag):
         where = next(n for n in ("_version.py", "version.py") if (package_root / "sglang" / n).is_file())
-        raise BadInput(f"{package_root / 'sglang' / where}: says {said} but the checkout's release tag says "
-                       f"v{tag[0]}{f' (+{tag[1]} commits)' if tag[1] else ''}; remove or regenerate the stale "
-                       f"file, or pass --version X (run, apply, status)")
+        raise BadInput(
+            f"{package_root / 'sglang' / where}: says {said} but the checkout's release tag says "
+            f"v{tag[0]}{f' (+{tag[1]} commits)' if tag[1] else ''}; remove or regenerate the stale "
+            f"file, or pass --version X (run, apply, status)"
+        )
     return tag_version(*tag)
 
 
@@ -190,11 +196,15 @@ def no_version_message(tree: Tree, kind: str) -> str:
     """Why a tree has no version, and the way out (variant selection needs one). `kind`: checkout
     (a user's, in place), git (a git+URL@SHA target) or path (a directory)."""
     if kind == "checkout":
-        return (f"{tree.path}: no version: no release tag (v0.5.19 ...) is reachable from HEAD and there is no "
-                f"sglang/_version.py; fetch the tags (git -C {tree.path} fetch --tags) or pass --version X")
+        return (
+            f"{tree.path}: no version: no release tag (v0.5.19 ...) is reachable from HEAD and there is no "
+            f"sglang/_version.py; fetch the tags (git -C {tree.path} fetch --tags) or pass --version X"
+        )
     if kind == "git":
-        return (f"{tree.spec}: no version: no release tag (v0.5.19 ...) in that repository is reachable from the "
-                f"commit; pass --version X")
+        return (
+            f"{tree.spec}: no version: no release tag (v0.5.19 ...) in that repository is reachable from the "
+            f"commit; pass --version X"
+        )
     return f"{tree.spec}: no version: sglang/_version.py and sglang/version.py name none; pass --version X"
 
 
@@ -225,7 +235,11 @@ def open_tree(path: Path, *, spec: str | None = None, version: str | None = None
         repo = None
     if repo is not None:
         with repo:
-            if repo.working_tree_dir and Path(repo.working_tree_dir).resolve() == path and repo.head.is_valid():
+            if (
+                repo.working_tree_dir
+                and Path(repo.working_tree_dir).resolve() == path
+                and repo.head.is_valid()
+            ):
                 base_commit = _pristine_commit(repo)
                 said = said or checkout_version(repo, package_root)
             else:
@@ -269,7 +283,9 @@ def clone_commit(source: Tree, commit: str, parent: Path) -> Tree:
         import shutil
 
         shutil.rmtree(clone.path, ignore_errors=True)
-        raise BadInput(f"{source.path}: commit {commit[:12]} is no longer reachable from its branches") from None
+        raise BadInput(
+            f"{source.path}: commit {commit[:12]} is no longer reachable from its branches"
+        ) from None
     return Tree(clone.path, source.package_prefix, source.version, source.spec, source.artifact_sha256,
                 tree_digest(clone.package_root), commit, source.unpinned)
 

@@ -55,9 +55,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backport.engine import apply_series
 from backport.pack import load_pack
 
-ENV = dict(os.environ, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@localhost", GIT_COMMITTER_NAME="bench",
-           GIT_COMMITTER_EMAIL="bench@localhost", GIT_AUTHOR_DATE="2026-01-01T00:00:00+0000",
-           GIT_COMMITTER_DATE="2026-01-01T00:00:00+0000")
+ENV = dict(
+    os.environ,
+    GIT_AUTHOR_NAME="bench",
+    GIT_AUTHOR_EMAIL="bench@localhost",
+    GIT_COMMITTER_NAME="bench",
+    GIT_COMMITTER_EMAIL="bench@localhost",
+    GIT_AUTHOR_DATE="2026-01-01T00:00:00+0000",
+    GIT_COMMITTER_DATE="2026-01-01T00:00:00+0000",
+)
 
 
 def git(cwd: Path, *args: str, input: bytes | None = None) -> str:
@@ -110,7 +116,8 @@ def make_pack(tree: Path, work: Path, n_fixes: int, n_files: int) -> Path:
         (pack / fid).mkdir()
         (pack / fid / f"{fid}-0.5.17.patch").write_text(
             f"Description: bench fix {k}\nOrigin: upstream, https://github.com/sgl-project/sglang/pull/{90000 + k}\nApplies-To: >=0\nDepends-On: none\n"
-            f"Last-Update: 2026-11-30\n---\n" + diff)
+            f"Last-Update: 2026-11-30\n---\n" + diff
+        )
     (pack / "series").write_text("\n".join(series) + "\n")
     (pack / "fixes.toml").write_text("\n".join(toml))
     return pack
@@ -185,12 +192,16 @@ def main() -> None:
             pack_dir, version = a.pack.resolve(), a.version
             probe = work / "probe"
             subprocess.run(["git", "clone", "-q", "--local", str(tree), str(probe)], check=True)
-            rep = apply_series(probe, load_pack(pack_dir), version, package_prefix=prefix_of(probe), check=True)
+            rep = apply_series(
+                probe, load_pack(pack_dir), version, package_prefix=prefix_of(probe), check=True
+            )
             assert rep.status == "applied", rep.to_json()
             patches = [pack_dir / p.fix / p.variant for p in rep.patches if p.status == "applied"]
         else:
             pack_dir, version = make_pack(tree, work, a.fixes, a.files), "0.5.19"
-            patches = [pack_dir / fid / f"{fid}-0.5.17.patch" for fid in (pack_dir / "series").read_text().split()]
+            patches = [
+                pack_dir / fid / f"{fid}-0.5.17.patch" for fid in (pack_dir / "series").read_text().split()
+            ]
         n_tracked = len(git(tree, "ls-files").splitlines())
         t_engine, t_apply, t_commit = [], [], []
         cpu: dict[int, list[float]] = {0: [], 1: [], 2: []}

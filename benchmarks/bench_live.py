@@ -63,8 +63,18 @@ def floor_seconds(env, model, tree, workdir: Path) -> float:
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     server_env = {**os.environ, **SERVER_ENV, "PYTHONPATH": env.pythonpath(Path(tree.package_root))}
-    argv = [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model.path), "--host", LOOPBACK,
-            "--port", str(port), *COMMON_FLAGS]
+    argv = [
+        str(env.python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model.path),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        *COMMON_FLAGS,
+    ]
     with Processes(workdir) as processes:
         started = time.monotonic()
         server = processes.start("floor", argv, url=f"http://{LOOPBACK}:{port}", env=server_env)
@@ -109,9 +119,14 @@ def race_figures(env, tree, workdir: Path) -> dict:
     sampler.done.set()
     sampler.join()
     startup = result["details"].get("startup_seconds") or 0.0
-    return {"version": tree.version, "startup_seconds": startup,
-            "scenario_seconds": round(result["seconds"] - startup, 1), "peak_rss_gib": round(sampler.peak / 2**30, 2),
-            "verdict": result["verdict"], "observed": result["observed"]}
+    return {
+        "version": tree.version,
+        "startup_seconds": startup,
+        "scenario_seconds": round(result["seconds"] - startup, 1),
+        "peak_rss_gib": round(sampler.peak / 2**30, 2),
+        "verdict": result["verdict"],
+        "observed": result["observed"],
+    }
 
 
 def tree_figures(env, model, tree, workdir: Path) -> dict:
@@ -141,11 +156,20 @@ def main() -> int:
         # the faster of two starts: the first also pays the cold page cache of torch and the tree
         floor = min(floor_seconds(env, model, trees[0], Path(tmp) / f"floor-{n}") for n in (1, 2))
         rows = [tree_figures(env, model, tree, Path(tmp) / f"{i}") for i, tree in enumerate(trees)]
-        races = [race_figures(env, tree, Path(tmp) / f"race-{i}") for i, tree in enumerate(trees)] if args.race else []
+        races = (
+            [race_figures(env, tree, Path(tmp) / f"race-{i}") for i, tree in enumerate(trees)]
+            if args.race
+            else []
+        )
     total = sum(r["startup_seconds"] + r["scenario_seconds"] for r in rows)
-    result = {"floor_seconds": round(floor, 1), "trees": rows, "total_seconds": round(total, 1),
-              "total_over_floor": round(total / floor, 2),
-              "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)", "race_2p1d": races}
+    result = {
+        "floor_seconds": round(floor, 1),
+        "trees": rows,
+        "total_seconds": round(total, 1),
+        "total_over_floor": round(total / floor, 2),
+        "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)",
+        "race_2p1d": races,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -157,8 +181,10 @@ def main() -> int:
               + ", ".join(f"{k}={v}" for k, v in r["verdicts"].items()))
     print(f"total {total:.1f} s = {total / floor:.2f} x floor; goal: under {2 * len(rows)} x floor")
     for r in races:
-        print(f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario {r['scenario_seconds']:.1f} s, "
-              f"peak {r['peak_rss_gib']:.2f} GiB: {r['verdict']} ({r['observed']})")
+        print(
+            f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario {r['scenario_seconds']:.1f} s, "
+            f"peak {r['peak_rss_gib']:.2f} GiB: {r['verdict']} ({r['observed']})"
+        )
     return 0
 
 

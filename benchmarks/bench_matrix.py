@@ -97,14 +97,18 @@ def main() -> int:
                 floor_s += time.perf_counter() - started
 
     print(f"  singles (one harness run per tree): {singles_s:7.1f} s")
-    print(f"  floor (one bare import per tree):   {floor_s:7.1f} s   (matrix: {matrix_s / singles_s:.2f}x singles, "
-          f"{matrix_s / floor_s:.2f}x floor)")
+    print(
+        f"  floor (one bare import per tree):   {floor_s:7.1f} s   (matrix: {matrix_s / singles_s:.2f}x singles, "
+        f"{matrix_s / floor_s:.2f}x floor)"
+    )
     report(len(roots), len(args.versions), matrix_s, one_s, paired, args.repeat)
     return 0
 
 
 def report(trees: int, releases: int, matrix_s: float, one_s: float, paired: float, repeat: int) -> None:
-    print(f"{trees} trees ({releases} releases x pristine/patched + the reference); median of {repeat} paired runs")
+    print(
+        f"{trees} trees ({releases} releases x pristine/patched + the reference); median of {repeat} paired runs"
+    )
     print(f"  matrix (all trees):                 {matrix_s:7.1f} s")
     print(f"  one run (3 trees, matrix):          {one_s:7.1f} s")
     ratio = matrix_s / one_s

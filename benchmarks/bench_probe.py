@@ -62,8 +62,10 @@ def main() -> int:
             with_cov.append(timed(covered, env, tmp))
     bare_s, run_s, cov_s = statistics.median(imports), statistics.median(runs), statistics.median(with_cov)
     ratio = run_s / bare_s
-    print(f"{args.spec}: bare import {bare_s:.2f} s, full probe run {run_s:.2f} s "
-          f"(medians of {args.repeat}); ratio {ratio:.2f}x; goal <= 1.5x: {'met' if ratio <= 1.5 else 'MISSED'}")
+    print(
+        f"{args.spec}: bare import {bare_s:.2f} s, full probe run {run_s:.2f} s "
+        f"(medians of {args.repeat}); ratio {ratio:.2f}x; goal <= 1.5x: {'met' if ratio <= 1.5 else 'MISSED'}"
+    )
     cov_ratio = cov_s / run_s
     print(f"with coverage of {len(files)} patched files: {cov_s:.2f} s; {cov_ratio:.2f}x the probe run; "
           f"goal <= 1.3x: {'met' if cov_ratio <= 1.3 else 'MISSED'}")

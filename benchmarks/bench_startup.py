@@ -46,7 +46,9 @@ def median_cpu(argv: list[str], env: dict[str, str], repeat: int) -> float:
 
 def package_at(rev: str, into: Path) -> Path:
     """The `backport` package of commit REV, extracted under INTO (the git objects, not a checkout)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "backport"], capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "backport"], capture_output=True, check=True
+    )
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
     return into

@@ -117,8 +117,10 @@ def main() -> int:
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     for side, what in (("decode", "metadata gate"), ("prefill", "last-chunk metadata")):
         on, floor = m[f"{side}_on"], m[f"{side}_floor"]
-        print(f"{args.spec} {side} {what}: {on:.0f} ns/request with the check, {floor:.0f} ns floor "
-              f"(+{on - floor:.0f} ns); ratio {on / floor:.2f}x (medians of {args.repeat}, batch {args.batch})")
+        print(
+            f"{args.spec} {side} {what}: {on:.0f} ns/request with the check, {floor:.0f} ns floor "
+            f"(+{on - floor:.0f} ns); ratio {on / floor:.2f}x (medians of {args.repeat}, batch {args.batch})"
+        )
     return 0
 
 

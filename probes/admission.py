@@ -166,7 +166,10 @@ class DoorRig:
     def decode_door(self, req, **flags) -> None:
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
-        if "is_retracted" in flags and "is_retracted" not in inspect.signature(DecodePreallocQueue.add).parameters:
+        if (
+            "is_retracted" in flags
+            and "is_retracted" not in inspect.signature(DecodePreallocQueue.add).parameters
+        ):
             raise NotApplicable("this release's DecodePreallocQueue.add takes no is_retracted (the retracted "
                                 "re-entry door arrived in 0.4.7.post1)")
         DecodePreallocQueue.add(self.decode_queue, req, **flags)
@@ -288,7 +291,8 @@ class _ClientStream:
 
 
 @case(
-    proves=("pr38935",), needs=(">=0.4.6.post4",),
+    proves=("pr38935",),
+    needs=(">=0.4.6.post4",),
     must_preserve=False,
     expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
 )
@@ -363,7 +367,8 @@ def _streaming_session():
 
 
 @case(
-    proves=("pr38935",), needs=(">=0.5.11",),
+    proves=("pr38935",),
+    needs=(">=0.5.11",),
     must_preserve=False,
     expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no handoff, its "
     "400 streamed once, its session no longer in flight (the session's next request is accepted), and the "
@@ -375,7 +380,9 @@ def rejected_session_request_releases_session_and_cache(ctx) -> Outcome:
     ``_release_aborted_request`` runs here (with HiCache storage on), down to the recording tree cache."""
     session = _streaming_session()
     if session is None:
-        raise NotApplicable("streaming sessions keep no in-flight state in this release (no Session.abort_req)")
+        raise NotApplicable(
+            "streaming sessions keep no in-flight state in this release (no Session.abort_req)"
+        )
     rig = DoorRig(ctx)
     if has_method("managers.scheduler.Scheduler", "_release_aborted_request"):
         del rig.shell._release_aborted_request  # the tree's own, not the rig's recorder
@@ -535,7 +542,9 @@ def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
     if "is_rebootstrap" not in inspect.signature(DecodePreallocQueue.add).parameters:
-        raise NotApplicable("DecodePreallocQueue.add has no is_rebootstrap flag: no PD rebootstrap in this release")
+        raise NotApplicable(
+            "DecodePreallocQueue.add has no is_rebootstrap flag: no PD rebootstrap in this release"
+        )
     rig = DoorRig(ctx)
     req = make_req("rebootstrap-d", 64, room=207)
     mark_aborted(req, _finish_abort("Abort in running batch."))  # finished_reason before 0.5.4.post2

@@ -105,7 +105,9 @@ class PrefillSide:
         self.shell = make_scheduler_shell(
             ledger,
             token_to_kv_pool_allocator=self.pages,
-            req_to_token_pool=SimpleNamespace(req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)),
+            req_to_token_pool=SimpleNamespace(
+                req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)
+            ),
             disagg_metadata_buffers=self.buffers,
             enable_staging=False,
             disagg_prefill_bootstrap_queue=SimpleNamespace(
@@ -224,7 +226,11 @@ class DecodeSide:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
         self.ledger, self.rank = ledger, rank
-        self.pages = pages if pages is not None else CountingTokenToKVPoolAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
+        self.pages = (
+            pages
+            if pages is not None
+            else CountingTokenToKVPoolAllocator(ledger, f"decode{rank}", 1024, PAGE_SIZE)
+        )
         self.metadata = RecordingReqToMetadataIdxAllocator(ledger)
         self.buffers = metadata_buffers()
         extra = {}
@@ -265,8 +271,9 @@ class DecodeSide:
         give_kv_row(req, 0, reserved)
         kwargs = {"is_rebootstrap": True} if rebootstrap and "is_rebootstrap" in inspect.signature(
             DecodeRequest).parameters else {}
-        decode_req = DecodeRequest(req=req, kv_receiver=CompletedTransferReceiver(self.ledger, req.bootstrap_room),
-                                   **kwargs)
+        decode_req = DecodeRequest(
+            req=req, kv_receiver=CompletedTransferReceiver(self.ledger, req.bootstrap_room), **kwargs
+        )
         decode_req.metadata_buffer_index = self.metadata.alloc()
         self.queue.queue.append(decode_req)
         return decode_req
@@ -288,8 +295,11 @@ class DecodeSide:
         return {
             "rank": self.rank,
             "reserved_tokens": reservation(req),
-            "recorded_coverage": int(self.buffers.cached_tokens[decode_req.metadata_buffer_index, COVERAGE_SLOT])
-            if hasattr(self.buffers, "cached_tokens") else None,  # no such buffer up to 0.5.2
+            "recorded_coverage": int(
+                self.buffers.cached_tokens[decode_req.metadata_buffer_index, COVERAGE_SLOT]
+            )
+            if hasattr(self.buffers, "cached_tokens")
+            else None,  # no such buffer up to 0.5.2
             "committed": any(r is req for r in committed),
             "finish": reason,
             "refusal_message": getattr(req.finished_reason, "message", None) if reason else None,
@@ -348,8 +358,10 @@ def run_ranks(sides, collective) -> list[list]:
 
 def require_coverage_slot() -> None:
     if not hasattr(metadata_buffers(), "cached_tokens"):
-        raise NotApplicable("this release's MetadataBuffers has no cached_tokens buffer (added in 0.5.3): the "
-                            "transferred-coverage check's spare slot, which carries the coverage, does not exist")
+        raise NotApplicable(
+            "this release's MetadataBuffers has no cached_tokens buffer (added in 0.5.3): the "
+            "transferred-coverage check's spare slot, which carries the coverage, does not exist"
+        )
 
 
 def one_handoff(ctx, *, decode_tokens: int, prefill_tokens: int, rid: str, room: int, output_ids=(),

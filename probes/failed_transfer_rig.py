@@ -252,7 +252,9 @@ class RaisedRecorder(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and record.exc_info[1] is not None:
-            self.raised.append(f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}")
+            self.raised.append(
+                f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+            )
 
 
 @contextlib.contextmanager

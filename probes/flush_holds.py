@@ -71,17 +71,21 @@ def flush_cache(shell) -> bool:
 
 
 @case(
-    proves=("sbp-flush-holds",), needs=("pr35049",), beyond_upstream=True,
+    proves=("sbp-flush-holds",),
+    needs=("pr35049",),
+    beyond_upstream=True,
     must_preserve=False,
     expect="/flush_cache while a deferred KV release holds a failed transfer's pages is refused: after both drain "
-           "ACKs the pages are released once, no page is on the free list twice, and a flush after the release "
-           "is accepted.",
+    "ACKs the pages are released once, no page is on the free list twice, and a flush after the release "
+    "is accepted.",
 )
 def flush_during_deferred_hold_frees_nothing_twice(ctx) -> Outcome:
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
     if not hasattr(DecodeTransferQueue, "has_pending_deferred_releases"):
-        raise NotApplicable("decode has no deferred KV release in this release (no #35049): no hold to flush over")
+        raise NotApplicable(
+            "decode has no deferred KV release in this release (no #35049): no hold to flush over"
+        )
     rig = TransferRig(ctx, deferred_env="1")
     mgr = drain_acking_manager(rig.ledger)
     rcv = drain_acking_receiver(rig.ledger, mgr, room=ROOM, prefill_ranks=2)

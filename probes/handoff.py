@@ -105,7 +105,9 @@ class ListMetadataPrefillSide:
         self.shell = make_scheduler_shell(
             ledger,
             token_to_kv_pool_allocator=PagePoolStandIn(ledger, "prefill", 256, PAGE_SIZE),
-            req_to_token_pool=SimpleNamespace(req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)),
+            req_to_token_pool=SimpleNamespace(
+                req_to_token=torch.arange(8 * 1024, dtype=torch.int64).reshape(8, 1024)
+            ),
             **{prefill_bootstrap_queue_attr(): queue},
         )
 
@@ -148,8 +150,12 @@ class HandoffRig(DoorRig):
         super().__init__(ctx)
         # Up to 0.4.5.post3 PD moves KV by token index (no kv_to_page_num): a page is one token.
         page = self.page_size = PAGE_SIZE if sg_attr("disaggregation.utils", "kv_to_page_num") else 1
-        self.prefill_pages = CountingTokenToKVPoolAllocator(self.ledger, "prefill", PREFILL_POOL_TOKENS // page, page)
-        self.decode_pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 4096 * PAGE_SIZE // page, page)
+        self.prefill_pages = CountingTokenToKVPoolAllocator(
+            self.ledger, "prefill", PREFILL_POOL_TOKENS // page, page
+        )
+        self.decode_pages = CountingTokenToKVPoolAllocator(
+            self.ledger, "decode", 4096 * PAGE_SIZE // page, page
+        )
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.prefill"), self.prefill_pages)
         self.shell.token_to_kv_pool_allocator = self.prefill_pages
         self.shell.disaggregation_mode = DisaggregationMode.PREFILL

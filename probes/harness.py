@@ -208,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m probes.harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
-    parser.add_argument("--version", help="the tree's release as the toolkit decided it (git tag, wheel), which "
-                                          "the cases read; default: the tree's own sglang.__version__")
+    parser.add_argument(
+        "--version",
+        help="the tree's release as the toolkit decided it (git tag, wheel), which "
+        "the cases read; default: the tree's own sglang.__version__",
+    )
     parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
                         help="record the lines of this file (relative to the tree) that run, from before "
                              "`import sglang` to the last case (repeatable; needs the coverage package)")

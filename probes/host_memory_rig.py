@@ -51,7 +51,9 @@ def host_receive_or_skip() -> None:
         raise NotApplicable("decode has no host receive (allocate_host_staged) in this release")
 
 
-def host_staged_handoff(ctx, *, prompt_tokens: int, prefill_tokens: int, rid: str, room: int) -> dict[str, Any]:
+def host_staged_handoff(
+    ctx, *, prompt_tokens: int, prefill_tokens: int, rid: str, room: int
+) -> dict[str, Any]:
     """Decode admitted the request to host pages (``_pre_alloc_host``: no device
     reservation yet, ``kv_committed_len`` unset); prefill writes a
     ``prefill_tokens`` sequence there; decode's real transfer queue polls it."""
@@ -82,7 +84,9 @@ def host_staged_handoff(ctx, *, prompt_tokens: int, prefill_tokens: int, rid: st
     obs["prefill_last_chunk_tokens"] = int(preq.start_send_idx)
     obs["reserved_tokens"] = reservation(req)
     obs["device_reservations"] = ledger.of("allocate_host_staged", rid=rid)
-    obs["held_for_drain"] = any(entry[0] is decode_req for entry in getattr(decode.queue, "_deferred_releases", []))
+    obs["held_for_drain"] = any(
+        entry[0] is decode_req for entry in getattr(decode.queue, "_deferred_releases", [])
+    )
     obs["host_released"] = ledger.count("discard_host_backup", rid=rid)
     return obs
 

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="append", default=[],
                         help="each tree's release as the toolkit decided it, in --tree order (optional)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--bytecode", metavar="DIR", help="cache of the trees' compiled modules (probes/bytecode.py)")
+    parser.add_argument(
+        "--bytecode", metavar="DIR", help="cache of the trees' compiled modules (probes/bytecode.py)"
+    )
     parser.add_argument("--out", required=True, help="directory for <index>.json and <index>.log")
     args = parser.parse_args(argv)
     if args.jobs < 1 or not os.path.isdir(args.out) or len(args.version) not in (0, len(args.tree)):
@@ -80,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         install_bytecode_cache(os.path.dirname(os.path.abspath(__file__)), args.bytecode)
     timings = preload()
     if args.bytecode:
-        install_source_blocks(os.path.join(args.bytecode, "source-blocks"))  # triton reads its kernels' source
-        install_generated_code(os.path.join(args.bytecode, "generated-code"))  # dataclasses' methods, ForwardRefs
+        install_source_blocks(
+            os.path.join(args.bytecode, "source-blocks")
+        )  # triton reads its kernels' source
+        install_generated_code(
+            os.path.join(args.bytecode, "generated-code")
+        )  # dataclasses' methods, ForwardRefs
     # Without this a child's first full collection walks every preloaded object (0.5 s on
     # 0.5.20 and later) and writes to each one's page, which the fork shared.
     gc.freeze()
@@ -97,8 +103,15 @@ def main(argv: list[str] | None = None) -> int:
             index, tree = pending.pop(0)
             pid = os.fork()
             if pid == 0:
-                _child(os.path.abspath(tree), args.probe, args.coverage, os.path.join(args.out, f"{index}.json"),
-                       os.path.join(args.out, f"{index}.log"), args.bytecode, versions[index])
+                _child(
+                    os.path.abspath(tree),
+                    args.probe,
+                    args.coverage,
+                    os.path.join(args.out, f"{index}.json"),
+                    os.path.join(args.out, f"{index}.log"),
+                    args.bytecode,
+                    versions[index],
+                )
             running[pid] = (index, time.monotonic())
         pid, wait_status = os.wait()
         if pid in running:
@@ -115,4 +128,6 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # every child is reaped and the summary written: skip torch's 1-2 s of interpreter teardown
+    os._exit(
+        code
+    )  # every child is reaped and the summary written: skip torch's 1-2 s of interpreter teardown

@@ -89,18 +89,21 @@ def _details(rig: TransferRig, built: ConstructedMoriDecodeManager) -> dict[str,
 
 
 @case(
-    proves=("sbp-mori-hold",), needs=(">=0.5.9",),
+    proves=("sbp-mori-hold",),
+    needs=(">=0.5.9",),
     must_preserve=False,
     expect="With the default environment, a Mori transfer that decode aborts mid-transfer keeps its pages and "
-           "metadata slot while the transfer may still write (until the drain ACK or the deferred-release "
-           "timeout), then releases them exactly once.",
+    "metadata slot while the transfer may still write (until the drain ACK or the deferred-release "
+    "timeout), then releases them exactly once.",
 )
 def aborted_mori_transfer_holds_pages(ctx) -> Outcome:
     with _aborted_mori_transfer(ctx, 701, deferred_env=None) as (rig, built, req, clock):
         return _judge_hold(rig, built, req, clock)
 
 
-def _judge_hold(rig: TransferRig, built: ConstructedMoriDecodeManager, req, clock: DecodeClockStandIn) -> Outcome:
+def _judge_hold(
+    rig: TransferRig, built: ConstructedMoriDecodeManager, req, clock: DecodeClockStandIn
+) -> Outcome:
     steps = [{"step": "pop_transferred(Failed)", **rig.snapshot(req)}]
     rig.resolve()
     steps.append({"step": "resolve, no ACK, before the timeout", **rig.snapshot(req)})
@@ -118,13 +121,16 @@ def _judge_hold(rig: TransferRig, built: ConstructedMoriDecodeManager, req, cloc
                         f"metadata slot freed {final['metadata_frees']} time(s), not once each")
     if details["double_releases"]:
         problems.append("a page was released twice")
-    return judged(problems, "Pages and metadata slot held until the timeout, then released exactly once.", details)
+    return judged(
+        problems, "Pages and metadata slot held until the timeout, then released exactly once.", details
+    )
 
 
 @case(
-    needs=(">=0.5.9",), must_preserve=True,
+    needs=(">=0.5.9",),
+    must_preserve=True,
     expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 (the off switch), a Mori transfer that decode "
-           "aborts releases its pages and metadata slot at once, exactly once, and holds nothing.",
+    "aborts releases its pages and metadata slot at once, exactly once, and holds nothing.",
 )
 def mori_off_switch_releases_at_once(ctx) -> Outcome:
     with _aborted_mori_transfer(ctx, 702, deferred_env="0") as (rig, built, req, _clock):

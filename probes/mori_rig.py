@@ -100,7 +100,9 @@ class ConstructedMoriDecodeManager:
             kv_mgr=self.mgr,
             bootstrap_room=room,
             bootstrap_addr=PREFILL_ADDR,
-            bootstrap_infos=[{"rank": r, "rank_ip": "10.0.0.2", "rank_port": 18000 + r} for r in range(prefill_ranks)],
+            bootstrap_infos=[
+                {"rank": r, "rank_ip": "10.0.0.2", "rank_port": 18000 + r} for r in range(prefill_ranks)
+            ],
             required_dst_info_num=1,
             abort_notified=False,
             init_time=1.0,  # send_metadata returned: prefill may be writing
@@ -123,7 +125,9 @@ class ConstructedMoriDecodeManager:
     def close(self) -> None:
         """Close the PULL socket and both ZMQ contexts (the common one owns the socket)."""
         socket = getattr(self.mgr, "server_socket", None)
-        contexts = {id(c): c for c in (getattr(socket, "context", None), getattr(self.mgr, "_zmq_ctx", None)) if c}
+        contexts = {
+            id(c): c for c in (getattr(socket, "context", None), getattr(self.mgr, "_zmq_ctx", None)) if c
+        }
         if socket is not None:
             socket.close(linger=0)
         for zmq_ctx in contexts.values():

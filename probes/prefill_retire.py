@@ -72,7 +72,9 @@ class RetireRig:
         )
         # Up to 0.4.7 the scheduler keeps no metadata allocator of its own: the bootstrap queue's is the
         # one its inflight queue frees through (the queue under the release's own name).
-        queue = SimpleNamespace(req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator)
+        queue = SimpleNamespace(
+            req_to_metadata_buffer_idx_allocator=self.shell.req_to_metadata_buffer_idx_allocator
+        )
         setattr(self.shell, prefill_bootstrap_queue_attr(), queue)
         self._next_row = 0
 
@@ -176,9 +178,9 @@ def final_aborted_result_retired(ctx) -> Outcome:
     reject_at_intake(req, "Input length exceeds the maximum allowed length.")
     rig.deliver_result([req])
     obs = rig.observe(req)
-    obs["hicache_storage_releases"] = rig.ledger.count("tree_release_aborted", rid=req.rid) + rig.ledger.count(
-        "tree_finish", outcome="ABORT"
-    )
+    obs["hicache_storage_releases"] = rig.ledger.count(
+        "tree_release_aborted", rid=req.rid
+    ) + rig.ledger.count("tree_finish", outcome="ABORT")
     problems = _retired_once(obs)
     if not obs["sender_aborted"] and hasattr(rig.sender_cls, "abort"):  # no sender abort() before 0.4.9.post5
         problems.append("sender not aborted")
@@ -241,7 +243,9 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
 
     rig = RetireRig(ctx, abort_raises=True)
     if not hasattr(rig.sender_cls, "abort"):
-        raise NotApplicable("no KV sender of this release has abort() (MooncakeKVSender.abort from 0.4.9.post5)")
+        raise NotApplicable(
+            "no KV sender of this release has abort() (MooncakeKVSender.abort from 0.4.9.post5)"
+        )
     req = rig.prefilled_req("abort-raises", 64, room=303)
     mark_aborted(req, FINISH_ABORT("Multimodal encoder failed."))
     rig.deliver_result([req])
@@ -331,7 +335,8 @@ class _RejectingGrammar:
 
 
 @case(
-    proves=("pr36988",), needs=(">=0.4.9.post5",),
+    proves=("pr36988",),
+    needs=(">=0.4.9.post5",),
     must_preserve=False,
     expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
 )
@@ -349,8 +354,10 @@ def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
     except ValueError as exc:
         if not grammar.accept_calls or "not allowed by the grammar" not in str(exc):
             raise
-        raise NotApplicable("the prefill result path does not handle a grammar's rejection of the sampled "
-                            "token in this release (accept_token's ValueError escapes it; handled from 0.4.9.post5)") from None
+        raise NotApplicable(
+            "the prefill result path does not handle a grammar's rejection of the sampled "
+            "token in this release (accept_token's ValueError escapes it; handled from 0.4.9.post5)"
+        ) from None
     if not grammar.accept_calls:
         raise NotApplicable(
             "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this release"
@@ -404,7 +411,9 @@ def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
     retry on the middle-chunk path; a request that is not aborted still takes the retry
     (``optimistic_release_and_requeue``)."""
     if not has_method("managers.scheduler.Scheduler", "optimistic_release_and_requeue"):
-        raise NotApplicable("no optimistic prefill in this release (before 0.5.13): no bootstrap can be pending")
+        raise NotApplicable(
+            "no optimistic prefill in this release (before 0.5.13): no bootstrap can be pending"
+        )
     from types import SimpleNamespace
 
     rig = RetireRig(ctx)
@@ -429,16 +438,21 @@ def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
         and obs["finished_reason"] is None
     )
     if ok:
-        return Outcome(SAFE, "The pending-bootstrap request was released and requeued for its retry; nothing retired.", obs)
+        return Outcome(
+            SAFE,
+            "The pending-bootstrap request was released and requeued for its retry; nothing retired.",
+            obs,
+        )
     return Outcome(UNSAFE, "The pending-bootstrap middle result did not take the optimistic retry.", obs)
 
 
 @case(
-    proves=("pr36988",), needs=(">=0.5.4,<0.5.9",),
+    proves=("pr36988",),
+    needs=(">=0.5.4,<0.5.9",),
     must_preserve=False,
     expect="Where the release's own KV release leaves req.req_pool_idx set (0.5.4 - 0.5.8.post1), retiring the same "
-           "aborted request twice releases it once: the second call finds nothing owned, returns False and "
-           "releases, frees and raises nothing.",
+    "aborted request twice releases it once: the second call finds nothing owned, returns False and "
+    "releases, frees and raises nothing.",
 )
 def second_retirement_is_inert(ctx) -> Outcome:
     """The retirement helper's "already retired" test, called twice on the real module. These

@@ -68,8 +68,12 @@ class MooncakeSide:
         module = sg("disaggregation.mooncake.conn")
         from packaging.version import Version
 
-        if not hasattr(module.MooncakeKVManager, "start_prefill_thread") or tree_version() >= Version("0.4.7"):
-            raise NotApplicable("the Mooncake manager's closure threads of 0.4.5.post1 - 0.4.6.post5 are not in this tree")
+        if not hasattr(module.MooncakeKVManager, "start_prefill_thread") or tree_version() >= Version(
+            "0.4.7"
+        ):
+            raise NotApplicable(
+                "the Mooncake manager's closure threads of 0.4.5.post1 - 0.4.6.post5 are not in this tree"
+            )
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         self.threads: dict[str, Any] = {}
@@ -85,12 +89,17 @@ class MooncakeSide:
             register=lambda *a: None, get_session_id=lambda: "10.0.0.1:19500"))
         ctx.patch(module, "get_free_port", lambda: 18000)
         ctx.patch(module, "get_local_ip_by_remote", lambda: "10.0.0.1")
-        ctx.patch(module, "requests", SimpleNamespace(put=lambda *a, **k: SimpleNamespace(status_code=200, text="")))
+        ctx.patch(
+            module, "requests", SimpleNamespace(put=lambda *a, **k: SimpleNamespace(status_code=200, text=""))
+        )
         # 0.4.6.post5's sender pool is cpu_count // 4 threads: 0 on this 2-core host
         ctx.patch(os, "cpu_count", lambda: 4)
         zmq_socket = SimpleNamespace(bind=lambda *a: None, recv_multipart=self.socket_in.get)
-        ctx.patch(module, "zmq", SimpleNamespace(Context=lambda: SimpleNamespace(socket=lambda kind: zmq_socket),
-                                                 PULL=0, PUSH=1))
+        ctx.patch(
+            module,
+            "zmq",
+            SimpleNamespace(Context=lambda: SimpleNamespace(socket=lambda kind: zmq_socket), PULL=0, PUSH=1),
+        )
         args = SimpleNamespace(kv_data_ptrs=[4096], kv_data_lens=[4096], aux_data_ptrs=[8192],
                                aux_data_lens=[64], gpu_id=0, ib_device=None, engine_rank=0)
         server_args = SimpleNamespace(disaggregation_bootstrap_port=8998, dist_init_addr=None, tp_size=1,
@@ -101,7 +110,10 @@ class MooncakeSide:
             self.mgr.transfer_queue = _Feed()
         # Prefill's pushes to decode: recorded on the wire decode reads.
         self.mgr._connect = lambda endpoint: SimpleNamespace(
-            send_multipart=lambda frames: wire.append({"endpoint": endpoint, "frames": [bytes(f) for f in frames]}))
+            send_multipart=lambda frames: wire.append(
+                {"endpoint": endpoint, "frames": [bytes(f) for f in frames]}
+            )
+        )
 
     def run(self, name: str) -> None:
         try:
@@ -179,8 +191,10 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
     return {
         "order": " then ".join(steps),
         "sender_created": getattr(req, "disagg_kv_sender", None) is not None,
-        "reports": [{"endpoint": m["endpoint"], "room": m["frames"][0].decode(), "status": m["frames"][1].decode()}
-                    for m in wire],
+        "reports": [
+            {"endpoint": m["endpoint"], "room": m["frames"][0].decode(), "status": m["frames"][1].decode()}
+            for m in wire
+        ],
         "prefill_keeps_registration": REFUSED_ROOM in prefill.mgr.transfer_infos,
         "wire": wire,
     }
@@ -191,7 +205,7 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
     needs=(">=0.4.5.post1,<0.4.7",),
     must_preserve=False,
     expect="A request prefill's door refuses is reported to every decode rank registered for its room, whether "
-           "decode registered before or after the refusal; prefill keeps nothing for the room.",
+    "decode registered before or after the refusal; prefill keeps nothing for the room.",
 )
 def prefill_reports_refused_room(ctx) -> Outcome:
     runs = [refuse_at_prefill(ctx, register_first=first) for first in (True, False)]
@@ -215,7 +229,7 @@ def prefill_reports_refused_room(ctx) -> Outcome:
     needs=(">=0.4.5.post1,<0.4.7",),
     must_preserve=False,
     expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and metadata "
-           "slot returned, the request aborted once), and the next valid request is still served.",
+    "slot returned, the request aborted once), and the next valid request is still served.",
 )
 def decode_releases_refused_room(ctx) -> Outcome:
     from sglang.srt.disaggregation.base import KVPoll
@@ -225,7 +239,11 @@ def decode_releases_refused_room(ctx) -> Outcome:
     rig = TransferRig(ctx)
     rig.queue.metadata_buffers = _FirstTokenBuffers()
     # One TP rank: the all-reduce of the polls is the polls themselves.
-    ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce", lambda pollers, *a, **k: [p.poll() for p in pollers])
+    ctx.patch(
+        sg("disaggregation.decode"),
+        "poll_and_all_reduce",
+        lambda pollers, *a, **k: [p.poll() for p in pollers],
+    )
     baseline = rig.pages.available_size()
 
     def receiver(room: int):

@@ -84,7 +84,9 @@ def handler_from_source(module_file: str, name: str, global_state) -> object:
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for alias in node.names:
                 if (alias.asname or alias.name) in used:
-                    namespace[alias.asname or alias.name] = getattr(importlib.import_module(node.module), alias.name)
+                    namespace[alias.asname or alias.name] = getattr(
+                        importlib.import_module(node.module), alias.name
+                    )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 bound = alias.asname or alias.name.split(".")[0]
@@ -119,7 +121,9 @@ def server_args_for(args, node):
     from sglang.srt.server_args import ServerArgs
 
     # A dataclass up to 0.5.19, a msgspec struct from 0.5.20.
-    fields = set(getattr(ServerArgs, "__dataclass_fields__", {})) | set(getattr(ServerArgs, "__struct_fields__", ()))
+    fields = set(getattr(ServerArgs, "__dataclass_fields__", {})) | set(
+        getattr(ServerArgs, "__struct_fields__", ())
+    )
     kwargs = {"model_path": "dummy", "context_length": args.context_length, "page_size": args.page_size,
                   "disaggregation_mode": node["mode"], "disaggregation_transfer_backend": args.backend}
     if node["kv_checksum"]:

@@ -27,7 +27,9 @@ _original = inspect.getsourcelines
 class BlockCache:
     def __init__(self, folder: str):
         self.folder = folder
-        self.digests: dict[int, tuple[list[str], str]] = {}  # id(lines) -> (lines, digest): linecache reuses a file's list
+        self.digests: dict[
+            int, tuple[list[str], str]
+        ] = {}  # id(lines) -> (lines, digest): linecache reuses a file's list
         self.maps: dict[str, dict[str, int]] = {}
 
     def _digest(self, lines: list[str]) -> str:

@@ -67,14 +67,26 @@ def restore_tree(ledger) -> SimpleNamespace:
     controller.write_policy = "write_through"
     controller.evict_device = pages.free
     dma = LoadDma()
-    controller.layer_done_counter = SimpleNamespace(events=[SimpleNamespace(finish_event=dma)], producer_index=0,
-                                                    num_counters=1)
+    controller.layer_done_counter = SimpleNamespace(
+        events=[SimpleNamespace(finish_event=dma)], producer_index=0, num_counters=1
+    )
     tree = object.__new__(HiRadixCache)
-    attrs = {"disable": False, "cache_controller": controller, "evictable_size_": 0, "protected_size_": 0,
-             "evictable_leaves": set(), "evictable_host_leaves": set(), "ongoing_load_back": {},
-             "load_back_threshold": 1, "pp_rank": 0, "metrics_collector": None, "page_size": 1,
-             "enable_storage": False, "enable_kv_cache_events": False,
-             "kv_events": SimpleNamespace(record_store=lambda *a, **k: None, record_remove=lambda *a, **k: None)}
+    attrs = {
+        "disable": False,
+        "cache_controller": controller,
+        "evictable_size_": 0,
+        "protected_size_": 0,
+        "evictable_leaves": set(),
+        "evictable_host_leaves": set(),
+        "ongoing_load_back": {},
+        "load_back_threshold": 1,
+        "pp_rank": 0,
+        "metrics_collector": None,
+        "page_size": 1,
+        "enable_storage": False,
+        "enable_kv_cache_events": False,
+        "kv_events": SimpleNamespace(record_store=lambda *a, **k: None, record_remove=lambda *a, **k: None),
+    }
     for name, value in attrs.items():
         setattr(tree, name, value)
     from sglang.srt.mem_cache import radix_cache
@@ -102,9 +114,16 @@ def start_load_back(hc) -> list[int]:
     assert indices is not None, "probe: load_back found no device pages"
     hc.tree.inc_lock_ref(hc.node)
     ops, hc.controller.load_queue = hc.controller.load_queue, []
-    hc.controller.ack_load_queue.append(SimpleNamespace(
-        finish_event=hc.dma, node_ids=[op.node_ids[0] if hasattr(op, "node_ids") else op.node_id for op in ops],
-        num_tokens=len(indices), num_tokens_by_pool={}, num_bytes=0, timing_enabled=False))
+    hc.controller.ack_load_queue.append(
+        SimpleNamespace(
+            finish_event=hc.dma,
+            node_ids=[op.node_ids[0] if hasattr(op, "node_ids") else op.node_id for op in ops],
+            num_tokens=len(indices),
+            num_tokens_by_pool={},
+            num_bytes=0,
+            timing_enabled=False,
+        )
+    )
     return [int(i) for i in indices.tolist()]
 
 

@@ -173,9 +173,16 @@ def deliver_prefill_result(shell, reqs, sampled_token: int) -> None:
         # the tree's own (empty) logits output: 0.4.8 reads its hidden_states unguarded; no
         # logprob or hidden state is asked for, so nothing else of it is read
         logits_output = LogitsProcessorOutput(next_token_logits=None)
-        result = construct_with(GenerationBatchResult, next_token_ids=next_token_ids, logits_output=logits_output,
-                                pp_hidden_states_proxy_tensors=None, extend_input_len_per_req=None,
-                                extend_logprob_start_len_per_req=None, bid=0, can_run_cuda_graph=False)
+        result = construct_with(
+            GenerationBatchResult,
+            next_token_ids=next_token_ids,
+            logits_output=logits_output,
+            pp_hidden_states_proxy_tensors=None,
+            extend_input_len_per_req=None,
+            extend_logprob_start_len_per_req=None,
+            bid=0,
+            can_run_cuda_graph=False,
+        )
     else:
         result = GenerationBatchResult(next_token_ids=next_token_ids)
     type(shell).process_batch_result_disagg_prefill(shell, ScheduleBatchShell(reqs), result)

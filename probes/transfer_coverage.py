@@ -55,10 +55,16 @@ from probes.standins_memory import patch_cache_helpers
 
 def _refusal(obs: dict[str, Any], what: str, must_say: str) -> Outcome:
     if refused(obs) and must_say in (obs["refusal_message"] or ""):
-        return Outcome(SAFE, f"{what} refused: 500, pages released once, counter {obs['refusal_counter']}.", obs)
+        return Outcome(
+            SAFE, f"{what} refused: 500, pages released once, counter {obs['refusal_counter']}.", obs
+        )
     if obs["committed"]:
-        return Outcome(UNSAFE, f"{what} committed: decode would attend over {obs['reserved_tokens']} reserved "
-                               f"tokens with {obs['prefill_last_chunk_tokens']} written.", obs)
+        return Outcome(
+            UNSAFE,
+            f"{what} committed: decode would attend over {obs['reserved_tokens']} reserved "
+            f"tokens with {obs['prefill_last_chunk_tokens']} written.",
+            obs,
+        )
     return Outcome(UNSAFE, f"{what} not refused cleanly (status, release or message).", obs)
 
 
@@ -73,7 +79,9 @@ def _commit(obs: dict[str, Any], what: str) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",),
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
     must_preserve=False,
     expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP 500, never committed, pages released once, counted.",
 )
@@ -85,18 +93,24 @@ def short_coverage_refused(ctx) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",),
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
     must_preserve=False,
     expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported as such, never silently committed.",
 )
 def unpatched_peer_refused(ctx) -> Outcome:
     """The metadata row as an unpatched prefill writes it: slot 7 never set."""
-    obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="unpatched", room=602, erase_coverage=True)
+    obs = one_handoff(
+        ctx, decode_tokens=200, prefill_tokens=200, rid="unpatched", room=602, erase_coverage=True
+    )
     return _refusal(obs, "The handoff without recorded coverage", "no transferred KV coverage")
 
 
 @case(
-    proves=("sbp-transfer-coverage",), needs=(">=0.5.3",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",),
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
     must_preserve=False,
     expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none commits it alone.",
 )
@@ -105,13 +119,20 @@ def tp_ranks_refuse_together(ctx) -> Outcome:
     return _two_ranks(ctx, short_on_rank1=True)
 
 
-@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="A complete handoff is committed with its pages.")
+@case(
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
+    must_preserve=True,
+    expect="A complete handoff is committed with its pages.",
+)
 def full_coverage_committed(ctx) -> Outcome:
     obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="full", room=611)
     return _commit(obs, "The complete handoff")
 
 
-@case(needs=(">=0.5.3",), beyond_upstream=True,
+@case(
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
     must_preserve=True,
     expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, so prefill sends only the rest) is committed.",
 )
@@ -121,9 +142,16 @@ def cached_prefix_committed(ctx) -> Outcome:
     return _commit(obs, "The handoff after a 64-token decode-held prefix and a 128-token prefill cache hit")
 
 
-@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="A chunked prefill's handoff (several chunks, the last one completing it) is committed.")
+@case(
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
+    must_preserve=True,
+    expect="A chunked prefill's handoff (several chunks, the last one completing it) is committed.",
+)
 def chunked_prefill_committed(ctx) -> Outcome:
-    obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="chunked", room=613, chunk_ends=(64, 128))
+    obs = one_handoff(
+        ctx, decode_tokens=200, prefill_tokens=200, rid="chunked", room=613, chunk_ends=(64, 128)
+    )
     return _commit(obs, "The three-chunk handoff")
 
 
@@ -136,7 +164,8 @@ def _rebootstrap_or_skip():
 
 
 @case(
-    needs=(">=0.5.16",), beyond_upstream=True,
+    needs=(">=0.5.16",),
+    beyond_upstream=True,
     must_preserve=True,
     expect="A rebootstrap with output tokens (decode reserves prompt + emitted tokens, prefill recomputes them all) is committed.",
 )
@@ -148,7 +177,8 @@ def rebootstrap_output_tokens_committed(ctx) -> Outcome:
 
 
 @case(
-    needs=(">=0.5.16",), beyond_upstream=True,
+    needs=(">=0.5.16",),
+    beyond_upstream=True,
     must_preserve=True,
     expect="A request that was retracted (its KV state reset by reset_for_retract) and handed off again is committed.",
 )
@@ -168,7 +198,9 @@ def retracted_request_committed(ctx) -> Outcome:
     return _commit(obs, "The retracted request's new handoff")
 
 
-@case(needs=(">=0.5.3",), beyond_upstream=True,
+@case(
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
     must_preserve=True,
     expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, is committed.",
 )
@@ -177,7 +209,12 @@ def speculative_transfer_committed(ctx) -> Outcome:
     return _commit(obs, "The EAGLE handoff")
 
 
-@case(needs=(">=0.5.3",), beyond_upstream=True, must_preserve=True, expect="Two attention-TP ranks that both see a complete handoff commit it together.")
+@case(
+    needs=(">=0.5.3",),
+    beyond_upstream=True,
+    must_preserve=True,
+    expect="Two attention-TP ranks that both see a complete handoff commit it together.",
+)
 def tp_ranks_commit_together(ctx) -> Outcome:
     return _two_ranks(ctx, short_on_rank1=False)
 
@@ -207,7 +244,9 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
         if not any(committed) and all(refused(o) for o in obs):
             return Outcome(SAFE, "Both ranks refused the request (rank 1 saw 16 of 200 tokens).", details)
         if all(committed):
-            return Outcome(UNSAFE, "Both ranks committed although rank 1's KV covers 16 of 200 tokens.", details)
+            return Outcome(
+                UNSAFE, "Both ranks committed although rank 1's KV covers 16 of 200 tokens.", details
+            )
         return Outcome(UNSAFE, f"The ranks disagreed (committed per rank: {committed}).", details)
     if all(committed) and all(o["finish"] is None for o in obs):
         return Outcome(SAFE, "Both ranks committed the complete handoff.", details)
@@ -221,7 +260,9 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
 
 
 @case(
-    proves=("sbp-transfer-coverage",), needs=(">=0.5.21",), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",),
+    needs=(">=0.5.21",),
+    beyond_upstream=True,
     must_preserve=False,
     expect="With decode host receive, a host-staged handoff whose recorded coverage is short of the prompt decode will reserve for it is refused (500, never committed, no device pages reserved, host pages held for the drain), not compared with the still-unset kv_committed_len.",
 )
@@ -237,16 +278,30 @@ def host_staged_short_coverage_refused(ctx) -> Outcome:
         and "short of the reservation" in (obs["refusal_message"] or "")
     )
     if refused_cleanly:
-        return Outcome(SAFE, "The short host-staged handoff (1 of 640 tokens) refused: 500, no device pages "
-                             f"reserved, host pages {'held for the drain ACK' if obs['held_for_drain'] else 'released once'}.", obs)
+        return Outcome(
+            SAFE,
+            "The short host-staged handoff (1 of 640 tokens) refused: 500, no device pages "
+            f"reserved, host pages {'held for the drain ACK' if obs['held_for_drain'] else 'released once'}.",
+            obs,
+        )
     if obs["committed"]:
-        return Outcome(UNSAFE, f"The short host-staged handoff committed: decode reserved {obs['reserved_tokens']} "
-                               f"device tokens after Success with {obs['prefill_last_chunk_tokens']} written.", obs)
-    return Outcome(UNSAFE, "The short host-staged handoff not refused cleanly (status, pages or message).", obs)
+        return Outcome(
+            UNSAFE,
+            f"The short host-staged handoff committed: decode reserved {obs['reserved_tokens']} "
+            f"device tokens after Success with {obs['prefill_last_chunk_tokens']} written.",
+            obs,
+        )
+    return Outcome(
+        UNSAFE, "The short host-staged handoff not refused cleanly (status, pages or message).", obs
+    )
 
 
-@case(needs=(">=0.5.21",), beyond_upstream=True, must_preserve=True,
-      expect="With decode host receive, a complete host-staged handoff is committed with the device pages allocate_host_staged reserves.")
+@case(
+    needs=(">=0.5.21",),
+    beyond_upstream=True,
+    must_preserve=True,
+    expect="With decode host receive, a complete host-staged handoff is committed with the device pages allocate_host_staged reserves.",
+)
 def host_staged_full_coverage_committed(ctx) -> Outcome:
     obs = host_staged_handoff(ctx, prompt_tokens=200, prefill_tokens=200, rid="host-full", room=632)
     return _commit(obs, "The complete host-staged handoff")
@@ -258,7 +313,9 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
     from sglang.srt.disaggregation import decode, utils
 
     if refusal and not hasattr(utils, "transfer_coverage_error"):
-        raise NotApplicable("this tree has no transferred-coverage check, so no refusal to take the Failed path")
+        raise NotApplicable(
+            "this tree has no transferred-coverage check, so no refusal to take the Failed path"
+        )
     fields = getattr(decode.DecodeRequest, "__dataclass_fields__", {})
     if (not hasattr(decode, "HiCacheRestoreGatedKVReceiver") or "hicache_restored_node" not in fields
             or importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is None):
@@ -271,11 +328,15 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
     from probes import tree_version
 
     if tree_version() < Version("0.5.16"):
-        raise NotApplicable("before 0.5.16 decode's restore state machine differs from the one this rig drives")
+        raise NotApplicable(
+            "before 0.5.16 decode's restore state machine differs from the one this rig drives"
+        )
 
 
 @case(
-    proves=("sbp-transfer-coverage",), needs=("sbp-transfer-coverage", ">=0.5.16,<0.5.20"), beyond_upstream=True,
+    proves=("sbp-transfer-coverage",),
+    needs=("sbp-transfer-coverage", ">=0.5.16,<0.5.20"),
+    beyond_upstream=True,
     must_preserve=False,
     expect="When the coverage check on one attention-TP rank refuses a request while another rank's HiCache load-back for it is still copying, that rank's Failed path (_clean_hicache_prefetch_resources) releases only decode's own lock: the tree's in-flight lock keeps the copy's device pages from eviction and reuse until the copy finishes, then they are reclaimed.",
 )
@@ -307,25 +368,40 @@ def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     hc.tree.loading_check()
     evicted_after = evict_all(hc)
     freed_after = sorted(set(hc.pages.freed) & set(hc.restore_pages))
-    details = {"rank1": outcome, "rank0": plain.outcome(pdreq, results[0]),
-               "rank0_committed": any(r is pdreq.req for r in results[0]),
-               "node_lock_after_refusal_and_copy": hc.node.lock_ref,
-               "evicted_while_copying": evicted_while_copying, "restore_pages_freed_while_copying": freed_while_copying,
-               "evicted_after_copy": evicted_after, "restore_pages_freed_after_copy": len(freed_after)}
+    details = {
+        "rank1": outcome,
+        "rank0": plain.outcome(pdreq, results[0]),
+        "rank0_committed": any(r is pdreq.req for r in results[0]),
+        "node_lock_after_refusal_and_copy": hc.node.lock_ref,
+        "evicted_while_copying": evicted_while_copying,
+        "restore_pages_freed_while_copying": freed_while_copying,
+        "evicted_after_copy": evicted_after,
+        "restore_pages_freed_after_copy": len(freed_after),
+    }
     if not refused(outcome) or details["rank0_committed"]:
         return Outcome(UNSAFE, "The refusal did not reach the restoring rank's Failed path cleanly.", details)
     if freed_while_copying:
-        return Outcome(UNSAFE, f"{len(freed_while_copying)} restore pages were freed for reuse while the load-back "
-                               "still copied into them.", details)
+        return Outcome(
+            UNSAFE,
+            f"{len(freed_while_copying)} restore pages were freed for reuse while the load-back "
+            "still copied into them.",
+            details,
+        )
     if len(freed_after) != len(hc.restore_pages):
-        return Outcome(UNSAFE, "The restore pages were never reclaimed after the copy finished (a leak).", details)
-    return Outcome(SAFE, f"The restoring rank refused on the MIN; its {len(hc.restore_pages)} restore pages stayed "
-                         "locked by the tree's in-flight load-back until the copy finished, then were reclaimed.",
-                   details)
+        return Outcome(
+            UNSAFE, "The restore pages were never reclaimed after the copy finished (a leak).", details
+        )
+    return Outcome(
+        SAFE,
+        f"The restoring rank refused on the MIN; its {len(hc.restore_pages)} restore pages stayed "
+        "locked by the tree's in-flight load-back until the copy finished, then were reclaimed.",
+        details,
+    )
 
 
 @case(
-    needs=(">=0.5.16,<0.5.20",), beyond_upstream=True,
+    needs=(">=0.5.16,<0.5.20",),
+    beyond_upstream=True,
     must_preserve=True,
     expect="A complete handoff whose decode HiCache restore is pending is held until the load-back finishes and then committed with the restored prefix.",
 )

@@ -133,7 +133,8 @@ def _retired(obs: dict[str, Any]) -> list[str]:
 
 
 @case(
-    proves=("pr36988",), needs=("<0.5.5.post1",),
+    proves=("pr36988",),
+    needs=("<0.5.5.post1",),
     must_preserve=False,
     expect="An aborted request whose last in-flight result is a middle chunk is released by the tree's own code: exactly the slots its forwards wrote go back (none past fill_ids, none of the tree's prefix), nothing is inserted, the abort is streamed once.",
 )
@@ -169,12 +170,17 @@ def aborted_middle_chunk_frees_only_written_slots(ctx) -> Outcome:
                         + (f" ({len(stale)} of them the row's previous owner's)" if stale else ""))
     obs["kv_slots_freed"] = f"{len(obs['kv_slots_freed'])} slots"  # the list itself says nothing more
     obs["violations"] = problems
-    return judged(problems, "Released exactly the slots its forwards wrote; nothing inserted; abort streamed once.",
-                  obs, unsafe_prefix="Aborted middle chunk released wrongly: ")
+    return judged(
+        problems,
+        "Released exactly the slots its forwards wrote; nothing inserted; abort streamed once.",
+        obs,
+        unsafe_prefix="Aborted middle chunk released wrongly: ",
+    )
 
 
 @case(
-    proves=("pr36988",), needs=(">=0.5.3.post2,<0.5.5.post1",),
+    proves=("pr36988",),
+    needs=(">=0.5.3.post2,<0.5.5.post1",),
     must_preserve=False,
     expect="A hybrid (Mamba) model's aborted final prefill result is retired: no KV chunk sent, nothing inserted into the Mamba radix tree, the request's own KV slots and Mamba state freed once, the abort streamed once.",
 )
@@ -212,5 +218,10 @@ def hybrid_aborted_result_not_inserted(ctx) -> Outcome:
         problems.append("KV slots and Mamba state not freed once")
     obs["kv_slots_freed"] = f"{len(obs['kv_slots_freed'])} slots"
     obs["violations"] = problems
-    return judged(problems, "Retired once: nothing inserted into the Mamba radix tree, slots and Mamba state freed, "
-                  "abort streamed once.", obs, unsafe_prefix="Hybrid abort not retired cleanly: ")
+    return judged(
+        problems,
+        "Retired once: nothing inserted into the Mamba radix tree, slots and Mamba state freed, "
+        "abort streamed once.",
+        obs,
+        unsafe_prefix="Hybrid abort not retired cleanly: ",
+    )

@@ -24,7 +24,9 @@ from backport.sources import materialise
 from backport.tree import clone_tree
 
 
-def needed_exceptions(pack, version: str, apply: dict[str, str], observed: dict[tuple[str, str], str]) -> list[str]:
+def needed_exceptions(
+    pack, version: str, apply: dict[str, str], observed: dict[tuple[str, str], str]
+) -> list[str]:
     """The exception lines a row needs so that the rule plus them equals what ran."""
     rule = expectations.derive(pack, version)
     lines = [f'{{ fix = "{fix}", apply = "{status}", reason = "..." }}'

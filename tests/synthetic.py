@@ -25,14 +25,21 @@ def package_files(version: str) -> dict[str, bytes]:
     }
 
 
-def build_wheel(directory: Path, version: str, *, files: dict[str, bytes] | None = None,
-                record_overrides: dict[str, str] | None = None, extra_unrecorded: dict[str, bytes] | None = None
-                ) -> Path:
+def build_wheel(
+    directory: Path,
+    version: str,
+    *,
+    files: dict[str, bytes] | None = None,
+    record_overrides: dict[str, str] | None = None,
+    extra_unrecorded: dict[str, bytes] | None = None,
+) -> Path:
     """A wheel laid out like SGLang's, with a RECORD; overrides let a test break it on purpose."""
     files = dict(files or package_files(version))
     dist = f"sglang-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n".encode()
-    wheel_meta = b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: false\nTag: " + PLATFORM_TAG.encode() + b"\n"
+    wheel_meta = (
+        b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: false\nTag: " + PLATFORM_TAG.encode() + b"\n"
+    )
     entries = {**files, f"{dist}/METADATA": metadata, f"{dist}/WHEEL": wheel_meta}
     rows = [f"{name},{record_hash(data)},{len(data)}" for name, data in entries.items()]
     for name, value in (record_overrides or {}).items():

@@ -39,8 +39,10 @@ def test_an_existing_name_is_never_changed(fake_module):
 
 def test_a_missing_name_is_added_once_and_an_absent_module_is_skipped(fake_module):
     built = []
-    addons = (AddOn("sbp_fake_pkg.inner", "missing", lambda: built.append(1) or "add-on", "test"),
-              AddOn("sbp_no_such_package.sub", "name", lambda: pytest.fail("built for an absent module"), "test"))
+    addons = (
+        AddOn("sbp_fake_pkg.inner", "missing", lambda: built.append(1) or "add-on", "test"),
+        AddOn("sbp_no_such_package.sub", "name", lambda: pytest.fail("built for an absent module"), "test"),
+    )
     assert install(addons) == ["sbp_fake_pkg.inner.missing"]
     assert fake_module.inner.missing == "add-on"
     assert install(addons) == [] and built == [1]  # the second time the module has it: left alone

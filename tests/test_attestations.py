@@ -62,27 +62,46 @@ def test_sign_writes_the_attestations_and_verify_key_checks_them(bundle, keys, c
     wheel = receipt["predicate"]["export"]["wheel"]
     lines = _lines(bundle / f"{wheel['file']}.intoto.jsonl")
     statements = [_payload(e) for e in lines]
-    assert [s["predicateType"] for s in statements] == [att.SLSA_PROVENANCE] + [att.TEST_RESULT] * 3 + [att.OPENVEX]
+    assert [s["predicateType"] for s in statements] == [att.SLSA_PROVENANCE] + [att.TEST_RESULT] * 3 + [
+        att.OPENVEX
+    ]
     slsa = statements[0]
     assert slsa["subject"] == [{"name": wheel["name"], "digest": {"sha256": wheel["sha256"]}}]
     deps = slsa["predicate"]["buildDefinition"]["resolvedDependencies"]
-    assert deps[0]["digest"]["sha256"] == receipt["predicate"]["inputs"]["trees"]["pristine"]["artifact_sha256"]
+    assert (
+        deps[0]["digest"]["sha256"] == receipt["predicate"]["inputs"]["trees"]["pristine"]["artifact_sha256"]
+    )
     applied = [p for p in receipt["predicate"]["inputs"]["patches"] if p["status"] == "applied"]
     assert [d["digest"]["sha256"] for d in deps[1:]] == [p["sha256"] for p in applied]
-    assert slsa["predicate"]["runDetails"]["builder"]["version"]["sglang-backport"] == receipt["predicate"]["toolkit"]["version"]
+    assert (
+        slsa["predicate"]["runDetails"]["builder"]["version"]["sglang-backport"]
+        == receipt["predicate"]["toolkit"]["version"]
+    )
     trees = receipt["predicate"]["inputs"]["trees"]
     for statement, role in zip(statements[1:4], ("pristine", "patched", "reference")):
         subject = statement["subject"][0]
-        assert subject["name"] == f"{role}-tree/sglang" and subject["digest"]["dirHash1"] == trees[role]["tree_digest"]
+        assert (
+            subject["name"] == f"{role}-tree/sglang"
+            and subject["digest"]["dirHash1"] == trees[role]["tree_digest"]
+        )
         assert len(subject["digest"]["gitTree"]) == 40
         assert statement["predicate"]["configuration"][0]["name"] == f"probes/{role}.json"
-    assert statements[1]["predicate"]["result"] == "FAILED"   # the pristine tree is unsafe on the fixed cases
-    assert statements[2]["predicate"]["result"] in ("PASSED", "WARNED") and not statements[2]["predicate"]["failedTests"]
+    assert statements[1]["predicate"]["result"] == "FAILED"  # the pristine tree is unsafe on the fixed cases
+    assert (
+        statements[2]["predicate"]["result"] in ("PASSED", "WARNED")
+        and not statements[2]["predicate"]["failedTests"]
+    )
     assert statements[4]["predicate"] == json.loads((bundle / "vex.openvex.json").read_text())
     # the patched tree subject is the tree the wheel installs
-    assert read_wheel((bundle / wheel["file"]).read_bytes())[0] == statements[2]["subject"][0]["digest"]["dirHash1"]
+    assert (
+        read_wheel((bundle / wheel["file"]).read_bytes())[0]
+        == statements[2]["subject"][0]["digest"]["dirHash1"]
+    )
     receipt_lines = _lines(bundle / "receipt.intoto.jsonl")
-    assert len(receipt_lines) == 1 and base64.b64decode(receipt_lines[0]["payload"]) == (bundle / "receipt.json").read_bytes()
+    assert (
+        len(receipt_lines) == 1
+        and base64.b64decode(receipt_lines[0]["payload"]) == (bundle / "receipt.json").read_bytes()
+    )
     for statement in statements:
         assert att.model_problems(statement) == []
     capsys.readouterr()
@@ -110,7 +129,9 @@ def test_a_damaged_attestation_file_is_named(bundle, keys, damage, capsys):  # n
         statement = _payload(envelope)
         statement["subject"][0]["digest"]["sha256"] = "0" * 64
         envelope["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
-        path.write_text(json.dumps(envelope, sort_keys=True, separators=(",", ":")) + "\n" + "".join(lines[1:]))
+        path.write_text(
+            json.dumps(envelope, sort_keys=True, separators=(",", ":")) + "\n" + "".join(lines[1:])
+        )
     else:
         path.unlink()
     capsys.readouterr()
@@ -141,14 +162,21 @@ def _dir_hash1(root: Path) -> str:
 
 def test_the_tree_digest_is_dirhash1(tmp_path):
     root = tmp_path / "tree"
-    for name, data in [("sglang/__init__.py", "x"), ("sglang/srt/a b [1, 2].json", "{}"),
-                       ("sglang/srt/disaggregation/decode.py", "y\n"), ("sglang/Z.py", ""), ("sglang/_a.py", "z")]:
+    for name, data in [
+        ("sglang/__init__.py", "x"),
+        ("sglang/srt/a b [1, 2].json", "{}"),
+        ("sglang/srt/disaggregation/decode.py", "y\n"),
+        ("sglang/Z.py", ""),
+        ("sglang/_a.py", "z"),
+    ]:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(data)
     assert tree_digest(root) == _dir_hash1(root)
     plain = "find . -type f | cut -c3- | LC_ALL=C sort | xargs -r sha256sum | sha256sum"
     (root / "sglang/srt/a b [1, 2].json").unlink()
-    literal = subprocess.run(["bash", "-c", plain], cwd=root, check=True, capture_output=True, text=True).stdout
+    literal = subprocess.run(
+        ["bash", "-c", plain], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
     assert tree_digest(root) == literal.split()[0]  # without spaces the definition's own pipeline agrees
     # our rules: __pycache__ and .pyc are not source (dirHash1 would count them), a symlink is
     # counted by its target text (find -type f skips it)

@@ -157,7 +157,9 @@ def test_gate1_without_servers_is_unknown():
 
 
 def test_gate2_missing_fix_fails_and_names_the_backport_command():
-    result = gates.gate_rejection_at_admission(code_facts(missing=("pr36988", "pr38935"), probes="unsafe"), PACK)
+    result = gates.gate_rejection_at_admission(
+        code_facts(missing=("pr36988", "pr38935"), probes="unsafe"), PACK
+    )
     assert result.verdict == FAIL
     assert "#36988" in result.remedy and "#38935" in result.remedy
     assert "sglang-backport run sglang==0.5.19" in result.remedy
@@ -292,12 +294,19 @@ def test_capability_is_inherited_and_absent_attribute_means_none(tmp_path):
 def test_deferred_setting_from_code_default_or_the_audit_environment(tmp_path):
     environ_py = tmp_path / "sglang" / "srt" / "environ.py"
     environ_py.parent.mkdir(parents=True)
-    environ_py.write_text("class Envs:\n    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool(False)\n"
-                          "    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT = EnvFloat(30.0)\n")
+    environ_py.write_text(
+        "class Envs:\n    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool(False)\n"
+        "    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT = EnvFloat(30.0)\n"
+    )
     on, timeout = deferred_settings(tmp_path, {})
     assert on.value is False and "default" in on.source and timeout.value == 30.0
-    on, timeout = deferred_settings(tmp_path, {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
-                                               "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5"})
+    on, timeout = deferred_settings(
+        tmp_path,
+        {
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
+        },
+    )
     assert on.value is True and timeout.value == 5.0 and "environment" in on.source
 
 
@@ -314,7 +323,9 @@ def test_unknown_exits_1_unless_allowed_and_is_never_shown_as_pass():
 
 
 def test_fetch_falls_back_to_get_server_info_and_reads_model_info():
-    with serve({"/get_server_info": server_doc(context=None), "/model_info": {"context_length": 4096}}) as url:
+    with serve(
+        {"/get_server_info": server_doc(context=None), "/model_info": {"context_length": 4096}}
+    ) as url:
         s = fetch_server(url)
     assert s.endpoint == "/get_server_info" and s.context_length == 4096 and s.error is None
 
@@ -505,8 +516,9 @@ def test_audit_names_a_wheel_exported_by_the_toolkit(tmp_path, monkeypatch):
     info = site / "sglang-9.9.7+backport.5.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.7+backport.5\n")
-    (info / "sglang_backport.json").write_text(json.dumps({"spec": "sglang==9.9.7", "tree_digest": tree_digest(site),
-                                                           "patch_set_sha256": "cd" * 32}))
+    (info / "sglang_backport.json").write_text(
+        json.dumps({"spec": "sglang==9.9.7", "tree_digest": tree_digest(site), "patch_set_sha256": "cd" * 32})
+    )
     monkeypatch.setenv("PYTHONPATH", str(site))
     found = exported_wheel(sys.executable, site)["exported_wheel"]
     assert found == {"version": "9.9.7+backport.5", "spec": "sglang==9.9.7", "patch_set_sha256": "cd" * 32,
@@ -556,7 +568,9 @@ def test_gate3_remedies_name_the_flag_or_the_environment_variable():
                  facts("http://d:2", mode="decode", disaggregation_enable_kv_checksum=True))
     result = _remedy(3, None, one_sided)
     assert result.verdict == FAIL
-    assert "start http://p:1 with --disaggregation-enable-kv-checksum (it is on for http://d:2" in result.remedy
+    assert (
+        "start http://p:1 with --disaggregation-enable-kv-checksum (it is on for http://d:2" in result.remedy
+    )
     off = _remedy(3, code_facts(coverage=False), PAIR)
     assert off.verdict == WARN and "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=1" in off.remedy
     assert "re-check: `sglang-backport audit /t --server http://p:1 --server http://d:2`" in off.remedy
@@ -565,9 +579,15 @@ def test_gate3_remedies_name_the_flag_or_the_environment_variable():
 def test_gate4_remedies_name_the_environment_and_the_backend():
     result = _remedy(4, code_facts(deferred=False, capable=("nixl",)), PAIR)
     assert result.verdict == FAIL
-    assert "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 in the environment of every decode node" in result.remedy
+    assert (
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 in the environment of every decode node"
+        in result.remedy
+    )
     assert "from mooncake to --disaggregation-transfer-backend nixl" in result.remedy
-    assert "re-check: `SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 sglang-backport audit /t" in result.remedy
+    assert (
+        "re-check: `SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 sglang-backport audit /t"
+        in result.remedy
+    )
     assert _remedy(4, code_facts(), PAIR).remedy is None   # a pass needs no way out
 
 

@@ -40,7 +40,9 @@ def loopback_only(monkeypatch):
 
     def guarded(sock, address):
         host = address[0] if isinstance(address, tuple) else str(address)
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and not (host.startswith("127.") or host == "::1"):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not (
+            host.startswith("127.") or host == "::1"
+        ):
             contacted.append(host)
             raise OSError(f"test guard: {host} is not loopback")
         return connect(sock, address)
@@ -107,9 +109,16 @@ def send(request, status: int, body, headers: dict | None = None) -> None:
 
 
 def prefill_info(pool=POOL, context=CONTEXT) -> dict:
-    return {"model_path": "m", "disaggregation_mode": "prefill", "disaggregation_transfer_backend": "mooncake",
-            "max_total_num_tokens": pool, "max_req_input_len": min(pool, context) - 6, "context_length": context,
-            "page_size": 1, "version": "0.5.19"}
+    return {
+        "model_path": "m",
+        "disaggregation_mode": "prefill",
+        "disaggregation_transfer_backend": "mooncake",
+        "max_total_num_tokens": pool,
+        "max_req_input_len": min(pool, context) - 6,
+        "context_length": context,
+        "page_size": 1,
+        "version": "0.5.19",
+    }
 
 
 def prompt_length(request) -> int:
@@ -202,7 +211,9 @@ def test_a_failed_baseline_leaves_gate2_unknown_and_sends_no_over_pool_prompt():
     with hostile(router(lambda n: (500, {"error": "boom"}))) as r:
         code, document, _ = audit("--live", r.url)
     g2 = gate(document, 2)
-    assert g2["verdict"] == "unknown" and "baseline" in text(g2) and "nothing judged" in text(g2) and code == 1
+    assert (
+        g2["verdict"] == "unknown" and "baseline" in text(g2) and "nothing judged" in text(g2) and code == 1
+    )
     assert r.posts() == ["/generate"]   # the baseline only
 
 
@@ -345,7 +356,9 @@ def test_many_silent_workers_are_read_in_parallel():
     assert seconds < 32, seconds
     assert gate(document, 1)["verdict"] == "unknown"
     servers = gate(document, 1)["servers"]
-    assert len(servers) == 64 and all(s["verdict"] == "unknown" and "not read" in s["evidence"] for s in servers)
+    assert len(servers) == 64 and all(
+        s["verdict"] == "unknown" and "not read" in s["evidence"] for s in servers
+    )
 
 
 def test_200_silent_workers_end_at_the_total_timeout():

@@ -136,16 +136,22 @@ def test_gc_removes_old_snapshots_of_installed_packages_and_killed_builds(cache_
 
 MALFORMED_MATRIX = {
     "missing-wheel": '[[release]]\nversion = "9.9.1"\n',
-    "extra-key": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\ncolour = "red"\n' % ("0" * 64),
+    "extra-key": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\ncolour = "red"\n'
+    % ("0" * 64),
     "wrong-type": '[[release]]\nversion = 9\nwheel = { file = "a.whl", sha256 = "%s" }\n' % ("0" * 64),
     "bad-sha": '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "xyz" }\n',
-    "bad-verdict": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\nmeasured = true\n'
-                    'exceptions = [{ case = "handoff/x", pristine = "maybe", reason = "r" }]\n' % ("0" * 64)),
-    "exception-without-reason": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
-                                 'measured = true\nexceptions = [{ case = "handoff/x", pristine = "safe" }]\n'
-                                 % ("0" * 64)),
-    "enumerated-expectations": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
-                                'apply = {}\npristine = { "handoff/x" = "unsafe" }\n' % ("0" * 64)),
+    "bad-verdict": (
+        '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\nmeasured = true\n'
+        'exceptions = [{ case = "handoff/x", pristine = "maybe", reason = "r" }]\n' % ("0" * 64)
+    ),
+    "exception-without-reason": (
+        '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
+        'measured = true\nexceptions = [{ case = "handoff/x", pristine = "safe" }]\n' % ("0" * 64)
+    ),
+    "enumerated-expectations": (
+        '[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n'
+        'apply = {}\npristine = { "handoff/x" = "unsafe" }\n' % ("0" * 64)
+    ),
     "not-toml": "[[release]\n",
     "not-utf8": b"\xff\xfe[[release]]\n",
     "twice": ('[[release]]\nversion = "9.9.1"\nwheel = { file = "a.whl", sha256 = "%s" }\n' % ("0" * 64)) * 2,

@@ -14,7 +14,10 @@ import pytest
 from backport.cli import main
 from backport.evidence.layout import MARKER, MARKER_BYTES
 
-RELEASE_FILES = {"myapp-1.0.tar.gz": b"\x1f\x8b\x08 a tarball", "SHA256SUMS": b"%s  myapp-1.0.tar.gz\n" % (b"0" * 64)}
+RELEASE_FILES = {
+    "myapp-1.0.tar.gz": b"\x1f\x8b\x08 a tarball",
+    "SHA256SUMS": b"%s  myapp-1.0.tar.gz\n" % (b"0" * 64),
+}
 SGLANG_TREE_FILES = {"sglang/__init__.py": "", "sglang/version.py": "__version__ = '9.9.9'\n"}
 
 
@@ -98,8 +101,12 @@ def test_bad_input_is_exit_2_and_one_line(case, as_json, workspace, capsys):
 
 def test_a_closed_pipe_ends_quietly(workspace):
     env = {**os.environ, "SGLANG_BACKPORT_CACHE": str(workspace / "cache")}
-    proc = subprocess.Popen([sys.executable, "-m", "backport.cli", "status", str(workspace / "tree"), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backport.cli", "status", str(workspace / "tree"), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     proc.stdout.close()  # the reader went away before anything was written (`| head -0`)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
@@ -131,19 +138,29 @@ NEWEST = _newest_pinned()
 NEWER = ".".join(NEWEST.split(".")[:2] + [str(int(NEWEST.split(".")[2]) + 1)])
 
 
-@pytest.mark.parametrize("version, says", [
-    ("0.5.91", "did you mean sglang==0.5.19?"),
-    ("0.5.16.post1", "did you mean sglang==0.5.16?"),
-    (NEWER, (f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this pack "
-             "carries, so only this pack's own check (sbp-transfer-coverage) applies")),
-    ("0.4.4.post2", f"below the supported range (0.4.5.post1 - {NEWEST})"),
-])
+@pytest.mark.parametrize(
+    "version, says",
+    [
+        ("0.5.91", "did you mean sglang==0.5.19?"),
+        ("0.5.16.post1", "did you mean sglang==0.5.16?"),
+        (
+            NEWER,
+            (
+                f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this pack "
+                "carries, so only this pack's own check (sbp-transfer-coverage) applies"
+            ),
+        ),
+        ("0.4.4.post2", f"below the supported range (0.4.5.post1 - {NEWEST})"),
+    ],
+)
 def test_version_mistakes_are_answered_precisely(version, says, workspace, capsys):
     assert main(["fetch", f"sglang=={version}"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert says in line
     # a typo is not steered to an unverified download; the other two name it last, as the way to go on anyway
-    assert ("--allow-unpinned" not in line) if "did you mean" in says else line.endswith("pass --allow-unpinned")
+    assert (
+        ("--allow-unpinned" not in line) if "did you mean" in says else line.endswith("pass --allow-unpinned")
+    )
 
 
 def test_run_of_a_path_without_sglang_is_refused_before_the_environment_build(workspace, capsys):

@@ -141,8 +141,10 @@ def test_the_sections_contradictions_are_found(run_inputs):
         edit_upstream=lambda u: u.update(skipped="offline")))
     assert any("does not say ran" in p for p in found(edit_upstream=lambda u: u["trees"][1].update(
         added_lines_executed={"pr38935": [f"{UTILS}:10", f"{UTILS}:16", f"{UTILS}:17"]})))
-    assert any("not unsafe on the pristine tree" in p for p in found(lambda s: s["pristine_functions"][0].update(
-        unsafe_cases=["admission/valid"])))
+    assert any(
+        "not unsafe on the pristine tree" in p
+        for p in found(lambda s: s["pristine_functions"][0].update(unsafe_cases=["admission/valid"]))
+    )
     assert any("impossible" in p for p in found(lambda s: s["pristine_functions"][0].update(
         executed_by_unsafe_cases=9)))
 
@@ -158,8 +160,10 @@ def test_pristine_functions_name_what_a_fix_changes_and_what_the_unsafe_cases_ra
                      "lines": 3, "executed_by_unsafe_cases": 1, "unsafe_cases": ["admission/rejected"]}
     section = measure(trees, apply_json, PACK, probe_docs, None, None)
     assert section["pristine_functions"] == [entry] and section["pristine_reason"] is None
-    assert "| pr38935 | `sglang/srt/disaggregation/utils.py:10-13` `admit` | 3 | 1 | `admission/rejected` |" in \
-        render(section)
+    assert (
+        "| pr38935 | `sglang/srt/disaggregation/utils.py:10-13` `admit` | 3 | 1 | `admission/rejected` |"
+        in render(section)
+    )
 
 
 def test_methods_and_removed_lines_are_found_by_qualified_name(tmp_path):
@@ -171,8 +175,11 @@ def test_methods_and_removed_lines_are_found_by_qualified_name(tmp_path):
     (root / "sglang" / "r.py").write_text("def first():\n    return 1\n")
     repo = git.Repo.init(root)
     _commit(repo, "pristine")
-    (root / "sglang" / "q.py").write_text(source.replace("        x = 1\n", "        x = 2\n")
-                                          .replace("        return None\n", "        return None\n        # end\n"))
+    (root / "sglang" / "q.py").write_text(
+        source.replace("        x = 1\n", "        x = 2\n").replace(
+            "        return None\n", "        return None\n        # end\n"
+        )
+    )
     (root / "sglang" / "r.py").write_text("def first():\n    return 1\n\n\ndef second():\n    return 2\n")
     commit = _commit(repo, "fix")
     # a changed line inside add; a comment appended to pop's body (indented into it); a new function
@@ -264,8 +271,12 @@ def test_an_exclusion_without_a_reason_or_a_place_is_refused(tmp_path, entry):
 
 def test_a_stale_exclusion_is_named():
     """The run must be consecutive added lines of the named variant, once (context lines do not count)."""
-    hunk = SimpleNamespace(lines=((" ", "if x:"), ("+", "    return False"), ("-", "    pass"), (" ", "y = 1")))
-    variant = SimpleNamespace(name="pr38935-0.5.19.patch", files=(SimpleNamespace(path=UTILS, hunks=(hunk,)),))
+    hunk = SimpleNamespace(
+        lines=((" ", "if x:"), ("+", "    return False"), ("-", "    pass"), (" ", "y = 1"))
+    )
+    variant = SimpleNamespace(
+        name="pr38935-0.5.19.patch", files=(SimpleNamespace(path=UTILS, hunks=(hunk,)),)
+    )
     ok = Exclusion("pr38935", (variant.name,), UTILS, ("return False",), "r", ("if x:",))
     assert times_added(variant, ok) == 1
     assert times_added(variant, Exclusion("pr38935", (), UTILS, ("y = 1",), "r")) == 0  # context, not added

@@ -236,7 +236,9 @@ def test_rerun_is_nothing_to_do(tmp_path, repo):
 def test_already_present_by_fingerprint(tmp_path, repo):
     fp = [{"file": MOD, "pattern": r"x = 10  # fixed$"}]
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10), fingerprint=fp)
-    write_files(repo, {MOD: change(BASE, "    x = 10\n", "    x = 10  # fixed\n").replace("def f1()", "def f1b()")})
+    write_files(
+        repo, {MOD: change(BASE, "    x = 10\n", "    x = 10  # fixed\n").replace("def f1()", "def f1b()")}
+    )
     run_git(repo, "commit", "-qam", "hand-applied")
     rep = apply_series(repo, pack, "0.5.19")
     assert rep.status == "nothing-to-do" and rep.patches[0].reason.startswith("fingerprint: 1/1")
@@ -288,8 +290,14 @@ def _three_fixes(tmp: Path) -> Path:
     patches = {
         "pr100": {"pr100-0.5.17.patch": fix_patch(tmp, [("    x = 5\n", "    x = 5  # one\n")], pr=100)},
         "pr200": {"pr200-0.5.17.patch": fix_patch(tmp, [("    x = 20\n", "    x = 20  # two\n")], pr=200)},
-        "pr300": {"pr300-0.5.17.patch": header(pr=300) + diff_of(
-            tmp, {OTHER: module_text(10, "g")}, {OTHER: change(module_text(10, "g"), "    x = 3\n", "    x = 3  # three\n")})},
+        "pr300": {
+            "pr300-0.5.17.patch": header(pr=300)
+            + diff_of(
+                tmp,
+                {OTHER: module_text(10, "g")},
+                {OTHER: change(module_text(10, "g"), "    x = 3\n", "    x = 3  # three\n")},
+            )
+        },
     }
     return make_pack(tmp / "pack3", fixes, patches)
 
@@ -315,7 +323,9 @@ def test_three_patches_three_commits_in_order(tmp_path, repo):
     assert run_git(repo, "status", "--porcelain") == ""
     msgs = [c.summary for c in git.Repo(repo).iter_commits()]
     assert msgs[:3] == ["Backport #300: Fix pr300", "Backport #200: Fix pr200", "Backport #100: Fix pr100"]
-    assert [p.commit for p in rep.patches] == [c.hexsha for c in list(git.Repo(repo).iter_commits())[:3][::-1]]
+    assert [p.commit for p in rep.patches] == [
+        c.hexsha for c in list(git.Repo(repo).iter_commits())[:3][::-1]
+    ]
 
 
 def assert_crash_at_head_update_restores(repo, pack, monkeypatch):
@@ -363,7 +373,9 @@ def test_deterministic_commit_shas(tmp_path, repo):
     ra = apply_series(a, pack, "0.5.19")
     os.utime(pack.root / "series")  # another moment, same inputs
     rb = apply_series(b, pack, "0.5.19")
-    assert [p.commit for p in ra.patches] == [p.commit for p in rb.patches] and ra.head_commit == rb.head_commit
+    assert [p.commit for p in ra.patches] == [
+        p.commit for p in rb.patches
+    ] and ra.head_commit == rb.head_commit
 
 
 @pytest.mark.parametrize("packed", ["everything", "history"])
@@ -384,7 +396,9 @@ def test_packed_objects_give_the_same_commits(tmp_path, repo, packed):
     assert read_loose_trees(other / ".git" / "objects", head(other), ["", PKG]) is None
     ra, rb = apply_series(loose, pack, "0.5.19"), apply_series(other, pack, "0.5.19")
     assert ra.status == rb.status == "applied"
-    assert [p.commit for p in ra.patches] == [p.commit for p in rb.patches] and ra.head_commit == rb.head_commit
+    assert [p.commit for p in ra.patches] == [
+        p.commit for p in rb.patches
+    ] and ra.head_commit == rb.head_commit
     run_git(other, "fsck", "--strict")
 
 
@@ -445,7 +459,9 @@ def test_staged_change_to_a_touched_file_fails_its_fix(tmp_path, repo):
     (repo / MOD).write_bytes(committed)
     before = snapshot(repo)
     rep = apply_series(repo, pack, "0.5.19", allow_dirty=True)
-    assert rep.status == "failed" and rep.patches[0].reason.endswith("uncommitted changes (staged)"), rep.to_json()
+    assert rep.status == "failed" and rep.patches[0].reason.endswith("uncommitted changes (staged)"), (
+        rep.to_json()
+    )
     assert snapshot(repo) == before and leftovers(repo) == []
 
 
@@ -490,7 +506,9 @@ def test_crlf_file(tmp_path):
     rep = apply_series(repo, pack, "0.5.19")
     assert rep.status == "applied"
     out = read(repo)
-    expected = change(change(BASE, *FIX10[0]), "    x = 30\n", "    x = 30\n    y = 31\n").replace("\n", "\r\n")
+    expected = change(change(BASE, *FIX10[0]), "    x = 30\n", "    x = 30\n    y = 31\n").replace(
+        "\n", "\r\n"
+    )
     assert out == expected.encode()
     assert apply_series(repo, pack, "0.5.19").status == "nothing-to-do"
 
@@ -569,7 +587,9 @@ def test_hard_linked_file_is_not_changed_through_its_other_link(tmp_path, repo):
 def test_executable_mode_kept(tmp_path, repo):
     os.chmod(repo / MOD, 0o755)
     run_git(repo, "commit", "-qam", "exec")
-    assert apply_series(repo, one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10)), "0.5.19").status == "applied"
+    assert (
+        apply_series(repo, one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10)), "0.5.19").status == "applied"
+    )
     assert os.stat(repo / MOD).st_mode & 0o777 == 0o755
     assert run_git(repo, "ls-tree", "HEAD", MOD).startswith("100755 ")
 
@@ -718,7 +738,9 @@ def test_bad_version_and_not_a_repo(tmp_path, repo):
 
 
 def test_header_fields_parsed(tmp_path):
-    p = _write_variant(tmp_path, fix_patch(tmp_path, FIX10, depends_on="pr1, pr2", notes="line one\n line two"))
+    p = _write_variant(
+        tmp_path, fix_patch(tmp_path, FIX10, depends_on="pr1, pr2", notes="line one\n line two")
+    )
     v = load_variant(p)
     assert v.depends_on == ("pr1", "pr2") and v.header["Backport-Notes"] == "line one\nline two"
     assert v.header["Description"].startswith("Fix a thing\n") and str(v.applies_to) == ">=0.5.17"
@@ -869,8 +891,9 @@ def test_sigterm_in_the_write_window_is_held_until_the_tree_is_patched(crash_kit
     def paused() -> bool:
         return log.exists() and len(log.read_text().splitlines()) >= step
 
-    repo, how = _killed_run(crash_kit, f"term-{step}", {FAULT_LOG: str(log), FAULT_PAUSE: f"{step}:1"}, paused,
-                            signal.SIGTERM)
+    repo, how = _killed_run(
+        crash_kit, f"term-{step}", {FAULT_LOG: str(log), FAULT_PAUSE: f"{step}:1"}, paused, signal.SIGTERM
+    )
     assert "rc=-15" in how, how  # the signal still ends the process, once the series is in
     assert tree_state(repo, crash_kit[3], crash_kit[4]) == "patched" and leftovers(repo) == []
     assert recover_checkout(repo) == ""

@@ -71,9 +71,14 @@ def test_a_lock_no_journal_names_is_left_alone_with_one_line(crash_kit):  # noqa
     with pytest.raises(BadInput, match="no journal of this toolkit names it") as refused:
         apply_series(repo, load_pack(pack_root), "0.5.19")
     assert "\n" not in str(refused.value) and str(lock) in str(refused.value)
-    done = subprocess.run([sys.executable, "-m", "backport.cli", "apply", str(repo), "--series", str(pack_root),
-                           "--json"], check=False, capture_output=True, text=True, cwd=tmp,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "backport.cli", "apply", str(repo), "--series", str(pack_root), "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert done.returncode == 2 and done.stdout.count("\n") == 1, done
     assert "HEAD.lock: exists and no journal" in json.loads(done.stdout)["error"]["message"]
     assert lock.exists() and snapshot(repo) == before
@@ -129,8 +134,13 @@ def test_sigkill_during_the_pack_write_leaves_nothing_after_recovery(crash_kit, 
     tmp, template, pack_root, _, _ = crash_kit
     repo = tmp / f"pack-{where}"
     run_git(tmp, "clone", "-q", str(template), str(repo))
-    done = subprocess.run([sys.executable, "-c", KILL_IN_PACK, str(repo), str(pack_root), where], check=False, cwd=tmp,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True)
+    done = subprocess.run(
+        [sys.executable, "-c", KILL_IN_PACK, str(repo), str(pack_root), where],
+        check=False,
+        cwd=tmp,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr[-800:]
     left = leftovers(repo)
     assert any(n.startswith("tmp_") or n.endswith(".pack") for n in left), left  # what the kill left

@@ -28,8 +28,17 @@ SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
 
 D = {n: f"{n:x}" * 64 for n in range(1, 10)}  # fake sha256 digests
 C = {n: f"{n:x}" * 40 for n in range(1, 10)}  # fake commits
-BUNDLE_FILES = [".sglang-backport-bundle", "REPORT.md", "SHA256SUMS", "apply-report.json", "probes/patched.json", "probes/pristine.json",
-                "probes/reference.json", "receipt.json", "upstream-tests.json"]
+BUNDLE_FILES = [
+    ".sglang-backport-bundle",
+    "REPORT.md",
+    "SHA256SUMS",
+    "apply-report.json",
+    "probes/patched.json",
+    "probes/pristine.json",
+    "probes/reference.json",
+    "receipt.json",
+    "upstream-tests.json",
+]
 
 
 def case(probe, name, verdict, must_preserve=False, **details):
@@ -75,12 +84,26 @@ def fixture_coverage() -> dict:
     from backport.evidence.coverage import totals
 
     patches = [
-        {"fix": "pr36988", "variant": "pr36988-0.5.19.patch", "added": 5, "executed_by_probes": 3,
-         "executed_by_upstream_tests": 2, "executed_only_by_upstream_tests": [f"{PREFILL}:712"],
-         "excluded": [], "not_executed": [f"{PREFILL}:715"]},
-        {"fix": "pr38935", "variant": "pr38935-0.5.19.patch", "added": 2, "executed_by_probes": 2,
-         "executed_by_upstream_tests": 0, "executed_only_by_upstream_tests": [],
-         "excluded": [{"line": f"{UTILS}:14", "reason": "a transport library no CPU runs"}], "not_executed": []},
+        {
+            "fix": "pr36988",
+            "variant": "pr36988-0.5.19.patch",
+            "added": 5,
+            "executed_by_probes": 3,
+            "executed_by_upstream_tests": 2,
+            "executed_only_by_upstream_tests": [f"{PREFILL}:712"],
+            "excluded": [],
+            "not_executed": [f"{PREFILL}:715"],
+        },
+        {
+            "fix": "pr38935",
+            "variant": "pr38935-0.5.19.patch",
+            "added": 2,
+            "executed_by_probes": 2,
+            "executed_by_upstream_tests": 0,
+            "executed_only_by_upstream_tests": [],
+            "excluded": [{"line": f"{UTILS}:14", "reason": "a transport library no CPU runs"}],
+            "not_executed": [],
+        },
     ]
     functions = [
         {"fix": "pr36988", "file": PREFILL, "function": "PrefillMixin.process_batch_result_disagg_prefill",
@@ -103,25 +126,65 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
     series = tmp / "toolkit" / "patches"
     link = tmp / "probe-link" / "probes"  # a caller's own directory, named in extra_paths
     trees = {
-        "pristine": TreeInput("pristine", "sglang==0.5.19", "0.5.19", D[3], C[1], D[1], False, pristine, pristine),
-        "patched": TreeInput("patched", "sglang==0.5.19", "0.5.19", D[4], C[2], D[1], False, patched, patched),
+        "pristine": TreeInput(
+            "pristine", "sglang==0.5.19", "0.5.19", D[3], C[1], D[1], False, pristine, pristine
+        ),
+        "patched": TreeInput(
+            "patched", "sglang==0.5.19", "0.5.19", D[4], C[2], D[1], False, patched, patched
+        ),
     }
     roots = [pristine, patched]
     if reference:
-        trees["reference"] = TreeInput("reference", "sglang==0.5.22", "0.5.22", D[5], C[3], D[2], False, ref, ref)
+        trees["reference"] = TreeInput(
+            "reference", "sglang==0.5.22", "0.5.22", D[5], C[3], D[2], False, ref, ref
+        )
         roots.append(ref)
     probe_docs = {role: probe_doc(root, i, cases, import_seconds=import_seconds + i, link=link)
                   for i, (role, root) in enumerate(zip(trees, roots))}
     apply_report = {
-        "schema": 1, "tree": str(patched), "version": "0.5.19", "package_prefix": "", "check": False,
-        "base_commit": C[1], "head_commit": C[2], "status": "applied",
+        "schema": 1,
+        "tree": str(patched),
+        "version": "0.5.19",
+        "package_prefix": "",
+        "check": False,
+        "base_commit": C[1],
+        "head_commit": C[2],
+        "status": "applied",
         "patches": [
-            {"fix": "pr36988", "variant": "pr36988-0.5.19.patch", "variant_sha256": D[6], "status": "applied",
-             "reason": "", "commit": C[4], "hunks": [{"file": "sglang/srt/disaggregation/prefill.py",
-                                                      "status": "offset", "offset": 3, "fuzz": 0, "line": 700}]},
-            {"fix": "pr38935", "variant": "pr38935-0.5.19.patch", "variant_sha256": D[7], "status": "applied",
-             "reason": "", "commit": C[2], "hunks": [{"file": "sglang/srt/disaggregation/utils.py",
-                                                      "status": "exact", "offset": 0, "fuzz": 0, "line": 10}]},
+            {
+                "fix": "pr36988",
+                "variant": "pr36988-0.5.19.patch",
+                "variant_sha256": D[6],
+                "status": "applied",
+                "reason": "",
+                "commit": C[4],
+                "hunks": [
+                    {
+                        "file": "sglang/srt/disaggregation/prefill.py",
+                        "status": "offset",
+                        "offset": 3,
+                        "fuzz": 0,
+                        "line": 700,
+                    }
+                ],
+            },
+            {
+                "fix": "pr38935",
+                "variant": "pr38935-0.5.19.patch",
+                "variant_sha256": D[7],
+                "status": "applied",
+                "reason": "",
+                "commit": C[2],
+                "hunks": [
+                    {
+                        "file": "sglang/srt/disaggregation/utils.py",
+                        "status": "exact",
+                        "offset": 0,
+                        "fuzz": 0,
+                        "line": 10,
+                    }
+                ],
+            },
         ],
     }
     test = "test/registered/unit/disaggregation/test_admission_abort_not_enqueued.py"
@@ -142,9 +205,16 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
     timestamps = {"started": started, "finished": started, "duration_seconds": 61.5,
                   "steps": [{"step": "probe-pristine", "seconds": 20.1}],
                   "paths": {"bundle": str(tmp / "bundle"), "patched_tree": str(patched)}}
-    environment = {"python": "3.11.7", "implementation": "CPython", "platform": "Linux-x86_64", "machine": "x86_64",
-                   "torch": "2.13.0+cpu", "packages": {"torch": "2.13.0+cpu", "transformers": "5.12.1"},
-                   "toolkit_python": "3.11.7", "toolkit_packages": {"gitpython": "3.1.45"}}
+    environment = {
+        "python": "3.11.7",
+        "implementation": "CPython",
+        "platform": "Linux-x86_64",
+        "machine": "x86_64",
+        "torch": "2.13.0+cpu",
+        "packages": {"torch": "2.13.0+cpu", "transformers": "5.12.1"},
+        "toolkit_python": "3.11.7",
+        "toolkit_packages": {"gitpython": "3.1.45"},
+    }
     return evidence.assemble(
         mode="backport",
         target={"spec": "sglang==0.5.19", "kind": "wheel", "version": "0.5.19", "artifact_sha256": D[1],
@@ -245,7 +315,11 @@ def test_case_rows_pair_and_reference_check(tmp_path):
     assert s["pair_verdicts"] == {"fixed": 2, "held": 2, "still-unsafe": 0, "regressed": 0, "added": 1,
                                   "not-applicable": 1, "error": 0}
     assert s["per_tree"]["pristine"] == {"safe": 2, "unsafe": 2, "error": 0, "not-applicable": 2}
-    assert s["upstream_tests"] == {"patched": {"passed": 1}, "pristine": {"failed": 1}, "reference": {"passed": 1}}
+    assert s["upstream_tests"] == {
+        "patched": {"passed": 1},
+        "pristine": {"failed": 1},
+        "reference": {"passed": 1},
+    }
 
 
 @pytest.mark.parametrize("extra, finding", [
@@ -257,7 +331,9 @@ def test_failing_runs(tmp_path, extra, finding):
     bundle = fixture_run(tmp_path, cases=[*PASSING_CASES, extra])
     s = bundle.summary
     assert s["result"] == "fail"
-    assert s["findings"] == [{"probe": extra[0], "case": extra[1], "pair": finding, "must_preserve": extra[2]}]
+    assert s["findings"] == [
+        {"probe": extra[0], "case": extra[1], "pair": finding, "must_preserve": extra[2]}
+    ]
     _validate(bundle.statement)
     assert "**" + finding + "**" in bundle.files["REPORT.md"].decode()
     assert evidence.verify(evidence.write_bundle(tmp_path / "out", bundle)).summary["result"] == "fail"
@@ -339,7 +415,9 @@ def test_only_the_paths_named_are_replaced(tmp_path):
 
     normalised, _ = normalise_probe(doc, "patched", "/x/tree")
     assert normalised["details"] == {"link": foreign, "own": "patched/sglang/a.py"}
-    named, _ = normalise_probe(doc, "patched", "/x/tree", [("/tmp/sglang-backport-probes-ab12_cd/probes", "probes")])
+    named, _ = normalise_probe(
+        doc, "patched", "/x/tree", [("/tmp/sglang-backport-probes-ab12_cd/probes", "probes")]
+    )
     assert named["details"]["link"] == "probes/admission.py"
 
 
@@ -368,8 +446,12 @@ def test_same_inputs_differ_only_in_timestamps(tmp_path):
 
 
 def test_written_bundles_are_byte_identical_apart_from_the_receipt(tmp_path):
-    a = evidence.write_bundle(tmp_path / "a", fixture_run(tmp_path / "r1", started="2026-01-01T00:00:00+00:00"))
-    b = evidence.write_bundle(tmp_path / "b", fixture_run(tmp_path / "r2", started="2026-01-02T00:00:00+00:00"))
+    a = evidence.write_bundle(
+        tmp_path / "a", fixture_run(tmp_path / "r1", started="2026-01-01T00:00:00+00:00")
+    )
+    b = evidence.write_bundle(
+        tmp_path / "b", fixture_run(tmp_path / "r2", started="2026-01-02T00:00:00+00:00")
+    )
     assert _files(a) == _files(b)
     differing = [n for n in _files(a) if (a / n).read_bytes() != (b / n).read_bytes()]
     assert differing == ["SHA256SUMS", "receipt.json"]
@@ -402,8 +484,10 @@ def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
     """`run BASE --head HEAD`: nothing applied, so no apply-report.json; it still verifies."""
     raw = fixture_run(tmp_path / "r", reference=False)
     p = raw.statement["predicate"]
-    trees = {role: TreeInput(role, t["spec"], t["version"], t["tree_digest"], t["commit"], t["artifact_sha256"])
-             for role, t in p["inputs"]["trees"].items()}
+    trees = {
+        role: TreeInput(role, t["spec"], t["version"], t["tree_digest"], t["commit"], t["artifact_sha256"])
+        for role, t in p["inputs"]["trees"].items()
+    }
     docs = {role: {**evidence.statement.embedded(p, f"probes/{role}.json"), "tree": "/x"} for role in trees}
     bundle = evidence.assemble(
         mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
@@ -430,7 +514,9 @@ def test_report_md(bundle_dir):
     assert "Result: **PASS**" in report
     assert f"| pr36988 | `pr36988/pr36988-0.5.19.patch` | applied | `{D[6]}` |" in report
     assert "| probe / case | pristine | patched | reference | pair | patched = reference |" in report
-    assert "| admission / rejected_request_not_enqueued_prefill | unsafe | safe | safe | fixed | yes |" in report
+    assert (
+        "| admission / rejected_request_not_enqueued_prefill | unsafe | safe | safe | fixed | yes |" in report
+    )
     assert "| admission / valid_request_admitted * | safe | safe | safe | held | yes |" in report
     assert ("| page_lifetime / prefill_source_pages_held | not-applicable | not-applicable | unsafe "
             "| not-applicable | **no** |") in report
@@ -585,7 +671,10 @@ def test_symlink_is_named(bundle_dir):
 def test_renamed_file_is_named(bundle_dir):
     (bundle_dir / "REPORT.md").rename(bundle_dir / "REPORT.txt")
     result = evidence.verify(bundle_dir)
-    assert [(p.file, p.kind) for p in result.problems] == [("REPORT.md", "missing"), ("REPORT.txt", "unexpected")]
+    assert [(p.file, p.kind) for p in result.problems] == [
+        ("REPORT.md", "missing"),
+        ("REPORT.txt", "unexpected"),
+    ]
 
 
 def test_resealed_file_is_caught_by_the_receipt(bundle_dir):
@@ -678,61 +767,117 @@ TAMPER_CASES = [
     # patch digests and statuses
     ("patch-sha-receipt-inputs", RECEIPT, _set(P + "inputs.patches[0].sha256", D[9]), [RECEIPT]),
     ("patch-sha-receipt-apply", RECEIPT, _set(P + "apply.patches[0].variant_sha256", D[9]), [RECEIPT]),
-    ("patch-sha-receipt-everywhere", RECEIPT, _both(_set(P + "inputs.patches[0].sha256", D[9]),
-                                                    _set(P + "apply.patches[0].variant_sha256", D[9])), [RECEIPT]),
+    (
+        "patch-sha-receipt-everywhere",
+        RECEIPT,
+        _both(_set(P + "inputs.patches[0].sha256", D[9]), _set(P + "apply.patches[0].variant_sha256", D[9])),
+        [RECEIPT],
+    ),
     ("patch-sha-apply-report", APPLY, _set("patches[0].variant_sha256", D[9]), [APPLY]),
     ("patch-sha-report-md", REPORT, (f"| applied | `{D[6]}` |", f"| applied | `{D[9]}` |"), [REPORT]),
     ("patch-status-apply-report", APPLY, _set("patches[1].status", "already-present"), [APPLY]),
     ("patch-status-receipt", RECEIPT, _set(P + "inputs.patches[1].status", "already-present"), [RECEIPT]),
-    ("patch-status-report-md", REPORT, ("`pr38935/pr38935-0.5.19.patch` | applied |",
-                                        "`pr38935/pr38935-0.5.19.patch` | already-present |"), [REPORT]),
+    (
+        "patch-status-report-md",
+        REPORT,
+        ("`pr38935/pr38935-0.5.19.patch` | applied |", "`pr38935/pr38935-0.5.19.patch` | already-present |"),
+        [REPORT],
+    ),
     ("patch-commit-apply-report", APPLY, _set("patches[0].commit", C[9]), [APPLY, RECEIPT]),
     # tree digests
     # the patched tree's digest is also the receipt's subject: an edit of one copy is the receipt's own
     ("tree-digest-receipt", RECEIPT, _set(P + "inputs.trees.patched.tree_digest", D[9]), [RECEIPT]),
     ("tree-digest-subject", RECEIPT, _set("subject[0].digest.sha256", D[9]), [RECEIPT]),
     ("tree-digest-report-md", REPORT, (f"`{D[4]}`", f"`{D[9]}`"), [REPORT, RECEIPT]),
-    ("reference-digest-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.reference.tree_digest", D[9]),
-     [RECEIPT]),
-    ("reference-digest-receipt-both-copies", RECEIPT,
-     _both(_set(P + "inputs.trees.reference.tree_digest", D[9]), _set(P + "inputs.reference.tree_digest", D[9])),
-     [REPORT, RECEIPT]),
+    (
+        "reference-digest-receipt-one-copy",
+        RECEIPT,
+        _set(P + "inputs.trees.reference.tree_digest", D[9]),
+        [RECEIPT],
+    ),
+    (
+        "reference-digest-receipt-both-copies",
+        RECEIPT,
+        _both(
+            _set(P + "inputs.trees.reference.tree_digest", D[9]),
+            _set(P + "inputs.reference.tree_digest", D[9]),
+        ),
+        [REPORT, RECEIPT],
+    ),
     ("artifact-digest-receipt", RECEIPT, _set(P + "inputs.target.artifact_sha256", D[9]), [RECEIPT]),
     # commits
     ("head-commit-apply-report", APPLY, _set("head_commit", C[9]), [APPLY]),
     ("patched-commit-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.patched.commit", C[9]), [RECEIPT]),
-    ("patched-commit-receipt-both-copies", RECEIPT,
-     _both(_set(P + "inputs.trees.patched.commit", C[9]), _set(P + "apply.head_commit", C[9])), [RECEIPT]),
+    (
+        "patched-commit-receipt-both-copies",
+        RECEIPT,
+        _both(_set(P + "inputs.trees.patched.commit", C[9]), _set(P + "apply.head_commit", C[9])),
+        [RECEIPT],
+    ),
     ("head-commit-report-md", REPORT, (f"head commit `{C[2]}`", f"head commit `{C[9]}`"), [REPORT]),
     ("pristine-commit-receipt", RECEIPT, _set(P + "inputs.trees.pristine.commit", C[9]), [REPORT, RECEIPT]),
     ("pristine-commit-report-md", REPORT, (f"`{C[1]}`", f"`{C[9]}`"), [REPORT, RECEIPT]),
     # verdicts
     ("verdict-probe-file", PATCHED, _set("cases[0].verdict", "unsafe"), [PATCHED]),
     ("verdict-reference-file", REF, _set("cases[5].verdict", "not-applicable"), [REF]),
-    ("verdict-receipt-everywhere", RECEIPT, _restated(probes=_set("patched.cases[0].verdict", "unsafe")),
-     [RECEIPT]),
-    ("verdict-receipt-embedded-only", RECEIPT, _set(P + "probes.patched.cases[0].verdict", "unsafe"), [RECEIPT]),
+    (
+        "verdict-receipt-everywhere",
+        RECEIPT,
+        _restated(probes=_set("patched.cases[0].verdict", "unsafe")),
+        [RECEIPT],
+    ),
+    (
+        "verdict-receipt-embedded-only",
+        RECEIPT,
+        _set(P + "probes.patched.cases[0].verdict", "unsafe"),
+        [RECEIPT],
+    ),
     ("pair-receipt", RECEIPT, _set(P + "cases[0].pair", "held"), [RECEIPT]),
-    ("verdict-report-md", REPORT, ("enqueued_prefill | unsafe | safe | safe | fixed |",
-                                   "enqueued_prefill | safe | safe | safe | held |"), [REPORT]),
+    (
+        "verdict-report-md",
+        REPORT,
+        (
+            "enqueued_prefill | unsafe | safe | safe | fixed |",
+            "enqueued_prefill | safe | safe | safe | held |",
+        ),
+        [REPORT],
+    ),
     ("observed-probe-file", PATCHED, _set("cases[0].observed", "all is well"), [PATCHED, RECEIPT]),
-    ("observed-receipt", RECEIPT, _restated(probes=_set("patched.cases[0].observed", "all is well")),
-     [PATCHED, RECEIPT]),
+    (
+        "observed-receipt",
+        RECEIPT,
+        _restated(probes=_set("patched.cases[0].observed", "all is well")),
+        [PATCHED, RECEIPT],
+    ),
     # the summary
     ("summary-result-receipt", RECEIPT, _set(P + "summary.result", "fail"), [RECEIPT]),
     ("summary-counts-receipt", RECEIPT, _set(P + "summary.pair_verdicts.fixed", 3), [RECEIPT]),
-    ("summary-findings-receipt", RECEIPT, _set(P + "summary.findings", [{"probe": "admission", "case": "x",
-                                                                      "pair": "error", "must_preserve": False}]),
-     [RECEIPT]),
+    (
+        "summary-findings-receipt",
+        RECEIPT,
+        _set(
+            P + "summary.findings",
+            [{"probe": "admission", "case": "x", "pair": "error", "must_preserve": False}],
+        ),
+        [RECEIPT],
+    ),
     ("reference-differences-receipt", RECEIPT, _set(P + "reference_differences", []), [RECEIPT]),
     ("summary-result-report-md", REPORT, ("Result: **PASS**", "Result: **FAIL**"), [REPORT]),
     ("summary-counts-report-md", REPORT, ("- fixed: 2", "- fixed: 3"), [REPORT]),
     # upstream tests
     ("upstream-outcome-file", UPSTREAM, _set("trees[0].tests[0].outcome", "passed"), [UPSTREAM]),
-    ("upstream-outcome-receipt", RECEIPT, _restated(upstream=_set("trees.0.tests.0.outcome", "passed")),
-     [RECEIPT]),
-    ("upstream-outcome-report-md", REPORT, ("| failed | passed | passed |", "| passed | passed | passed |"),
-     [REPORT]),
+    (
+        "upstream-outcome-receipt",
+        RECEIPT,
+        _restated(upstream=_set("trees.0.tests.0.outcome", "passed")),
+        [RECEIPT],
+    ),
+    (
+        "upstream-outcome-report-md",
+        REPORT,
+        ("| failed | passed | passed |", "| passed | passed | passed |"),
+        [REPORT],
+    ),
     # (REPORT.md shows every reason, so the receipt and the report outvote the file)
     ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM]),
     # upstream test pins (null: unpinned)
@@ -740,28 +885,67 @@ TAMPER_CASES = [
     ("upstream-pin-receipt", RECEIPT, _restated(upstream=_set("files.0.pin", D[8])), [RECEIPT]),
     ("upstream-pin-report-md", REPORT, ("`: unpinned (sha256 `", "`: pinned (sha256 `"), [REPORT]),
     # coverage: lines upstream's tests ran (the receipt's counts against upstream-tests.json's lines)
-    ("coverage-upstream-count-receipt", RECEIPT, _set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
-     [RECEIPT]),
-    ("coverage-upstream-count-and-totals-receipt", RECEIPT,
-     _both(_set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
-           _set(P + "coverage.totals.executed_by_upstream_tests", 3)), [RECEIPT]),
-    ("coverage-upstream-not-measured-receipt", RECEIPT,
-     _set(P + "coverage.patches[1].executed_by_upstream_tests", None), [RECEIPT]),
-    ("coverage-not-executed-moved-receipt", RECEIPT,
-     _both(_set(P + "coverage.patches[0].not_executed", []),
-           _set(P + "coverage.patches[0].executed_only_by_upstream_tests", [f"{PREFILL}:712", f"{PREFILL}:715"]),
-           _set(P + "coverage.totals.executed_only_by_upstream_tests", 2),
-           _set(P + "coverage.totals.not_executed", 0)), [RECEIPT]),
-    ("coverage-upstream-lines-receipt", RECEIPT,
-     _set(P + "upstream_tests.trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]), [RECEIPT]),
-    ("coverage-upstream-lines-file", UPSTREAM, _set("trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
-     [UPSTREAM, RECEIPT]),
+    (
+        "coverage-upstream-count-receipt",
+        RECEIPT,
+        _set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
+        [RECEIPT],
+    ),
+    (
+        "coverage-upstream-count-and-totals-receipt",
+        RECEIPT,
+        _both(
+            _set(P + "coverage.patches[0].executed_by_upstream_tests", 3),
+            _set(P + "coverage.totals.executed_by_upstream_tests", 3),
+        ),
+        [RECEIPT],
+    ),
+    (
+        "coverage-upstream-not-measured-receipt",
+        RECEIPT,
+        _set(P + "coverage.patches[1].executed_by_upstream_tests", None),
+        [RECEIPT],
+    ),
+    (
+        "coverage-not-executed-moved-receipt",
+        RECEIPT,
+        _both(
+            _set(P + "coverage.patches[0].not_executed", []),
+            _set(
+                P + "coverage.patches[0].executed_only_by_upstream_tests",
+                [f"{PREFILL}:712", f"{PREFILL}:715"],
+            ),
+            _set(P + "coverage.totals.executed_only_by_upstream_tests", 2),
+            _set(P + "coverage.totals.not_executed", 0),
+        ),
+        [RECEIPT],
+    ),
+    (
+        "coverage-upstream-lines-receipt",
+        RECEIPT,
+        _set(P + "upstream_tests.trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
+        [RECEIPT],
+    ),
+    (
+        "coverage-upstream-lines-file",
+        UPSTREAM,
+        _set("trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
+        [UPSTREAM, RECEIPT],
+    ),
     ("coverage-upstream-count-report-md", REPORT, ("| 2 (only by them:", "| 3 (only by them:"), [REPORT]),
     # coverage: the pristine functions' lines the unsafe cases ran
-    ("pristine-function-case-receipt", RECEIPT,
-     _set(P + "coverage.pristine_functions[0].unsafe_cases", ["admission/valid_request_admitted"]), [RECEIPT]),
-    ("pristine-function-count-receipt", RECEIPT, _set(P + "coverage.pristine_functions[1].executed_by_unsafe_cases", 4),
-     [RECEIPT]),
+    (
+        "pristine-function-case-receipt",
+        RECEIPT,
+        _set(P + "coverage.pristine_functions[0].unsafe_cases", ["admission/valid_request_admitted"]),
+        [RECEIPT],
+    ),
+    (
+        "pristine-function-count-receipt",
+        RECEIPT,
+        _set(P + "coverage.pristine_functions[1].executed_by_unsafe_cases", 4),
+        [RECEIPT],
+    ),
     ("pristine-function-report-md", REPORT, ("| 40 | 12 |", "| 40 | 13 |"), [REPORT]),
     # the environment the probes ran in
     ("torch-probe-file", PRISTINE, _set("torch", "2.14.0+cpu"), [PRISTINE]),
@@ -773,8 +957,12 @@ TAMPER_CASES = [
     ("probe-file-name-receipt", RECEIPT, _set(P + "probes.patched.file", "probes/pristine.json"), [RECEIPT]),
     # the target and the mode
     ("target-spec-receipt", RECEIPT, _set(P + "inputs.target.spec", "sglang==0.5.20"), [REPORT, RECEIPT]),
-    ("target-spec-report-md", REPORT, ("# Evidence: sglang==0.5.19", "# Evidence: sglang==0.5.20"),
-     [REPORT, RECEIPT]),
+    (
+        "target-spec-report-md",
+        REPORT,
+        ("# Evidence: sglang==0.5.19", "# Evidence: sglang==0.5.20"),
+        [REPORT, RECEIPT],
+    ),
     ("target-version-receipt", RECEIPT, _set(P + "inputs.target.version", "0.5.20"), [RECEIPT]),
     ("mode-receipt", RECEIPT, _set(P + "mode", "upstream-pair"), [RECEIPT]),
 ]
@@ -859,9 +1047,14 @@ def test_verify_never_raises_on_a_resealed_receipt(bundle_dir):
     original = {name: (bundle_dir / name).read_bytes() for name in ("receipt.json", "SHA256SUMS")}
     unwitnessed = ("timestamps", "environment", "series", "chosen", "git_dirty")
     accepted, checked = [], 0
-    same_shape = (("predicate", "probes", "pristine"), ("predicate", "probes", "reference"),
-                  ("predicate", "summary", "per_tree", "pristine"), ("predicate", "summary", "per_tree", "reference"),
-                  ("predicate", "timestamps"), ("predicate", "environment", "packages"))
+    same_shape = (
+        ("predicate", "probes", "pristine"),
+        ("predicate", "probes", "reference"),
+        ("predicate", "summary", "per_tree", "pristine"),
+        ("predicate", "summary", "per_tree", "reference"),
+        ("predicate", "timestamps"),
+        ("predicate", "environment", "packages"),
+    )
     for path in list(_leaves(statement))[1:]:
         if any(path[:len(prefix)] == prefix for prefix in same_shape):
             continue
@@ -903,8 +1096,14 @@ def test_report_states_its_scope_before_the_result(bundle_dir):
     assert "- Upstream's unit tests: " in top
     for caveat in ("possible exposure", "#38961", "both prefill and decode must run it", "GPU, over RDMA"):
         assert caveat in top, caveat
-    cases = [line for line in lines if line.startswith("| ") and " / " in line.split("|")[1] and "---" not in line
-             and not line.startswith("| probe / case")]
+    cases = [
+        line
+        for line in lines
+        if line.startswith("| ")
+        and " / " in line.split("|")[1]
+        and "---" not in line
+        and not line.startswith("| probe / case")
+    ]
     agree = [line.rstrip(" |").rsplit("| ", 1)[-1] for line in cases]
     compared = sum(1 for a in agree if a in ("yes", "**no**"))
     differs = agree.count("**no**")
@@ -927,7 +1126,9 @@ def test_a_report_from_other_toolkit_code_names_both_codes_and_still_fails():
     assert _other_renderer_named(other, []) == []
 
 
-def test_export_of_a_bundle_without_exports_is_refused_before_verifying(bundle_dir, tmp_path, monkeypatch, capsys):
+def test_export_of_a_bundle_without_exports_is_refused_before_verifying(
+    bundle_dir, tmp_path, monkeypatch, capsys
+):
     """`export BUNDLE` of a bundle made without `run --export`: exit 2 at once (the real bundle's
     verification takes about a minute), one line naming the bundle, nothing created."""
     import time
@@ -937,7 +1138,9 @@ def test_export_of_a_bundle_without_exports_is_refused_before_verifying(bundle_d
 
     monkeypatch.setattr(evidence, "verify", no_work)
     started = time.monotonic()
-    code = cli.main(["export", str(bundle_dir), "--wheel", str(tmp_path / "dist"), "--patches", str(tmp_path / "p")])
+    code = cli.main(
+        ["export", str(bundle_dir), "--wheel", str(tmp_path / "dist"), "--patches", str(tmp_path / "p")]
+    )
     assert code == 2 and time.monotonic() - started < 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(bundle_dir) in err and "without exports" in err

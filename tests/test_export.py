@@ -92,7 +92,9 @@ def test_the_wheel_installs_and_its_package_is_the_patched_tree(exported, tmp_pa
     said = subprocess.run([str(venv / "bin" / "python"), "-c", read, str(site / "sglang" / "_version.py")],
                           check=True, capture_output=True, text=True).stdout.strip()
     assert said == wheel.version
-    assert installed_digest(site, wheel.version) == wheel.tree_digest != tree_digest(site)  # only the label differs
+    assert (
+        installed_digest(site, wheel.version) == wheel.tree_digest != tree_digest(site)
+    )  # only the label differs
 
 
 def test_the_series_rebuilds_the_patched_tree_with_git_am(exported, release_tree, tmp_path):
@@ -135,8 +137,9 @@ def test_bad_inputs_are_refused_and_the_tree_is_untouched(exported, release_tree
 
 def test_export_command_writes_both(exported, tmp_path, capsys, shared):
     tree, lineage, wheel = exported
-    code = cli.main(["export", str(tree.path), "--wheel", str(tmp_path / "w"), "--patches", str(tmp_path / "p"),
-                     "--json"])
+    code = cli.main(
+        ["export", str(tree.path), "--wheel", str(tmp_path / "w"), "--patches", str(tmp_path / "p"), "--json"]
+    )
     document = json.loads(capsys.readouterr().out)
     assert code == 0
     assert document["wheel"]["sha256"] == wheel.sha256 and len(document["patches"]) == len(lineage.commits)
@@ -146,7 +149,9 @@ def _readme_rollback() -> str:
     """The rollback command README's "Rollout and rollback" section tells an operator to run."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("## Rollout and rollback", 1)[1].split("\n## ", 1)[0]
-    (command,) = [line.strip() for line in section.splitlines() if line.strip().startswith("pip install --force")]
+    (command,) = [
+        line.strip() for line in section.splitlines() if line.strip().startswith("pip install --force")
+    ]
     return command
 
 

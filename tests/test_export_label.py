@@ -29,11 +29,21 @@ FIXED = b"def is_mla_backend():\n    return False\n\n\ndef patched():\n    retur
 def _lineage(tmp_path: Path, files: dict[str, bytes] | None = None) -> tuple[Lineage, Path]:
     original = upstream_wheel(tmp_path / "upstream", "0.5.19", files=files)
     tree = tmp_path / "tree"
-    for name, data in {**(files or package_files("0.5.19")), "sglang/srt/disaggregation/utils.py": FIXED}.items():
+    for name, data in {
+        **(files or package_files("0.5.19")),
+        "sglang/srt/disaggregation/utils.py": FIXED,
+    }.items():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_bytes(data)
-    return Lineage(root=tree, spec="sglang==0.5.19", version="0.5.19", artifact_sha256=sha256_of(original),
-                   pristine_commit="0" * 40, commits=("a" * 40, "b" * 40), tree_digest=tree_digest(tree)), original
+    return Lineage(
+        root=tree,
+        spec="sglang==0.5.19",
+        version="0.5.19",
+        artifact_sha256=sha256_of(original),
+        pristine_commit="0" * 40,
+        commits=("a" * 40, "b" * 40),
+        tree_digest=tree_digest(tree),
+    ), original
 
 
 def _install(wheel: Path, site: Path) -> Path:
@@ -95,12 +105,15 @@ def test_a_wheel_whose_package_is_not_the_recorded_tree_is_refused(tmp_path):
 
 def _status(capsys, monkeypatch, site: Path, *extra: str) -> tuple[int, dict]:
     monkeypatch.setenv("PYTHONPATH", str(site))
-    code = cli.main(["status", "installed", "--python", sys.executable, "--require-patched", "--json", *extra])
+    code = cli.main(
+        ["status", "installed", "--python", sys.executable, "--require-patched", "--json", *extra]
+    )
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_require_patched_passes_a_patched_node_and_fails_a_rolled_back_or_edited_one(exported, tmp_path, capsys,
-                                                                                     monkeypatch):
+def test_require_patched_passes_a_patched_node_and_fails_a_rolled_back_or_edited_one(
+    exported, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(tmp_path / "cache"))
     lineage, original, wheel = exported
     site = _install(wheel.path, tmp_path / "site")

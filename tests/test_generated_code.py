@@ -39,7 +39,9 @@ def test_a_hit_is_the_code_compile_gives_without_this_modules_future_flags(tmp_p
     assert f.__annotations__ == {"y": int, "return": None}  # not strings: no `annotations` future inherited
 
 
-def test_dataclasses_and_forward_refs_behave_as_without_it_and_a_torn_entry_is_recompiled(tmp_path, monkeypatch):
+def test_dataclasses_and_forward_refs_behave_as_without_it_and_a_torn_entry_is_recompiled(
+    tmp_path, monkeypatch
+):
     plain = _point_class()
     want = (repr(plain(1, [2])), plain(1) == plain(1), typing.get_type_hints(plain))
     cache = _installed(monkeypatch, tmp_path)

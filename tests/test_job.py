@@ -28,7 +28,9 @@ def test_default_reference_is_first_pinned_release_with_every_upstream_fix():
     from backport.releases import load_pins
 
     pack = load_pack(REPO / "patches")
-    upstream_fixes = [fix for fix in pack.fixes.values() if not fix.is_vendor]  # a vendor fix is in no release
+    upstream_fixes = [
+        fix for fix in pack.fixes.values() if not fix.is_vendor
+    ]  # a vendor fix is in no release
     version = default_reference(pack).removeprefix("sglang==")
     assert all(fix.is_fixed_in(version) for fix in upstream_fixes)
     older = [v for v in load_pins() if Version(v) < Version(version)
@@ -75,7 +77,9 @@ def stub_probes(monkeypatch):
     job_run = importlib.import_module("backport.job.run")  # the package re-exports `run`, the function
     calls: list[list[tuple[str, Path]]] = []
 
-    def fake_matrix(python, package_roots, probes=None, *, jobs=None, labels=None, coverage=None, versions=None):
+    def fake_matrix(
+        python, package_roots, probes=None, *, jobs=None, labels=None, coverage=None, versions=None
+    ):
         roles = [label.split(" ")[0] for label in labels]
         calls.append(list(zip(roles, map(Path, package_roots), strict=True)))
         return [probe_doc(Path(root), ("pristine", "patched", "reference").index(role), PASSING_CASES)
@@ -176,8 +180,9 @@ def test_run_when_the_series_does_not_apply(real_cache, stub_probes, tmp_path, c
     text = patch.read_text()
     patch.write_text(text.replace("\n         logprob_pt = 0\n", "\n         logprob_pt = 12345\n", 1))
     out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests",
-                     "--json"])
+    code = cli.main(
+        ["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests", "--json"]
+    )
     captured = capsys.readouterr()
     assert code == 1 and "does not apply" in captured.err
     document = json.loads(captured.out)  # one document: the failed apply report
@@ -193,7 +198,9 @@ def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stu
     shutil.copytree(REPO / "patches", series)
     (series / "pr36988" / "pr36988-0.5.19.patch").unlink()
     out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests"])
+    code = cli.main(
+        ["run", "sglang==0.5.19", "--series", str(series), "--out", str(out), "--no-upstream-tests"]
+    )
     captured = capsys.readouterr()
     assert code == 1, captured.err
     line = captured.out.splitlines()[0]
@@ -207,7 +214,9 @@ def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stu
     assert set(p["inputs"]["trees"]) == {"pristine"} and p["inputs"]["reference"] is None
     assert [s["name"] for s in statement["subject"]] == ["pristine-tree/sglang"]
     unsafe = {f"{r['probe']}/{r['case']}" for r in p["cases"] if r["verdicts"]["pristine"] == "unsafe"}
-    assert unsafe and all(r["pair"] == "still-unsafe" for r in p["cases"] if f"{r['probe']}/{r['case']}" in unsafe)
+    assert unsafe and all(
+        r["pair"] == "still-unsafe" for r in p["cases"] if f"{r['probe']}/{r['case']}" in unsafe
+    )
     vex = json.loads((out / "vex.openvex.json").read_text())
     assert "affected" in {s["status"] for s in vex["statements"]}
     assert "fixed" not in {s["status"] for s in vex["statements"]}
@@ -223,8 +232,20 @@ def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_pro
     """`run BASE --head HEAD` (upstream's own before/after pairs): nothing applied, both trees probed."""
     base, head = release_tree("0.5.19"), release_tree("0.5.22")
     out = tmp_path / "pair"
-    code = cli.main(["run", str(base.path), "--head", str(head.path), "--reference", "none", "--out", str(out),
-                     "--no-upstream-tests", "--json"])
+    code = cli.main(
+        [
+            "run",
+            str(base.path),
+            "--head",
+            str(head.path),
+            "--reference",
+            "none",
+            "--out",
+            str(out),
+            "--no-upstream-tests",
+            "--json",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     statement = json.loads((out / "receipt.json").read_text())
     _validate(statement)
@@ -246,7 +267,9 @@ def test_run_refuses_to_overwrite_a_directory_that_is_not_a_bundle(real_cache, s
 
 
 @network
-def test_run_out_into_a_folder_with_someones_sha256sums_deletes_nothing(real_cache, stub_probes, tmp_path, capsys):
+def test_run_out_into_a_folder_with_someones_sha256sums_deletes_nothing(
+    real_cache, stub_probes, tmp_path, capsys
+):
     release = tmp_path / "release"
     release.mkdir()
     (release / "myapp-1.0.tar.gz").write_bytes(b"tarball")
@@ -313,8 +336,18 @@ def test_run_sglang_0_5_19_end_to_end(real_cache, probe_python, tmp_path, capsys
     """README's first command, for real: exit 0, a bundle that verifies (also with sha256sum -c), the
     patched tree equal to the reference on every upstream fix's case, and the patches' lines covered."""
     out = tmp_path / "bundle"
-    code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--python", probe_python, "--no-upstream-tests",
-                     "--json"])
+    code = cli.main(
+        [
+            "run",
+            "sglang==0.5.19",
+            "--out",
+            str(out),
+            "--python",
+            probe_python,
+            "--no-upstream-tests",
+            "--json",
+        ]
+    )
     document = json.loads(capsys.readouterr().out)
     assert document["bundle"] == str(out.absolute())
     statement = json.loads((out / "receipt.json").read_text())

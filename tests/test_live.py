@@ -47,7 +47,9 @@ def live_results(serving, release_tree, patched_tree, tmp_path_factory):
     results = {}
     for label in TREES:
         tree = trees[label]
-        with deployed(env, Path(tree.package_root), tree.version, model, tmp_path_factory.mktemp(label)) as dep:
+        with deployed(
+            env, Path(tree.package_root), tree.version, model, tmp_path_factory.mktemp(label)
+        ) as dep:
             scenarios = {item.name: run_scenario(item, dep, model) for item in REGISTRY}
             audit = subprocess.run([sys.executable, "-m", "backport.cli", "audit", "--live", dep.router_url,
                                     "--live-count", "2", "--json"], capture_output=True, text=True, cwd=REPO,
@@ -97,11 +99,15 @@ def test_patched_rejected_request_is_refused_every_time_and_decode_survives(live
     assert result["verdict"] == "safe", result
     assert not any("leak" in line for line in result["details"]["log"].get("decode", []))
     # R refused: no flush is needed after it, and none is sent
-    assert [s["flush"] for s in result["details"]["steps"]][1:] == ["left out: the previous R was refused"] * 2
+    assert [s["flush"] for s in result["details"]["steps"]][1:] == [
+        "left out: the previous R was refused"
+    ] * 2
 
 
 def test_only_the_reference_flushes_with_a_hold_hazard(live_results):
-    over_pool = {label: live_results[label]["scenarios"]["over_pool_prompt_rejected"]["details"] for label in TREES}
+    over_pool = {
+        label: live_results[label]["scenarios"]["over_pool_prompt_rejected"]["details"] for label in TREES
+    }
     assert "sbp-flush-holds" in over_pool["reference-0.5.22"]["decode_flush_skipped"]
     for label in ("pristine-0.5.19", "patched-0.5.19"):
         assert over_pool[label]["decode_flush_accepted_after_seconds"] is not None, label

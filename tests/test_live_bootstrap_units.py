@@ -79,7 +79,9 @@ def test_safe_only_with_a_refusal_an_unchanged_table_and_no_sink_contact(which):
 
 def test_poisoned_table_is_unsafe_whatever_the_status_and_says_whether_it_was_put_back():
     restored = {"put": {"status": 200}, "read_back": read(ORIGINAL)}
-    verdict, observed = bootstrap.judge(details((200, 200), (ATTACKER, ATTACKER), restore=restored), REFERENCE)
+    verdict, observed = bootstrap.judge(
+        details((200, 200), (ATTACKER, ATTACKER), restore=restored), REFERENCE
+    )
     assert verdict == UNSAFE and "sink's 127.0.0.1:40999" in observed
     assert "put back" in observed and "reference tokens" in observed
     broken = details((200, 200), (ATTACKER, ATTACKER), final={**SERVED, "status": 500, "tokens": []})
@@ -112,8 +114,15 @@ def test_the_valid_prompts_after_refused_writes_must_get_the_reference_tokens():
 
 
 def test_put_body_carries_every_releases_fields_and_echoes_what_the_registrant_must_repeat():
-    info = {"attn_tp_size": 1, "page_size": 1, "kv_cache_dtype": "float32", "decode_allocation_policy": "early",
-            "dsv41_spec_layout": None, "prefill_http_port": 30000, "follow_bootstrap_room": True}
+    info = {
+        "attn_tp_size": 1,
+        "page_size": 1,
+        "kv_cache_dtype": "float32",
+        "decode_allocation_policy": "early",
+        "dsv41_spec_layout": None,
+        "prefill_http_port": 30000,
+        "follow_bootstrap_room": True,
+    }
     body = bootstrap.put_body(info, **ATTACKER)
     assert body["kv_cache_dtype"] == "float32" and body["decode_allocation_policy"] == "early"
     assert "dsv41_spec_layout" not in body and "follow_bootstrap_room" not in body
@@ -140,7 +149,15 @@ class RouteTable(BaseHTTPRequestHandler):
     table: dict
     rooms: dict
     token: str | None = None
-    fields = ("attn_tp_size", "attn_cp_rank", "system_dp_size", "page_size", "kv_cache_dtype", "rank_ip", "rank_port")
+    fields = (
+        "attn_tp_size",
+        "attn_cp_rank",
+        "system_dp_size",
+        "page_size",
+        "kv_cache_dtype",
+        "rank_ip",
+        "rank_port",
+    )
 
     def log_message(self, *args):
         pass
@@ -211,9 +228,16 @@ class ColdDecode(StandIn):
 def route_table(request):
     origin = socket.socket()
     origin.bind(("127.0.0.1", 0))
-    origin.listen(8)   # the real registrant's endpoint, so the cold decode's connect succeeds
-    handler = type("Table", (RouteTable,), {"table": {"rank_ip": "127.0.0.1", "rank_port": origin.getsockname()[1]},
-                                           "rooms": {}, "token": request.param})
+    origin.listen(8)  # the real registrant's endpoint, so the cold decode's connect succeeds
+    handler = type(
+        "Table",
+        (RouteTable,),
+        {
+            "table": {"rank_ip": "127.0.0.1", "rank_port": origin.getsockname()[1]},
+            "rooms": {},
+            "token": request.param,
+        },
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server, handler

@@ -8,17 +8,39 @@ import json
 from backport import evidence
 from tests.test_evidence import _reseal, fixture_run
 
-SCENARIOS = ("valid_prompt_matches_reference", "over_pool_prompt_rejected", "rejected_request_reads_no_other_request",
-             "over_decode_pool_prompt_rejected")
+SCENARIOS = (
+    "valid_prompt_matches_reference",
+    "over_pool_prompt_rejected",
+    "rejected_request_reads_no_other_request",
+    "over_decode_pool_prompt_rejected",
+)
 
 
 def _live_doc(role: str, verdicts: dict[str, str]) -> dict:
-    return {"tree": role, "version": "0.5.22" if role == "reference" else "0.5.19", "startup_seconds": 120.0,
-            "server": {"version": "0.5.19", "flags": {"prefill": ["--max-total-tokens", "256"]},
-                       "backend": "mooncake", "router": "smg==1.13.0", "model_sha256": "0" * 64},
-            "scenarios": [{"scenario": name, "must_preserve": name.startswith("valid"), "expect": "",
-                           "verdict": verdicts.get(name, "safe"), "observed": "", "details": {}, "seconds": 1.0}
-                          for name in SCENARIOS]}
+    return {
+        "tree": role,
+        "version": "0.5.22" if role == "reference" else "0.5.19",
+        "startup_seconds": 120.0,
+        "server": {
+            "version": "0.5.19",
+            "flags": {"prefill": ["--max-total-tokens", "256"]},
+            "backend": "mooncake",
+            "router": "smg==1.13.0",
+            "model_sha256": "0" * 64,
+        },
+        "scenarios": [
+            {
+                "scenario": name,
+                "must_preserve": name.startswith("valid"),
+                "expect": "",
+                "verdict": verdicts.get(name, "safe"),
+                "observed": "",
+                "details": {},
+                "seconds": 1.0,
+            }
+            for name in SCENARIOS
+        ],
+    }
 
 
 INCIDENT = {"over_pool_prompt_rejected": "unsafe", "rejected_request_reads_no_other_request": "unsafe",
@@ -40,8 +62,11 @@ def test_live_bundle_verifies_and_counts_the_pairs(tmp_path, monkeypatch):
     receipt = json.loads((bundle / "receipt.json").read_text())
     live = receipt["predicate"]["live"]
     assert {r["scenario"]: r["pair"] for r in live["scenarios"]} == {
-        "valid_prompt_matches_reference": "held", "over_pool_prompt_rejected": "fixed",
-        "rejected_request_reads_no_other_request": "fixed", "over_decode_pool_prompt_rejected": "not-applicable"}
+        "valid_prompt_matches_reference": "held",
+        "over_pool_prompt_rejected": "fixed",
+        "rejected_request_reads_no_other_request": "fixed",
+        "over_decode_pool_prompt_rejected": "not-applicable",
+    }
     assert live["servers"]["patched"]["router"] == "smg==1.13.0"
     assert receipt["predicate"]["summary"]["live"]["findings"] == []
     assert "## Live tier" in (bundle / "REPORT.md").read_text()

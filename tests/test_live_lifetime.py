@@ -126,7 +126,9 @@ def descendants(root: int) -> dict[int, str]:
     found: dict[int, str] = {}
     grew = True
     while grew:
-        more = {pid for pid, (parent, _, _) in table.items() if parent == root or parent in found} - set(found)
+        more = {pid for pid, (parent, _, _) in table.items() if parent == root or parent in found} - set(
+            found
+        )
         found.update({pid: table[pid][2] for pid in more})
         grew = bool(more)
     return found
@@ -142,11 +144,18 @@ def test_sigkill_of_the_cli_leaves_no_process_or_listener(tmp_path):
     grandchildren (one in a session of its own, without the mark) and every port, within the
     bound, and exits."""
     ports = [free_port() for _ in range(4)]
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), SERVER, *map(str, ports)],
-                              stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(tmp_path), SERVER, *map(str, ports)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         pids = json.loads(driver.stdout.readline())
-        assert _wait(lambda: all(_listening(p) for p in ports), 20) is not None, "the stand-ins never listened"
+        assert _wait(lambda: all(_listening(p) for p in ports), 20) is not None, (
+            "the stand-ins never listened"
+        )
         token = _token_of(pids[0])
         assert len(_marked(token)) == 3  # two servers, the grandchild that stayed
         time.sleep(2 * supervisor.SCAN_SECONDS)  # the reaper has read the tree once since
@@ -203,8 +212,12 @@ def _held_port() -> socket.socket:
 
 def _stand_in(tmp_path: Path) -> Launch:
     (tmp_path / "health").write_text("ok")
-    return Launch("prefill", lambda ports: [sys.executable, "-c", UVICORN_LIKE, str(ports["http"]), str(tmp_path)],
-                  ("http",), None)
+    return Launch(
+        "prefill",
+        lambda ports: [sys.executable, "-c", UVICORN_LIKE, str(ports["http"]), str(tmp_path)],
+        ("http",),
+        None,
+    )
 
 
 def test_a_port_taken_before_the_bind_is_seen_in_seconds_and_retried(tmp_path, monkeypatch, caplog):
@@ -240,7 +253,9 @@ def test_a_bind_failure_on_another_port_is_not_the_servers(tmp_path):
     port = free_port()
     log = tmp_path / "decode.log"
     log.write_text(f"W mooncake: bind 127.0.0.1:{port + 1} failed: Address already in use, trying next\n")
-    server = servers.Server("decode", subprocess.Popen(["sleep", "30"]), log, f"http://127.0.0.1:{port}", (port,))
+    server = servers.Server(
+        "decode", subprocess.Popen(["sleep", "30"]), log, f"http://127.0.0.1:{port}", (port,)
+    )
     try:
         assert servers.bind_failure(server) is None
         log.write_text(f"ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port})\n")
@@ -263,5 +278,7 @@ def test_a_progress_line_at_least_every_period_while_waiting(tmp_path, monkeypat
             wait_ready([server], "/health", timeout=2.5)
     lines = [r.getMessage() for r in caplog.records if "starting" in r.getMessage()]
     assert len(lines) >= 3, lines
-    assert all(re.fullmatch(r"live: decode starting, \d+ s, waiting for /health \(decode: loading weights\)", line)
-               for line in lines), lines
+    assert all(
+        re.fullmatch(r"live: decode starting, \d+ s, waiting for /health \(decode: loading weights\)", line)
+        for line in lines
+    ), lines

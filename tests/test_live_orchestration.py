@@ -48,7 +48,16 @@ STUBBORN = textwrap.dedent("""
 
 def _http_server(tmp_path: Path, port: int) -> list[str]:
     (tmp_path / "health").write_text("ok")
-    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    return [
+        sys.executable,
+        "-m",
+        "http.server",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(tmp_path),
+    ]
 
 
 def _gone(pid: int) -> bool:
@@ -96,7 +105,11 @@ def test_ready_server_is_polled_and_stopped(tmp_path):
 
 
 def test_server_that_exits_is_one_line_with_its_log_tail(tmp_path):
-    argv = [sys.executable, "-c", "import sys; print('loading weights'); print('RuntimeError: no CUDA'); sys.exit(3)"]
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; print('loading weights'); print('RuntimeError: no CUDA'); sys.exit(3)",
+    ]
     with Processes(tmp_path) as processes:
         server = processes.start("prefill", argv, url=f"http://127.0.0.1:{free_port()}", env=dict(os.environ))
         with pytest.raises(ServerDidNotStart) as raised:
@@ -200,9 +213,11 @@ def _doc(verdicts: dict[str, str]) -> dict:
 
 
 def test_live_section_pairs_and_summary():
-    docs = {"pristine": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "unsafe"}),
-            "patched": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "safe"}),
-            "reference": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "safe"})}
+    docs = {
+        "pristine": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "unsafe"}),
+        "patched": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "safe"}),
+        "reference": _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "safe"}),
+    }
     section = live_evidence.section(docs)
     assert [(r["scenario"], r["pair"], r["reference_agrees"]) for r in section["scenarios"]] == [
         ("valid_prompt_matches_reference", "held", True), ("over_pool_prompt_rejected", "fixed", True)]
@@ -226,7 +241,9 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 HOLDS_ON = "    SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool(True)\n"
-IDLE_COUNTS_HOLDS = "                idle &= not self.disagg_decode_transfer_queue.has_pending_deferred_releases()\n"
+IDLE_COUNTS_HOLDS = (
+    "                idle &= not self.disagg_decode_transfer_queue.has_pending_deferred_releases()\n"
+)
 
 
 @pytest.mark.parametrize("environ, scheduler, hazard", [
@@ -238,7 +255,9 @@ IDLE_COUNTS_HOLDS = "                idle &= not self.disagg_decode_transfer_que
 def test_a_tree_whose_flush_frees_held_pages_is_read_from_its_code(tmp_path, environ, scheduler, hazard):
     from backport.live.deployment import flush_frees_held_pages
 
-    root = _package(tmp_path, {"sglang/srt/environ.py": environ, "sglang/srt/managers/scheduler.py": scheduler})
+    root = _package(
+        tmp_path, {"sglang/srt/environ.py": environ, "sglang/srt/managers/scheduler.py": scheduler}
+    )
     assert flush_frees_held_pages(root) is hazard
 
 
@@ -246,7 +265,9 @@ def test_decode_gets_the_retraction_backup_option_only_where_the_release_defines
     from backport.live.deployment import DECODE_FLAGS, RETRACTION_BACKUP_FLAGS, decode_flags
 
     old = _package(tmp_path / "old", {"sglang/srt/server_args.py": "class ServerArgs: pass\n"})
-    new = _package(tmp_path / "new", {"sglang/srt/configs/disagg.py": "disaggregation_decode_retraction_backup: str\n"})
+    new = _package(
+        tmp_path / "new", {"sglang/srt/configs/disagg.py": "disaggregation_decode_retraction_backup: str\n"}
+    )
     assert decode_flags(old) == DECODE_FLAGS
     assert decode_flags(new) == DECODE_FLAGS + RETRACTION_BACKUP_FLAGS
 
@@ -266,7 +287,9 @@ def test_one_invocation_deploys_the_reference_once(monkeypatch, tmp_path):
         return [{"tree": role, "scenarios": [{"verdict": verdict}]} for role, _, _ in trees]
 
     monkeypatch.setattr(job_live, "_REFERENCE_RUNS", {})
-    monkeypatch.setattr(live_pkg, "ensure_serving_env", lambda python: type("Env", (), {"python": "/srv/python"}))
+    monkeypatch.setattr(
+        live_pkg, "ensure_serving_env", lambda python: type("Env", (), {"python": "/srv/python"})
+    )
     monkeypatch.setattr(live_pkg, "ensure_model", lambda python: None)
     monkeypatch.setattr(live_pkg, "run_live", fake_run_live)
 

@@ -59,7 +59,9 @@ SAFE_CONTROLS = {"b_alone": _trial(True), "held_back": _trial(True)}
 
 
 def test_judge_counts_unsafe_valid_trials():
-    verdict, observed = race.judge(SAFE_CONTROLS, [_trial(False), _trial(True), _trial(False, "A not shaped")])
+    verdict, observed = race.judge(
+        SAFE_CONTROLS, [_trial(False), _trial(True), _trial(False, "A not shaped")]
+    )
     assert verdict == race.UNSAFE and observed.startswith("1 of 2 valid trials unsafe (3 run)")
 
 

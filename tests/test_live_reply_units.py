@@ -20,10 +20,16 @@ VOCAB = {**SPECIAL, **{f"t{i}": i for i in range(3, 512)}}
 def tokenizer_json(folder: Path) -> Path:
     """The tokenizer.json make_model.make_tokenizer saves (the fields reply.py reads)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(json.dumps({
-        "version": "1.0", "added_tokens": [{"id": i, "content": w, "special": True} for w, i in SPECIAL.items()],
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "model": {"type": "WordLevel", "vocab": VOCAB, "unk_token": "<unk>"}}))
+    (folder / "tokenizer.json").write_text(
+        json.dumps(
+            {
+                "version": "1.0",
+                "added_tokens": [{"id": i, "content": w, "special": True} for w, i in SPECIAL.items()],
+                "pre_tokenizer": {"type": "WhitespaceSplit"},
+                "model": {"type": "WordLevel", "vocab": VOCAB, "unk_token": "<unk>"},
+            }
+        )
+    )
     return folder
 
 
@@ -46,8 +52,12 @@ def meta(prompt: list[int], generated: list[int]) -> dict:
             "prompt_tokens": len(prompt), "completion_tokens": len(generated), "cached_tokens": 0}
 
 
-def shape_ids(prompt, generated):           # 0.5.3 on: BatchTokenIDOut / BatchStrOut with output_ids
-    return {"text": detokenized_text(prompt, generated), "output_ids": generated, "meta_info": meta(prompt, generated)}
+def shape_ids(prompt, generated):  # 0.5.3 on: BatchTokenIDOut / BatchStrOut with output_ids
+    return {
+        "text": detokenized_text(prompt, generated),
+        "output_ids": generated,
+        "meta_info": meta(prompt, generated),
+    }
 
 
 def shape_ids_with_prompt_tail(prompt, generated):   # 0.5.2: decode_ids from surr_offset = read_offset - 5
@@ -55,8 +65,11 @@ def shape_ids_with_prompt_tail(prompt, generated):   # 0.5.2: decode_ids from su
             "meta_info": meta(prompt, generated)}
 
 
-def shape_text_only(prompt, generated, skip_special_tokens=False):   # 0.4.7 - 0.4.10.post2: no ids
-    return {"text": detokenized_text(prompt, generated, skip_special_tokens), "meta_info": meta(prompt, generated)}
+def shape_text_only(prompt, generated, skip_special_tokens=False):  # 0.4.7 - 0.4.10.post2: no ids
+    return {
+        "text": detokenized_text(prompt, generated, skip_special_tokens),
+        "meta_info": meta(prompt, generated),
+    }
 
 
 @pytest.fixture
@@ -89,7 +102,10 @@ def test_a_text_only_reply_keeps_special_tokens_or_is_unrecoverable(tok):
     generated = [401, 2, 77, 3, 77, 1, 9, 511]   # </s> (EOS ignored) and <s> generated
     kept = {"text": detokenized_text(PROMPT, generated), "meta_info": meta(PROMPT, generated)}
     assert parse(200, json.dumps(kept), PROMPT, tok, 0.1).tokens == generated
-    skipped = {"text": detokenized_text(PROMPT, generated, skip_special_tokens=True), "meta_info": meta(PROMPT, generated)}
+    skipped = {
+        "text": detokenized_text(PROMPT, generated, skip_special_tokens=True),
+        "meta_info": meta(PROMPT, generated),
+    }
     got = parse(200, json.dumps(skipped), PROMPT, tok, 0.1)
     assert not got.recovered and got.tokens == []
     assert parse(200, json.dumps({"text": "t5 hello", "meta_info": {}}), PROMPT, tok, 0.1).recovered is False
@@ -97,7 +113,9 @@ def test_a_text_only_reply_keeps_special_tokens_or_is_unrecoverable(tok):
 
 
 def test_refusals_and_broken_bodies():
-    refusal = parse(400, json.dumps({"error": {"message": "Input length (400 tokens) exceeds"}}), PROMPT, None, 0.0)
+    refusal = parse(
+        400, json.dumps({"error": {"message": "Input length (400 tokens) exceeds"}}), PROMPT, None, 0.0
+    )
     assert refusal.recovered and refusal.tokens == [] and "exceeds" in refusal.error
     assert parse(200, "<html>bad gateway</html>", PROMPT, None, 0.0).recovered is False
     assert parse(502, "upstream gone", PROMPT, None, 0.0).recovered is True
@@ -164,7 +182,9 @@ def test_text_only_answers_to_the_rejected_request_are_no_longer_judged_safe_by_
     assert outcome.verdict == scenarios.UNSAFE, outcome
     # the same text after A and B, but a special token lost (skipped by the server): no verdict, not safe
     outcome = scenarios.rejected_request_reads_no_other_request(
-        StandIn(lambda ids: (200, shape_text_only(ids, [2, 9, 9, 9, 9, 9, 9, 9], skip_special_tokens=True))), model)
+        StandIn(lambda ids: (200, shape_text_only(ids, [2, 9, 9, 9, 9, 9, 9, 9], skip_special_tokens=True))),
+        model,
+    )
     assert outcome.verdict == scenarios.ERROR, outcome
 
 

@@ -14,7 +14,10 @@ from backport.live.reply import parse
 from tests.test_live_reply_units import StandIn, model_at, shape_ids, shape_text_only
 
 REFERENCE = [401, 77, 3, 77, 250, 9, 511, 128]
-REFUSAL = (400, {"error": {"message": "Input length (400 tokens) exceeds the maximum allowed length (250 tokens)"}})
+REFUSAL = (
+    400,
+    {"error": {"message": "Input length (400 tokens) exceeds the maximum allowed length (250 tokens)"}},
+)
 
 
 class Decode(StandIn):
@@ -68,7 +71,10 @@ def test_released_and_served_is_safe_with_the_traffic_measured(monkeypatch, mode
     assert details["baseline_tokens"] == 0 and details["readings"][-1][1] == 0
     cost = details["concurrent_cost"]
     assert cost["valid_only"]["valid"] == traffic.VALID_ONLY and cost["mix"]["requests"] == traffic.MIX
-    assert cost["mix"]["over_pool"] == traffic.plan().count("over_pool") and cost["mix"]["valid_wrong_tokens"] == 0
+    assert (
+        cost["mix"]["over_pool"] == traffic.plan().count("over_pool")
+        and cost["mix"]["valid_wrong_tokens"] == 0
+    )
 
 
 def test_held_past_the_bound_is_unsafe(monkeypatch, model):
@@ -90,14 +96,18 @@ def test_a_served_over_pool_prompt_is_not_applicable(monkeypatch, model):
 
 
 def test_a_text_only_next_prompt_that_cannot_be_read_is_error_not_safe(monkeypatch, model):
-    lost = [2, *REFERENCE[1:]]   # a special token the server skipped in the text
-    dep = deployment(model, refusing(lambda ids: (200, shape_text_only(ids, lost, skip_special_tokens=True))), [0])
+    lost = [2, *REFERENCE[1:]]  # a special token the server skipped in the text
+    dep = deployment(
+        model, refusing(lambda ids: (200, shape_text_only(ids, lost, skip_special_tokens=True))), [0]
+    )
     outcome = run(monkeypatch, dep)
     assert outcome.verdict == scenarios.ERROR, outcome
 
 
 def test_wrong_tokens_under_the_mix_are_unsafe(monkeypatch, model):
-    answers = iter([REFERENCE] * 11 + [[9] * 8] * 30)   # the next valid prompt and valid-only right, the mix not
+    answers = iter(
+        [REFERENCE] * 11 + [[9] * 8] * 30
+    )  # the next valid prompt and valid-only right, the mix not
     dep = deployment(model, refusing(lambda ids: (200, shape_ids(ids, next(answers)))), [0])
     outcome = run(monkeypatch, dep)
     assert outcome.verdict == scenarios.UNSAFE and "under the mix" in outcome.observed, outcome

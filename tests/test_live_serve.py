@@ -23,8 +23,13 @@ BOUND_SECONDS = 15.0
 
 
 def test_serve_wants_exactly_one_tree(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "backport.cli", "live", "--serve", str(tmp_path), str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "backport.cli", "live", "--serve", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
     assert proc.returncode == 2
     expected = "sglang-backport: error: live --serve keeps one pair up: give one TREE, not 2"
     assert proc.stderr.strip().splitlines() == [expected]
@@ -35,15 +40,23 @@ def test_serve_wants_exactly_one_tree(tmp_path):
 def test_serve_prints_the_router_and_sigterm_leaves_nothing(serving, release_tree, shared_cache):  # noqa: F811
     env = {**os.environ, "SGLANG_BACKPORT_CACHE": str(shared_cache),
            "SGLANG_BACKPORT_PROBE_PYTHON": str(serving[0].python)}
-    proc = subprocess.Popen([sys.executable, "-m", "backport.cli", "live", "--serve", str(release_tree("0.5.22").path),
-                             "--json"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backport.cli", "live", "--serve", str(release_tree("0.5.22").path), "--json"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
         deadline = time.monotonic() + 900
         while not lines and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(1)
-        assert lines, f"no router URL (exit {proc.poll()}): {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert lines, (
+            f"no router URL (exit {proc.poll()}): {proc.stderr.read() if proc.poll() is not None else ''}"
+        )
         served = json.loads(lines[0])
         assert served["router"].startswith("http://127.0.0.1:") and served["version"] == "0.5.22"
         audit = subprocess.run([sys.executable, "-m", "backport.cli", "audit", "--live", served["router"],

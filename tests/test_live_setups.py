@@ -107,9 +107,24 @@ def test_patched_pair_serves(serving, patched_tree, tmp_path, version):
     assert result["valid"].status == 200, result["valid"]
 
 
-CODE_FACT_RELEASES = ("0.5.8", "0.5.7", "0.5.3", "0.5.2", "0.5.1.post3", "0.4.10.post2", "0.4.10.post1", "0.4.9",
-                      "0.4.8.post1", "0.4.7.post1", "0.4.7", "0.4.6.post5", "0.4.6.post3", "0.4.6.post2", "0.4.6",
-                      "0.4.5.post3")
+CODE_FACT_RELEASES = (
+    "0.5.8",
+    "0.5.7",
+    "0.5.3",
+    "0.5.2",
+    "0.5.1.post3",
+    "0.4.10.post2",
+    "0.4.10.post1",
+    "0.4.9",
+    "0.4.8.post1",
+    "0.4.7.post1",
+    "0.4.7",
+    "0.4.6.post5",
+    "0.4.6.post3",
+    "0.4.6.post2",
+    "0.4.6",
+    "0.4.5.post3",
+)
 
 
 @pytest.mark.probe_env
@@ -132,7 +147,9 @@ def test_each_setup_field_is_what_the_trees_code_says(release_tree, version):
     assert flag == (not setup.reserved_tokens_env and not setup.decode_pool_extra)
     assert flag or ("SGLANG_NUM_RESERVED_DECODE_TOKENS" in decode) == setup.reserved_tokens_env
     assert ("cpu_count // 4" in read("disaggregation/mooncake/conn.py")) == bool(setup.stand_in_cpus)
-    health = re.search(r"async def health\(\)[^\n]*\n(.*?)\n\n\n", read("entrypoints/http_server.py"), re.DOTALL)
+    health = re.search(
+        r"async def health\(\)[^\n]*\n(.*?)\n\n\n", read("entrypoints/http_server.py"), re.DOTALL
+    )
     body = health.group(1) if health else ""   # newer releases take the request: not this plain form
     unconditional = body.strip().endswith("return Response(status_code=200)") and body.count("\n") < 3
     assert unconditional == setup.health_before_warmup

@@ -100,8 +100,14 @@ class Cli:
         env = {**os.environ, "SGLANG_BACKPORT_PROBE_PYTHON": str(serving_env.python)}
         entry = ["-m", "backport.cli"] if taken_router_port is None else \
             ["-c", TAKEN_ROUTER_PORT, str(taken_router_port)]
-        self.proc = subprocess.Popen([sys.executable, *entry, "live", str(tree), "--logs", str(logs)],
-                                     cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, *entry, "live", str(tree), "--logs", str(logs)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
 
@@ -173,7 +179,9 @@ def test_sigkill_during_the_scenarios_leaves_nothing(serving, release_tree, tmp_
     finally:
         cli.stop()
         taken.close()
-    print(f"during scenarios: nothing left {seconds:.1f} s after SIGKILL; listeners not chosen by the tier: {others}")
+    print(
+        f"during scenarios: nothing left {seconds:.1f} s after SIGKILL; listeners not chosen by the tier: {others}"
+    )
 
 
 def _chosen_ports(pids: list[int]) -> set[int]:

@@ -39,9 +39,15 @@ MOD = "sglang/srt/disaggregation/prefill.py"
 
 
 def _header(pr: int, depends: str = "none", **over: str) -> str:
-    fields = {"Description": f"Fix {pr}", "Origin": f"upstream, https://github.com/sgl-project/sglang/pull/{pr}, "
-              f"commit {FIX_COMMIT[:10]}", "Bug": f"https://github.com/sgl-project/sglang/pull/{pr}",
-              "Applies-To": ">=0.5.17", "Depends-On": depends, "Last-Update": "2026-11-30", **over}
+    fields = {
+        "Description": f"Fix {pr}",
+        "Origin": f"upstream, https://github.com/sgl-project/sglang/pull/{pr}, commit {FIX_COMMIT[:10]}",
+        "Bug": f"https://github.com/sgl-project/sglang/pull/{pr}",
+        "Applies-To": ">=0.5.17",
+        "Depends-On": depends,
+        "Last-Update": "2026-11-30",
+        **over,
+    }
     return "".join(f"{k}: {v}\n" for k, v in fields.items() if v is not None) + "---\n"
 
 
@@ -119,111 +125,282 @@ CORPUS: list[tuple[str, Callable[[Path], None], str, str]] = [
     ("series-missing", lambda root: (root / "series").unlink(), "missing", "series"),
     # fixes.toml
     ("fixes-not-toml", put("fixes.toml", "[[fix]\nid = 1\n"), "not valid TOML", "fixes.toml"),
-    ("fixes-not-utf8", put("fixes.toml", b"[[fix]]\nid = \"pr100\"\ntitle = \"\xff\"\n"), "not UTF-8", "fixes.toml"),
+    (
+        "fixes-not-utf8",
+        put("fixes.toml", b"[[fix]]\nid = \"pr100\"\ntitle = \"\xff\"\n"),
+        "not UTF-8",
+        "fixes.toml",
+    ),
     ("fixes-empty", put("fixes.toml", "# no fixes\n"), "no [fixes", "fixes.toml"),
     ("fixes-missing", lambda root: (root / "fixes.toml").unlink(), "missing", "fixes.toml"),
-    ("fixes-self-dependency", sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = ["pr200"]'),
-     "depends on itself", "fixes.toml"),
-    ("fixes-cycle", sub("fixes.toml", "depends_on = []", 'depends_on = ["pr200"]'), "dependency cycle",
-     "fixes.toml"),
-    ("fixes-unknown-dependency", sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = ["pr404"]'),
-     "which has no entry", "fixes.toml"),
+    (
+        "fixes-self-dependency",
+        sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = ["pr200"]'),
+        "depends on itself",
+        "fixes.toml",
+    ),
+    (
+        "fixes-cycle",
+        sub("fixes.toml", "depends_on = []", 'depends_on = ["pr200"]'),
+        "dependency cycle",
+        "fixes.toml",
+    ),
+    (
+        "fixes-unknown-dependency",
+        sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = ["pr404"]'),
+        "which has no entry",
+        "fixes.toml",
+    ),
     ("fixes-missing-title", sub("fixes.toml", 'title = "Fix one"\n', ""), "missing title", "fixes.toml"),
-    ("fixes-empty-title", sub("fixes.toml", 'title = "Fix one"', 'title = " "'), "title is empty", "fixes.toml"),
+    (
+        "fixes-empty-title",
+        sub("fixes.toml", 'title = "Fix one"', 'title = " "'),
+        "title is empty",
+        "fixes.toml",
+    ),
     ("fixes-missing-pr", sub("fixes.toml", "pr = 100\n", ""), "missing pr", "fixes.toml"),
     ("fixes-pr-string", sub("fixes.toml", "pr = 100", 'pr = "100"'), "not a positive integer", "fixes.toml"),
     ("fixes-pr-bool", sub("fixes.toml", "pr = 100", "pr = true"), "not a positive integer", "fixes.toml"),
-    ("fixes-missing-commit", sub("fixes.toml", f'upstream_commit = "{FIX_COMMIT}"\n', ""),
-     "missing upstream_commit", "fixes.toml"),
+    (
+        "fixes-missing-commit",
+        sub("fixes.toml", f'upstream_commit = "{FIX_COMMIT}"\n', ""),
+        "missing upstream_commit",
+        "fixes.toml",
+    ),
     ("fixes-unknown-key", fixes_with('colour = "blue"'), "unknown key 'colour'", "fixes.toml"),
-    ("fixes-unknown-top-level", lambda root: (root / "fixes.toml").write_text("version = 1\n" + GOOD_FIXES),
-     "unknown top-level key", "fixes.toml"),
-    ("fixes-fixed-in-type", sub("fixes.toml", 'fixed_in = ""', "fixed_in = 20"), "must be a string", "fixes.toml"),
-    ("fixes-fixed-in-spec", sub("fixes.toml", 'fixed_in = ""', 'fixed_in = "~=banana"'), "PEP 440", "fixes.toml"),
+    (
+        "fixes-unknown-top-level",
+        lambda root: (root / "fixes.toml").write_text("version = 1\n" + GOOD_FIXES),
+        "unknown top-level key",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fixed-in-type",
+        sub("fixes.toml", 'fixed_in = ""', "fixed_in = 20"),
+        "must be a string",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fixed-in-spec",
+        sub("fixes.toml", 'fixed_in = ""', 'fixed_in = "~=banana"'),
+        "PEP 440",
+        "fixes.toml",
+    ),
     ("fixes-scope-spec", fixes_with('scope = "newer please"'), "PEP 440", "fixes.toml"),
-    ("fixes-depends-on-string", sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = "pr100"'),
-     "depends_on must be a list", "fixes.toml"),
+    (
+        "fixes-depends-on-string",
+        sub("fixes.toml", 'depends_on = ["pr100"]', 'depends_on = "pr100"'),
+        "depends_on must be a list",
+        "fixes.toml",
+    ),
     ("fixes-url-type", fixes_with("url = 5"), "url must be a string", "fixes.toml"),
     ("fixes-bad-id", sub("fixes.toml", 'id = "pr200"', 'id = "PR 200!"'), "not a valid fix id", "fixes.toml"),
-    ("fixes-defined-twice", lambda root: (root / "fixes.toml").write_text(
-        GOOD_FIXES + GOOD_FIXES.split("\n\n")[0] + "\n"), "defined twice", "fixes.toml"),
-    ("fixes-fingerprint-outside", sub("fixes.toml", 'file = "sglang/srt', 'file = "tools/srt'),
-     "outside the package directory", "fixes.toml"),
-    ("fixes-fingerprint-regex", sub("fixes.toml", 'pattern = "fixed"', 'pattern = "(unclosed"'),
-     "fingerprint pattern", "fixes.toml"),
-    ("fixes-fingerprint-key", sub("fixes.toml", 'pattern = "fixed"', 'pattern = "fixed", regex = true'),
-     "unknown key 'regex'", "fixes.toml"),
-    ("fixes-fingerprint-type", sub("fixes.toml", 'fingerprint = [{ file = "sglang/srt/disaggregation/prefill.py", '
-                                                 'pattern = "fixed" }]', 'fingerprint = "fixed"'),
-     "fingerprint must be a list", "fixes.toml"),
-    ("fixes-upstream-tests-type", fixes_with('upstream_tests = "test_x.py"'), "upstream_tests must be a list",
-     "fixes.toml"),
+    (
+        "fixes-defined-twice",
+        lambda root: (root / "fixes.toml").write_text(GOOD_FIXES + GOOD_FIXES.split("\n\n")[0] + "\n"),
+        "defined twice",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fingerprint-outside",
+        sub("fixes.toml", 'file = "sglang/srt', 'file = "tools/srt'),
+        "outside the package directory",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fingerprint-regex",
+        sub("fixes.toml", 'pattern = "fixed"', 'pattern = "(unclosed"'),
+        "fingerprint pattern",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fingerprint-key",
+        sub("fixes.toml", 'pattern = "fixed"', 'pattern = "fixed", regex = true'),
+        "unknown key 'regex'",
+        "fixes.toml",
+    ),
+    (
+        "fixes-fingerprint-type",
+        sub(
+            "fixes.toml",
+            'fingerprint = [{ file = "sglang/srt/disaggregation/prefill.py", pattern = "fixed" }]',
+            'fingerprint = "fixed"',
+        ),
+        "fingerprint must be a list",
+        "fixes.toml",
+    ),
+    (
+        "fixes-upstream-tests-type",
+        fixes_with('upstream_tests = "test_x.py"'),
+        "upstream_tests must be a list",
+        "fixes.toml",
+    ),
     # a header that restates fixes.toml differently
-    ("header-origin-commit", patch1(_diff(), Origin="upstream, https://github.com/sgl-project/sglang/pull/100, "
-                                                    "commit deadbeef00"),
-     f"Origin names commit deadbeef00, fixes.toml [pr100] upstream_commit is {FIX_COMMIT}", P1),
-    ("header-origin-url", patch1(_diff(), Origin="upstream, https://github.com/sgl-project/sglang/pull/101"),
-     "fixes.toml [pr100] url is https://github.com/sgl-project/sglang/pull/100", P1),
+    (
+        "header-origin-commit",
+        patch1(_diff(), Origin="upstream, https://github.com/sgl-project/sglang/pull/100, commit deadbeef00"),
+        f"Origin names commit deadbeef00, fixes.toml [pr100] upstream_commit is {FIX_COMMIT}",
+        P1,
+    ),
+    (
+        "header-origin-url",
+        patch1(_diff(), Origin="upstream, https://github.com/sgl-project/sglang/pull/101"),
+        "fixes.toml [pr100] url is https://github.com/sgl-project/sglang/pull/100",
+        P1,
+    ),
     ("header-bug", patch1(_diff(), Bug="https://github.com/sgl-project/sglang/issues/7"), "Bug is", P1),
-    ("header-depends-on", put(P2, _header(200, "none") + _diff(old="    y = 2", new="    y = 3")),
-     "Depends-On is none, fixes.toml [pr200] depends_on is pr100", P2),
+    (
+        "header-depends-on",
+        put(P2, _header(200, "none") + _diff(old="    y = 2", new="    y = 3")),
+        "Depends-On is none, fixes.toml [pr200] depends_on is pr100",
+        P2,
+    ),
     ("header-depends-on-extra", patch1(_diff(), **{"Depends-On": "pr200"}), "Depends-On is pr200", P1),
     # header
     ("header-no-end", put(P1, _header(100).replace("---\n", "") + _diff()), "no '---' line", P1),
     ("header-not-a-field", put(P1, "Just some words\n" + _header(100) + _diff()), "not 'Field: value'", P1),
     ("header-field-twice", put(P1, "Origin: x\n" + _header(100) + _diff()), "given twice", P1),
-    *[(f"header-missing-{f.lower()}", patch1(_diff(), **{f: None}), f"missing header field {f}", P1)
-      for f in ("Description", "Origin", "Applies-To", "Depends-On", "Last-Update")],
+    *[
+        (f"header-missing-{f.lower()}", patch1(_diff(), **{f: None}), f"missing header field {f}", P1)
+        for f in ("Description", "Origin", "Applies-To", "Depends-On", "Last-Update")
+    ],
     ("header-applies-to", patch1(_diff(), **{"Applies-To": "~=banana"}), "Applies-To", P1),
     ("header-last-update", patch1(_diff(), **{"Last-Update": "yesterday"}), "Last-Update", P1),
     ("header-depends-on-id", patch1(_diff(), **{"Depends-On": "Fix 100"}), "not a fix id", P1),
     ("patch-not-utf8", put(P1, _header(100).encode() + b"\xff" + _diff().encode()), "not UTF-8", P1),
     ("patch-nul", put(P1, _header(100) + _diff().replace("def f", "def\0f")), "NUL", P1),
     # confinement: nothing outside sglang/
-    ("confine-root-conftest", patch1("--- /dev/null\n+++ b/conftest.py\n@@ -0,0 +1 @@\n+import os\n"),
-     "conftest.py is outside the package directory sglang/", P1),
-    ("confine-sibling-package", patch1(_diff(path="sglang_evil/__init__.py")), "outside the package directory", P1),
-    ("confine-absolute", patch1(_diff(path="/etc/passwd").replace("a//etc", "/etc").replace("b//etc", "/etc")),
-     "absolute path", P1),
+    (
+        "confine-root-conftest",
+        patch1("--- /dev/null\n+++ b/conftest.py\n@@ -0,0 +1 @@\n+import os\n"),
+        "conftest.py is outside the package directory sglang/",
+        P1,
+    ),
+    (
+        "confine-sibling-package",
+        patch1(_diff(path="sglang_evil/__init__.py")),
+        "outside the package directory",
+        P1,
+    ),
+    (
+        "confine-absolute",
+        patch1(_diff(path="/etc/passwd").replace("a//etc", "/etc").replace("b//etc", "/etc")),
+        "absolute path",
+        P1,
+    ),
     ("confine-absolute-after-prefix", patch1(_diff(path="/etc/passwd")), "absolute path", P1),
     ("confine-dotdot", patch1(_diff(path="sglang/../../outside.py")), "'..'", P1),
     ("confine-dot-git", patch1(_diff(path="sglang/.git/hooks/pre-commit")), ".git", P1),
-    ("confine-no-prefix", patch1(f"--- {MOD}\n+++ {MOD}\n@@ -1 +1 @@\n-a\n+b\n"), "lacks the 'a/' prefix", P1),
+    (
+        "confine-no-prefix",
+        patch1(f"--- {MOD}\n+++ {MOD}\n@@ -1 +1 @@\n-a\n+b\n"),
+        "lacks the 'a/' prefix",
+        P1,
+    ),
     # diff structure
     ("diff-truncated-mid-line", patch1(_diff()[:-8]), "truncated in the middle of a line", P1),
     ("diff-truncated-hunk", patch1(TRUNC), "truncated hunk", P1),
     ("diff-counts-lie-more", patch1(_diff() + "+    z = 3\n"), "wrong line counts", P1),
-    ("diff-counts-lie-less", patch1(_diff().replace("@@ -1,3 +1,3 @@", "@@ -1,2 +1,2 @@")), "line counts", P1),
-    ("diff-malformed-hunk-header", patch1(_diff().replace("@@ -1,3 +1,3 @@", "@@ -1 +1 @ broken")),
-     "malformed hunk header", P1),
+    (
+        "diff-counts-lie-less",
+        patch1(_diff().replace("@@ -1,3 +1,3 @@", "@@ -1,2 +1,2 @@")),
+        "line counts",
+        P1,
+    ),
+    (
+        "diff-malformed-hunk-header",
+        patch1(_diff().replace("@@ -1,3 +1,3 @@", "@@ -1 +1 @ broken")),
+        "malformed hunk header",
+        P1,
+    ),
     ("diff-empty", patch1(""), "no diff", P1),
     ("diff-words", patch1("just words, no diff\n"), "no diff", P1),
     ("diff-hunk-before-file", patch1("@@ -1 +1 @@\n-a\n+b\n"), "before any file header", P1),
-    ("diff-binary", patch1(f"diff --git a/{MOD} b/{MOD}\nindex 1111111..2222222 100644\n"
-                           f"Binary files a/{MOD} and b/{MOD} differ\n"), "binary", P1),
-    ("diff-git-binary-patch", patch1(f"diff --git a/{MOD} b/{MOD}\nindex 1111111..2222222 100644\n"
-                                     f"GIT binary patch\nliteral 3\nKcmZ>f|Nj6O\n\n"), "binary", P1),
-    ("diff-rename", patch1(f"diff --git a/{MOD} b/sglang/x.py\nsimilarity index 100%\nrename from {MOD}\n"
-                           f"rename to sglang/x.py\n"), "renames", P1),
-    ("diff-symlink", patch1("diff --git a/sglang/l b/sglang/l\nnew file mode 120000\n--- /dev/null\n"
-                            "+++ b/sglang/l\n@@ -0,0 +1 @@\n+/etc\n"), "mode 120000", P1),
-    ("diff-submodule", patch1("diff --git a/sglang/m b/sglang/m\nnew file mode 160000\n--- /dev/null\n"
-                              "+++ b/sglang/m\n@@ -0,0 +1 @@\n+Subproject commit " + "0" * 40 + "\n"),
-     "mode 160000", P1),
-    ("diff-mode-change", patch1(f"diff --git a/{MOD} b/{MOD}\nold mode 100644\nnew mode 100755\n"), "mode change",
-     P1),
-    ("diff-git-header-junk", patch1(_diff().replace("index 1111111..2222222 100644\n", "hello there\n")),
-     "unexpected line in git header", P1),
-    ("diff-header-disagrees", patch1(_diff().replace(f"--- a/{MOD}", "--- a/sglang/other.py")), "disagrees", P1),
+    (
+        "diff-binary",
+        patch1(
+            f"diff --git a/{MOD} b/{MOD}\nindex 1111111..2222222 100644\n"
+            f"Binary files a/{MOD} and b/{MOD} differ\n"
+        ),
+        "binary",
+        P1,
+    ),
+    (
+        "diff-git-binary-patch",
+        patch1(
+            f"diff --git a/{MOD} b/{MOD}\nindex 1111111..2222222 100644\n"
+            f"GIT binary patch\nliteral 3\nKcmZ>f|Nj6O\n\n"
+        ),
+        "binary",
+        P1,
+    ),
+    (
+        "diff-rename",
+        patch1(
+            f"diff --git a/{MOD} b/sglang/x.py\nsimilarity index 100%\nrename from {MOD}\n"
+            f"rename to sglang/x.py\n"
+        ),
+        "renames",
+        P1,
+    ),
+    (
+        "diff-symlink",
+        patch1(
+            "diff --git a/sglang/l b/sglang/l\nnew file mode 120000\n--- /dev/null\n"
+            "+++ b/sglang/l\n@@ -0,0 +1 @@\n+/etc\n"
+        ),
+        "mode 120000",
+        P1,
+    ),
+    (
+        "diff-submodule",
+        patch1(
+            "diff --git a/sglang/m b/sglang/m\nnew file mode 160000\n--- /dev/null\n"
+            "+++ b/sglang/m\n@@ -0,0 +1 @@\n+Subproject commit " + "0" * 40 + "\n"
+        ),
+        "mode 160000",
+        P1,
+    ),
+    (
+        "diff-mode-change",
+        patch1(f"diff --git a/{MOD} b/{MOD}\nold mode 100644\nnew mode 100755\n"),
+        "mode change",
+        P1,
+    ),
+    (
+        "diff-git-header-junk",
+        patch1(_diff().replace("index 1111111..2222222 100644\n", "hello there\n")),
+        "unexpected line in git header",
+        P1,
+    ),
+    (
+        "diff-header-disagrees",
+        patch1(_diff().replace(f"--- a/{MOD}", "--- a/sglang/other.py")),
+        "disagrees",
+        P1,
+    ),
     # git apply's "inconsistent filename": the git header names one file, the ---/+++ lines another
-    ("diff-git-header-names-escape", patch1(_diff().replace(f"diff --git a/{MOD} b/{MOD}",
-                                                            "diff --git a/../h3_escape.py b/../h3_escape.py")),
-     "inconsistent file names", P1),
+    (
+        "diff-git-header-names-escape",
+        patch1(
+            _diff().replace(f"diff --git a/{MOD} b/{MOD}", "diff --git a/../h3_escape.py b/../h3_escape.py")
+        ),
+        "inconsistent file names",
+        P1,
+    ),
     ("diff-file-twice", patch1(_diff() + _diff(old="    y = 2", new="    y = 3")), "appears twice", P1),
-    ("diff-changes-nothing", patch1(_diff(new="    x = 1").replace("-    x = 1\n+    x = 1\n", "     x = 1\n")),
-     "changes nothing", P1),
-    ("diff-creation-with-old-lines", patch1("--- /dev/null\n+++ b/sglang/new.py\n@@ -1 +1 @@\n-a\n+b\n"),
-     "creation of sglang/new.py has a hunk with old lines", P1),
+    (
+        "diff-changes-nothing",
+        patch1(_diff(new="    x = 1").replace("-    x = 1\n+    x = 1\n", "     x = 1\n")),
+        "changes nothing",
+        P1,
+    ),
+    (
+        "diff-creation-with-old-lines",
+        patch1("--- /dev/null\n+++ b/sglang/new.py\n@@ -1 +1 @@\n-a\n+b\n"),
+        "creation of sglang/new.py has a hunk with old lines",
+        P1,
+    ),
 ]
 
 
@@ -352,13 +529,17 @@ def test_reapply_is_nothing_to_do_and_status_sees_every_fix(version, patched_tre
 @pytest.mark.probe_env
 @pytest.mark.network
 def test_pristine_release_lacks_the_incident_fixes(version, release_tree):
-    found = {d.fix: d.present for d in detect(release_tree(version).package_root, load_pack(REPO / "patches"))}
+    found = {
+        d.fix: d.present for d in detect(release_tree(version).package_root, load_pack(REPO / "patches"))
+    }
     assert found["pr36988"] is False and found["pr38935"] is False
 
 
 @pytest.mark.probe_env
 @pytest.mark.network
-def test_cli_apply_on_a_spec_works_on_a_fresh_clone(shared_cache, release_tree, monkeypatch, tmp_path, capsys):
+def test_cli_apply_on_a_spec_works_on_a_fresh_clone(
+    shared_cache, release_tree, monkeypatch, tmp_path, capsys
+):
     cached = release_tree("0.5.19")
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
     out = tmp_path / "work"

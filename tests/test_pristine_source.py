@@ -50,7 +50,8 @@ def checkout(root: Path, version: str, *, tag: str | None = None, upstream_layou
     if upstream_layout:
         (package_root / "sglang" / "_version.py").unlink()
         (package_root / "sglang" / "version.py").write_text(
-            "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = \"0.0.0.dev0\"\n")
+            "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = \"0.0.0.dev0\"\n"
+        )
         (root / ".gitignore").write_text("python/sglang/_version.py\n")
     repo = git.Repo.init(root)
     with repo.config_writer() as config:
@@ -81,7 +82,9 @@ def test_apply_out_refused_before_any_work(case, tmp_path, cache_dir, capsys):
     assert "--out" in line and out in line and "cache" not in line, line
     assert elapsed < 2, f"{elapsed:.1f} s before the refusal"
     assert not cache_dir.exists(), "nothing fetched, no cache entry built or blamed"
-    assert sorted(p.name for p in tmp_path.iterdir()) == before and not Path(out).exists() or case == "not-empty"
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == before and not Path(out).exists() or case == "not-empty"
+    )
     assert (tmp_path / "full" / "mine.txt").read_text() == "keep"
     code, out_text, _ = run_cli(capsys, "apply", "sglang==0.5.19", "--out", out, *extra, "--json")
     assert code == 2 and "--out" in json.loads(out_text)["error"]["message"]
@@ -107,7 +110,9 @@ def test_apply_out_relative_makes_exactly_that_directory(tmp_path, cache_dir, ca
     monkeypatch.chdir(work)
     code, _, err = run_cli(capsys, "apply", str(plain), "--out", "trees/x")
     assert code == 0, err
-    assert (work / "trees" / "x" / ".git").is_dir() and (work / "trees" / "x" / "sglang" / "__init__.py").is_file()
+    assert (work / "trees" / "x" / ".git").is_dir() and (
+        work / "trees" / "x" / "sglang" / "__init__.py"
+    ).is_file()
     assert sorted(p.relative_to(work).as_posix() for p in (work / "trees").iterdir()) == ["trees/x"]
 
 
@@ -115,7 +120,9 @@ def test_apply_checkout_with_out_clones_it_and_leaves_the_checkout(tmp_path, cac
     repo = checkout(tmp_path / "co", "9.9.2", tag="v9.9.2")
     (tmp_path / "co" / "notes.txt").write_text("uncommitted work\n")
     before = (repo.head.commit.hexsha, repo.active_branch.name, repo.git.status("--porcelain"))
-    code, out, err = run_cli(capsys, "apply", str(tmp_path / "co"), "--out", str(tmp_path / "clone"), "--json")
+    code, out, err = run_cli(
+        capsys, "apply", str(tmp_path / "co"), "--out", str(tmp_path / "clone"), "--json"
+    )
     assert code == 0, err
     assert json.loads(out)["tree"] == str((tmp_path / "clone").resolve())
     with git.Repo(tmp_path / "clone") as clone:
@@ -133,7 +140,9 @@ def test_a_stale_version_file_against_the_tag_is_refused_naming_both(tmp_path, c
     git.Repo(co).git.rm("--cached", "-q", "sglang/_version.py")
     commit(git.Repo(co), "the generated version file is not tracked")
     git.Repo(co).git.tag("-f", "v9.9.2")
-    (co / "sglang" / "_version.py").write_text("__version__ = version = '9.9.1'\n")  # an earlier pip install -e
+    (co / "sglang" / "_version.py").write_text(
+        "__version__ = version = '9.9.1'\n"
+    )  # an earlier pip install -e
     for argv in (["status", str(co)], ["apply", "--check", str(co)], ["run", str(co), "--no-upstream-tests"]):
         code, _, err = run_cli(capsys, *argv)
         line = error_line(err)
@@ -149,7 +158,9 @@ def test_an_untagged_checkout_says_to_fetch_tags_or_pass_version(tmp_path, cache
     co = tmp_path / "co"
     checkout(co, "9.9.2", upstream_layout=True)  # no tag, version.py's fallback only
     job_run = importlib.import_module("backport.job.run")
-    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    monkeypatch.setattr(
+        job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build")
+    )
     for argv in (["apply", str(co)], ["run", str(co), "--no-upstream-tests"]):
         code, _, err = run_cli(capsys, *argv)
         line = error_line(err)
@@ -210,9 +221,24 @@ def test_the_harness_reports_the_given_version_never_the_fallback(tmp_path):
     env = {"PYTHONPATH": f"{link}:{co / 'python'}", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
 
     def harness(*extra):
-        proc = subprocess.run([sys.executable, "-m", "probes.harness", "--tree", str(co / "python"),
-                               "--probe", "transfer_coverage", *extra], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=120, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "probes.harness",
+                "--tree",
+                str(co / "python"),
+                "--probe",
+                "transfer_coverage",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
@@ -240,7 +266,9 @@ def test_a_checkout_carrying_pack_commits_is_refused_as_pristine(tmp_path, cache
     (co / "sglang" / "srt" / "mine.py").write_text("# the user's own commit on top\n")
     commit(repo, "mine")
     job_run = importlib.import_module("backport.job.run")
-    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    monkeypatch.setattr(
+        job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build")
+    )
     code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
     line = error_line(err)
     assert code == 2 and base in line and "not a pristine release" in line, line
@@ -278,7 +306,9 @@ def test_uncommitted_changes_are_refused_before_the_env_build(tmp_path, cache_di
     checkout(co, "9.9.2", tag="v9.9.2")
     (co / "sglang" / "srt" / "wip.py").write_text("# not committed\n")
     job_run = importlib.import_module("backport.job.run")
-    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    monkeypatch.setattr(
+        job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build")
+    )
     code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
     assert code == 2 and "uncommitted changes" in error_line(err) and "wip.py" in err
 
@@ -333,7 +363,9 @@ def test_run_refuses_a_checkout_the_pack_was_applied_to(real_cache, user_checkou
     co, pristine = user_checkout
     assert run_cli(capsys, "apply", str(co))[0] == 0
     job_run = importlib.import_module("backport.job.run")
-    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    monkeypatch.setattr(
+        job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build")
+    )
     started = time.monotonic()
     code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
     line = error_line(err)
@@ -352,7 +384,9 @@ def test_run_refuses_a_checkout_with_the_pack_squashed_in(real_cache, user_check
         repo.git.reset("--soft", pristine.base_commit)
         commit(repo, "our hardening")
     job_run = importlib.import_module("backport.job.run")
-    monkeypatch.setattr(job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build"))
+    monkeypatch.setattr(
+        job_run, "ensure_env", lambda *a, **k: pytest.fail("refused only after the env build")
+    )
     code, _, err = run_cli(capsys, "run", str(co), "--no-upstream-tests")
     line = error_line(err)
     assert code == 2 and "by fingerprint" in line and "sbp-transfer-coverage" in line, line
@@ -437,8 +471,19 @@ def test_run_on_an_upstream_checkout_applied_while_probed(real_cache, probe_pyth
         return real(*args, **kwargs)
 
     monkeypatch.setattr(job_run, "run_matrix", applied_meanwhile)
-    code, out, err = run_cli(capsys, "run", str(co), "--out", str(tmp_path / "bundle"), "--python", probe_python,
-                             "--no-upstream-tests", "--reference", "none", "--json")
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        str(co),
+        "--out",
+        str(tmp_path / "bundle"),
+        "--python",
+        probe_python,
+        "--no-upstream-tests",
+        "--reference",
+        "none",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["result"] == "pass", err[-3000:]
     assert repo.head.commit.hexsha != base
     p = json.loads((tmp_path / "bundle" / "receipt.json").read_text())["predicate"]

@@ -48,7 +48,9 @@ def test_refresh_places_with_offsets_and_writes_an_exact_variant(pack_copy, caps
     pack = load_pack(pack_copy)  # the header agrees with fixes.toml, or this raises
     variant = pack.variant_for("pr36988", "0.5.16")
     assert variant.path == new and str(variant.applies_to) in ("<0.5.17,>=0.5.16", ">=0.5.16,<0.5.17")
-    assert "Refreshed for 0.5.16 from pr36988-0.5.17.patch" in " ".join(variant.header["Backport-Notes"].split())
+    assert "Refreshed for 0.5.16 from pr36988-0.5.17.patch" in " ".join(
+        variant.header["Backport-Notes"].split()
+    )
     assert variant.header["Description"] == pack.variant_for("pr36988", "0.5.17").header["Description"]
     assert pack.variant_for("pr36988", "0.5.17").name == "pr36988-0.5.17.patch"  # 0.5.16 moved out of it
 
@@ -84,11 +86,15 @@ def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, 
     reject = prefill.with_name("prefill.py.rej")
     assert "_and_more" in reject.read_text()
 
-    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt))
+    code, doc = _refresh(
+        capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt)
+    )
     assert code == 2 and "prefill.py.rej" in doc["error"]["message"]  # not resolved yet
 
     # the resolution by hand: the rejected hunk's added lines go before the real context line
-    (conflicted,) = [h for f in load_variant(source).files for h in f.hunks if (" ", CONTEXT + "_and_more") in h.lines]
+    (conflicted,) = [
+        h for f in load_variant(source).files for h in f.hunks if (" ", CONTEXT + "_and_more") in h.lines
+    ]
     added = [t for tag, t in conflicted.lines if tag == "+"]
     lines = prefill.read_text().split("\n")
     at = next(i for i in range(2, len(lines)) if lines[i] == CONTEXT and lines[i - 1] == ""
@@ -100,7 +106,9 @@ def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, 
                         env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
                              "GIT_COMMITTER_EMAIL": "t@t"})
 
-    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt))
+    code, doc = _refresh(
+        capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy), "--continue", str(wt)
+    )
     assert code == 0 and doc["status"] == "written", doc
     new = pack_copy / "pr36988" / "pr36988-0.5.16.patch"
     assert load_pack(pack_copy).variant_for("pr36988", "0.5.16").path == new

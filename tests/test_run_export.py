@@ -32,13 +32,22 @@ def exported_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     job_run = importlib.import_module("backport.job.run")  # the package re-exports `run`, the function
     mp.setenv("SGLANG_BACKPORT_CACHE", str(WORKSPACE_CACHE))
-    mp.setattr(job_run, "run_matrix", lambda python, roots, probes=None, *, jobs=None, labels=None, coverage=None, **_: [
-        probe_doc(Path(root), ("pristine", "patched", "reference").index(label.split(" ")[0]), PASSING_CASES)
-        for root, label in zip(roots, labels, strict=True)])
+    mp.setattr(
+        job_run,
+        "run_matrix",
+        lambda python, roots, probes=None, *, jobs=None, labels=None, coverage=None, **_: [
+            probe_doc(
+                Path(root), ("pristine", "patched", "reference").index(label.split(" ")[0]), PASSING_CASES
+            )
+            for root, label in zip(roots, labels, strict=True)
+        ],
+    )
     mp.setattr(job_run, "ensure_env", lambda python=None, **_: Path(sys.executable))
     out = tmp_path_factory.mktemp("export") / "bundle"
     try:
-        code = cli.main(["run", "sglang==0.5.19", "--out", str(out), "--no-upstream-tests", "--export", "--json"])
+        code = cli.main(
+            ["run", "sglang==0.5.19", "--out", str(out), "--no-upstream-tests", "--export", "--json"]
+        )
     finally:
         mp.undo()
     assert code == 0
@@ -57,7 +66,10 @@ def test_the_subjects_are_the_patched_tree_the_wheel_and_the_series(bundle):
     export = p["export"]
     wheel = export["wheel"]
     assert wheel["file"] == f"export/{wheel['name']}" and (bundle / wheel["file"]).is_file()
-    assert wheel["name"].startswith(f"sglang-0.5.19+{export['label']}-") and wheel["version"] == f"0.5.19+{export['label']}"
+    assert (
+        wheel["name"].startswith(f"sglang-0.5.19+{export['label']}-")
+        and wheel["version"] == f"0.5.19+{export['label']}"
+    )
     applied = [x for x in p["inputs"]["patches"] if x["status"] == "applied"]
     assert len(export["patches"]) == len(applied) > 0
     subjects = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
@@ -65,7 +77,9 @@ def test_the_subjects_are_the_patched_tree_the_wheel_and_the_series(bundle):
                         wheel["file"]: evidence.sha256_file(bundle / wheel["file"]),
                         **{x["file"]: evidence.sha256_file(bundle / x["file"]) for x in export["patches"]}}
     # the wheel installs exactly the patched tree the probes judged
-    assert read_wheel((bundle / wheel["file"]).read_bytes())[0] == p["inputs"]["trees"]["patched"]["tree_digest"]
+    assert (
+        read_wheel((bundle / wheel["file"]).read_bytes())[0] == p["inputs"]["trees"]["patched"]["tree_digest"]
+    )
     assert "Backport-Of:" in (bundle / export["patches"][0]["file"]).read_text()
     assert "## Subjects" in (bundle / "REPORT.md").read_text()
     assert evidence.verify(bundle).ok
@@ -135,7 +149,9 @@ def test_export_of_a_bundle_copies_its_verified_files(bundle, tmp_path, capsys):
                      str(tmp_path / "series"), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert evidence.sha256_file(Path(document["wheel"]["path"])) == export["wheel"]["sha256"]
-    assert sorted(Path(p).name for p in document["patches"]) == sorted(Path(p["file"]).name for p in export["patches"])
+    assert sorted(Path(p).name for p in document["patches"]) == sorted(
+        Path(p["file"]).name for p in export["patches"]
+    )
     # a bundle that does not verify gives nothing; one made without --export has nothing to give
     (bundle / "REPORT.md").write_text("edited\n")
     assert cli.main(["export", str(bundle), "--wheel", str(tmp_path / "dist2")]) == 1

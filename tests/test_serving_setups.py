@@ -82,7 +82,10 @@ def test_environment_and_path_per_setup():
     assert setups.pythonpath_extras(setups.serving_for("0.5.5.post1")) == [str(setups.VLLM_LAYERS)]
     env = setups.server_environment(setups.serving_for("0.4.6.post5"), 16)
     assert env["SGLANG_NUM_RESERVED_DECODE_TOKENS"] == "16" and env["SGLANG_BACKPORT_STAND_IN_CPUS"] == "4"
-    assert Path(env["SGLANG_BACKPORT_ADDONS"]).name == "addons.py" and Path(env["SGLANG_BACKPORT_ADDONS"]).is_file()
+    assert (
+        Path(env["SGLANG_BACKPORT_ADDONS"]).name == "addons.py"
+        and Path(env["SGLANG_BACKPORT_ADDONS"]).is_file()
+    )
     assert setups.pythonpath_extras(setups.serving_for("0.4.10.post2"))[-1] == str(setups.SERVER_ADDONS)
     record = setups.record(setups.serving_for("0.4.6.post5"))
     assert record["name"] == "reserved-tokens-env" and record["exceptions"]
@@ -134,9 +137,11 @@ def _lookups(tmp_path: Path, extra_env: dict[str, str], utils_source: str = _UTI
     (srt / "utils.py").write_text(utils_source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
     env.update({"PYTHONPATH": os.pathsep.join([str(setups.SERVER_ADDONS), str(tmp_path)]), **extra_env})
-    probe = ("import json, sglang.srt.utils as u\n"
-             "names = [n for n in ('get_local_ip_by_remote', 'get_local_ip_auto', 'get_ip') if hasattr(u, n)]\n"
-             "print(json.dumps([getattr(u, n)() for n in names]))")
+    probe = (
+        "import json, sglang.srt.utils as u\n"
+        "names = [n for n in ('get_local_ip_by_remote', 'get_local_ip_auto', 'get_ip') if hasattr(u, n)]\n"
+        "print(json.dumps([getattr(u, n)() for n in names]))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout)
@@ -170,6 +175,8 @@ def test_backend_is_what_the_servers_logs_show(tmp_path):
     old, new = tmp_path / "old.log", tmp_path / "new.log"
     old.write_text(RDMA_REQUESTED)    # the lines of a 0.5.5.post1 prefill, measured
     new.write_text(RDMA_REQUESTED.replace("protocol: rdma", "protocol: tcp"))
-    assert backend_from_logs([old]).startswith("mooncake (protocol rdma requested, no RDMA device: tcp transport")
+    assert backend_from_logs([old]).startswith(
+        "mooncake (protocol rdma requested, no RDMA device: tcp transport"
+    )
     assert backend_from_logs([new]).startswith("mooncake (protocol tcp;")
     assert "unknown" in backend_from_logs([tmp_path / "missing.log"])

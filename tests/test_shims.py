@@ -27,8 +27,14 @@ except ImportError:
 
 def test_vllm_and_decord_stand_ins_raise_when_used():
     path = [str(SHIMS / "vllm"), str(SHIMS / "decord")]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False,
-                          env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 

@@ -40,8 +40,10 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory) -> Path:
     """A fresh virtual environment holding the toolkit installed from its wheel: its bin/."""
     root = tmp_path_factory.mktemp("installed")
-    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO), "-w", str(root / "dist")],
-                 cwd=root)
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO), "-w", str(root / "dist")],
+        cwd=root,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (root / "dist").glob("sglang_backport-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -52,7 +54,9 @@ def installed(tmp_path_factory) -> Path:
     # the probes that are packages of scenario modules ship whole
     assert {"sglang_backport_probes/prefill_drain/drain_ack.py",
             "sglang_backport_probes/page_lifetime/drain_hold.py"} <= set(names)
-    assert not any(n.startswith("probes/") for n in names), "the probes must not install as top-level `probes`"
+    assert not any(n.startswith("probes/") for n in names), (
+        "the probes must not install as top-level `probes`"
+    )
     made = _run([sys.executable, "-m", "venv", str(root / "venv")], cwd=root)
     assert made.returncode == 0, made.stderr
     pip = _run([str(root / "venv" / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], cwd=root)
@@ -73,9 +77,14 @@ def test_the_installed_toolkit_finds_its_data_and_runs(installed, tmp_path):
         assert path.endswith(tail) and "site-packages" in path and not path.startswith(str(REPO))
 
     # the receipt's toolkit record: no git commit outside a checkout, but the wheel and the code by digest
-    record = _run([str(installed / "python"), "-c",
-                   "import json; from backport.evidence import toolkit_info; print(json.dumps(toolkit_info()))"],
-                  cwd=tmp_path)
+    record = _run(
+        [
+            str(installed / "python"),
+            "-c",
+            "import json; from backport.evidence import toolkit_info; print(json.dumps(toolkit_info()))",
+        ],
+        cwd=tmp_path,
+    )
     assert record.returncode == 0, record.stderr
     toolkit = json.loads(record.stdout)
     (wheel,) = (installed.parent.parent / "dist").glob("sglang_backport-*.whl")

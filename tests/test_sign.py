@@ -135,7 +135,9 @@ def test_a_receipt_edited_and_resealed_after_signing_fails_plain_verify(bundle, 
     _reseal(bundle)
     assert cli.main(["verify", str(bundle), "--json"]) == 1
     document = json.loads(capsys.readouterr().out)
-    assert document["integrity"] == "failed" and document["first"]["file"] == "receipt.dsse.json", document["first"]
+    assert document["integrity"] == "failed" and document["first"]["file"] == "receipt.dsse.json", document[
+        "first"
+    ]
     assert "signs another receipt" in document["first"]["detail"]
     # the same edit on an unsigned bundle passes: the envelope is what shows it
     for path in [bundle / "receipt.dsse.json", *bundle.rglob("*.intoto.jsonl")]:
@@ -147,7 +149,9 @@ def test_plain_verify_checks_the_attestations_subjects_without_a_key(bundle, key
     private, _, _ = keys
     sign.sign_bundle(bundle, private)
     lines = bundle / "receipt.intoto.jsonl"
-    lines.write_bytes(lines.read_bytes().replace(b"application/vnd.in-toto+json", b"application/x-other+json"))
+    lines.write_bytes(
+        lines.read_bytes().replace(b"application/vnd.in-toto+json", b"application/x-other+json")
+    )
     assert cli.main(["verify", str(bundle), "--json"]) == 1
     first = json.loads(capsys.readouterr().out)["first"]
     assert first["file"] == "receipt.intoto.jsonl" and "payload type" in first["detail"]

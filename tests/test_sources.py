@@ -72,7 +72,9 @@ def test_fetch_real_wheel_then_cache_hit(shared_cache, monkeypatch, capsys):
     elapsed = time.perf_counter() - started
     second = json.loads(out)
     assert code == 0 and second["cached"] is True
-    assert {k: v for k, v in second.items() if k != "cached"} == {k: v for k, v in first.items() if k != "cached"}
+    assert {k: v for k, v in second.items() if k != "cached"} == {
+        k: v for k, v in first.items() if k != "cached"
+    }
     assert elapsed < 1.0
     # only the package is extracted: no dist-info, no other top-level packages
     assert sorted(p.name for p in Path(first["tree"]).iterdir()) == [".git", "sglang"]
@@ -106,7 +108,9 @@ def test_unpinned_version_is_refused_then_recorded(tmp_path, monkeypatch, local_
     assert code == 0 and json.loads(out)["unpinned"] is True
 
 
-@pytest.mark.parametrize("case", ["sha-mismatch", "truncated", "record-mismatch", "unrecorded-file", "not-a-zip"])
+@pytest.mark.parametrize(
+    "case", ["sha-mismatch", "truncated", "record-mismatch", "unrecorded-file", "not-a-zip"]
+)
 def test_broken_wheels_exit_2_and_leave_no_entry(case, tmp_path, monkeypatch, local_index, cache_dir, capsys):
     if case == "record-mismatch":
         wheel = build_wheel(local_index, SYNTH, record_overrides={"sglang/version.py": "sha256=AAAA,3"})
@@ -148,8 +152,12 @@ def test_concurrent_fetches_both_succeed_with_one_entry(tmp_path, monkeypatch, l
     wheel = build_wheel(local_index, SYNTH)
     pin(tmp_path, monkeypatch, {SYNTH: (wheel.name, sha256_of(wheel))})
     cmd = [sys.executable, "-m", "backport.cli", "fetch", f"sglang=={SYNTH}", "--json"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     trees = {json.loads(out)["tree"] for out, _ in results}

@@ -54,7 +54,9 @@ def test_a_command_that_validates_still_imports_jsonschema_without_the_grammar()
     not the rfc3987 grammar."""
     script = ("import sys; from backport.evidence import jsonschemas; jsonschemas.load(); "
               "print(sorted(m for m in ('jsonschema', 'rfc3987_syntax', 'lark') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.split() == ["['jsonschema']"]
 
 

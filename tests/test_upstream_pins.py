@@ -20,7 +20,12 @@ from tests import test_upstream_tests as shared
 from tests.test_upstream_tests import BEHAVIOUR, PATCH, PYTHON, REV, UNIT, cache_files
 
 # the local raw-file server, the synthetic trees and a fresh cache per test (never the shared one)
-server, trees, cache_dir, closed_port_url = shared.server, shared.trees, shared.cache_dir, shared.closed_port_url
+server, trees, cache_dir, closed_port_url = (
+    shared.server,
+    shared.trees,
+    shared.cache_dir,
+    shared.closed_port_url,
+)
 
 PATH = f"{UNIT}/test_admission_behaviour.py"
 GOOD = hashlib.sha256(BEHAVIOUR.encode()).hexdigest()
@@ -69,7 +74,9 @@ def test_the_loader_validates_a_pin(tmp_path, pin, message):
 
 def test_the_loader_refuses_two_pins_for_one_file(tmp_path):
     other = "0" * 64
-    series = pinned_series(tmp_path / "patches", extra=f'\n  {{ path = "{PATH}", rev = "{REV}", sha256 = "{other}" }},')
+    series = pinned_series(
+        tmp_path / "patches", extra=f'\n  {{ path = "{PATH}", rev = "{REV}", sha256 = "{other}" }},'
+    )
     (series / "fixes.toml").write_text((series / "fixes.toml").read_text() + textwrap.dedent(f'''
         [[fix]]
         id = "pr36988"
@@ -116,8 +123,21 @@ def test_a_wrong_servers_download_is_refused(server, trees, tmp_path, cache_dir)
     assert test["outcome"] == "refused" and "does not match the pin" in test["reason"]
     assert document["files"][0]["pinned"] is False and document["files"][0]["sha256"] == got
     # Refused on first use: a finding (exit 1), and the file never ran.
-    assert cli.main(["upstream-tests", str(trees["patched"]), "--series", str(series), "--base-url", server.url,
-                     "--python", PYTHON]) == 1
+    assert (
+        cli.main(
+            [
+                "upstream-tests",
+                str(trees["patched"]),
+                "--series",
+                str(series),
+                "--base-url",
+                server.url,
+                "--python",
+                PYTHON,
+            ]
+        )
+        == 1
+    )
     assert cache_files(cache_dir) == []
 
 
@@ -172,7 +192,9 @@ def test_print_pins_measures_without_running_or_writing(server, tmp_path, cache_
     server.put(PATH, BEHAVIOUR)
     series = pinned_series(tmp_path / "patches", pin=None)
     before = (series / "fixes.toml").read_bytes()
-    assert cli.main(["upstream-tests", "--print-pins", "--series", str(series), "--base-url", server.url]) == 0
+    assert (
+        cli.main(["upstream-tests", "--print-pins", "--series", str(series), "--base-url", server.url]) == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("# pr38935: upstream_tests = [")
     assert f'{{ path = "{PATH}", rev = "{REV}", sha256 = "{GOOD}" }},' in out
@@ -186,14 +208,18 @@ def test_print_pins_measures_without_running_or_writing(server, tmp_path, cache_
     assert load_refs(pinned)[0].sha256 == GOOD
 
 
-def test_print_pins_refuses_a_file_that_contradicts_its_pin_or_cannot_be_reached(server, tmp_path, closed_port_url,
-                                                                                  capsys):
+def test_print_pins_refuses_a_file_that_contradicts_its_pin_or_cannot_be_reached(
+    server, tmp_path, closed_port_url, capsys
+):
     server.put(PATH, WRONG)
     series = pinned_series(tmp_path / "patches")
     assert cli.main(["upstream-tests", "--print-pins", "--series", str(series), "--base-url", server.url,
                      "--json"]) == 2
     assert "does not match the pin" in json.loads(capsys.readouterr().out)["error"]["message"]
-    assert cli.main(["upstream-tests", "--print-pins", "--series", str(series), "--base-url", closed_port_url]) == 2
+    assert (
+        cli.main(["upstream-tests", "--print-pins", "--series", str(series), "--base-url", closed_port_url])
+        == 2
+    )
     assert "unreachable" in capsys.readouterr().err
     assert cli.main(["upstream-tests", "--series", str(series)]) == 2
     assert "at least one TREE" in capsys.readouterr().err

@@ -90,7 +90,9 @@ def test_upstream_tests_fail_on_pristine_and_pass_on_patched(upstream_server, re
                      "--rev", AD_HOC_REV, "--base-url", base_url, "--python", probe_python, "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 1  # a failure on the pristine tree is a finding
-    outcomes = {t["tree"]: {x["nodeid"].split("::")[-1]: x["outcome"] for x in t["tests"]} for t in doc["trees"]}
+    outcomes = {
+        t["tree"]: {x["nodeid"].split("::")[-1]: x["outcome"] for x in t["tests"]} for t in doc["trees"]
+    }
     before, after = outcomes[str(pristine.path)], outcomes[str(patched.path)]
     assert set(before.values()) == {"failed"}, before  # is_unadmitted_reject is a name the pack adds
     assert after == {"test_intake_rejected_request_is_unadmitted": "passed",

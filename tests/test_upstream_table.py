@@ -173,7 +173,9 @@ def test_the_table_missing_fix_failed_drifted_double_stale_refused_pin_and_a_mis
     }
     tests = {t["tree"]: {x["nodeid"].rsplit("::", 1)[-1]: x for x in t["tests"]} for t in document["trees"]}
     # The missing fix is a failure, named by what the fix adds.
-    assert "is_unadmitted_reject" in tests["pristine"][f"{UNIT}/test_admission_abort_not_enqueued.py"]["reason"]
+    assert (
+        "is_unadmitted_reject" in tests["pristine"][f"{UNIT}/test_admission_abort_not_enqueued.py"]["reason"]
+    )
     # The drifted double: the attribute, the double (its helper and type) and where the release read it.
     assert tests["newer"]["test_rejected_request_is_retired"]["outcome"] == "passed"  # the door returns first
     stale = tests["newer"]["test_valid_request_is_enqueued"]
@@ -190,7 +192,10 @@ def test_the_table_missing_fix_failed_drifted_double_stale_refused_pin_and_a_mis
     assert _sha(TAMPERED_SERVED) in mirror["reason"] and _sha(TAMPERED_GENUINE) in mirror["reason"]
     assert "404" in tests["patched"][f"{UNIT}/test_never_served.py"]["reason"]
     files = {f["path"].rsplit("/", 1)[-1]: f for f in document["files"]}
-    assert files["test_mirror_copy.py"]["pinned"] is False and files["test_admission_behaviour.py"]["pinned"] is True
+    assert (
+        files["test_mirror_copy.py"]["pinned"] is False
+        and files["test_admission_behaviour.py"]["pinned"] is True
+    )
     assert not any("mirror" in name or "never" in name for name in cache_files(cache_dir))
 
 
@@ -216,7 +221,10 @@ def test_the_verdict_joins_them_per_fix(table):
     assert rows["test_admission_abort_not_enqueued.py"]["trees"]["patched"]["subtests"] == {"passed": 5}
     assert rows["test_admission_behaviour.py"]["pair"] == "fixed"
     assert (rows["test_mirror_copy.py"]["pair"], rows["test_mirror_copy.py"]["finding"]) == ("refused", True)
-    assert (rows["test_never_served.py"]["pair"], rows["test_never_served.py"]["finding"]) == ("inconclusive", False)
+    assert (rows["test_never_served.py"]["pair"], rows["test_never_served.py"]["finding"]) == (
+        "inconclusive",
+        False,
+    )
     summary = evidence_summary(as_run, applied)
     assert summary["with_evidence"] == ["pr38935"]
     assert "test_mirror_copy.py" in summary["without_evidence"]["pr36988"]
@@ -250,8 +258,19 @@ def test_the_verdict_joins_them_per_fix(table):
 
 def test_the_cli_runs_every_file_and_exits_1_on_the_refused_one(table, server, capsys):
     series, trees, _ = table
-    code = cli.main(["upstream-tests", str(trees["patched"]), "--series", str(series), "--base-url", server.url,
-                     "--python", PYTHON, "--json"])
+    code = cli.main(
+        [
+            "upstream-tests",
+            str(trees["patched"]),
+            "--series",
+            str(series),
+            "--base-url",
+            server.url,
+            "--python",
+            PYTHON,
+            "--json",
+        ]
+    )
     document = json.loads(capsys.readouterr().out)
     assert code == 1
     outcomes: dict[str, set[str]] = {}

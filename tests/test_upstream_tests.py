@@ -376,7 +376,10 @@ def test_whole_file_needing_a_newer_module_is_incompatible_unless_it_also_needs_
     # (never hidden behind the newer module it also lacks, which the reason still names).
     (pristine,) = by_nodeid(document, "pristine").values()
     assert pristine["outcome"] == "failed"
-    assert "lacks sglang.srt.disaggregation.utils.is_unadmitted_reject, which the fixes add" in pristine["reason"]
+    assert (
+        "lacks sglang.srt.disaggregation.utils.is_unadmitted_reject, which the fixes add"
+        in pristine["reason"]
+    )
     assert "also lacks sglang.srt.runtime_context" in pristine["reason"]
 
 
@@ -384,7 +387,9 @@ def test_an_unrelated_missing_name_is_incompatible_even_for_a_fix_test(server, t
     """Without the series' names every missing name is unrelated: never counted as passed."""
     server.put(f"{UNIT}/test_admission_abort_not_enqueued.py", IMPORTS_FIX_NAME)
     ref = TestRef(f"{UNIT}/test_admission_abort_not_enqueued.py", REV)
-    document = run_upstream_tests([("pristine", trees["pristine"])], [ref], python=PYTHON, base_url=server.url)
+    document = run_upstream_tests(
+        [("pristine", trees["pristine"])], [ref], python=PYTHON, base_url=server.url
+    )
     (only,) = by_nodeid(document, "pristine").values()
     assert only["outcome"] == "incompatible"
     assert "is_unadmitted_reject" in only["reason"]
@@ -438,7 +443,9 @@ def test_server_down_skips_with_a_reason(trees, series, closed_port_url, capsys,
     assert any("section skipped" in r.getMessage() and "unreachable" in r.getMessage() for r in logged)
 
 
-def test_env_var_base_url_and_cache_when_server_is_down(server, trees, closed_port_url, monkeypatch, cache_dir):
+def test_env_var_base_url_and_cache_when_server_is_down(
+    server, trees, closed_port_url, monkeypatch, cache_dir
+):
     server.put(f"{UNIT}/test_admission_behaviour.py", BEHAVIOUR)
     ref = TestRef(f"{UNIT}/test_admission_behaviour.py", REV)
     monkeypatch.setenv(upstream.BASE_URL_ENV, server.url)
@@ -688,7 +695,8 @@ def kv_pack(tmp_path):
     (root / "pr41023").mkdir(parents=True)
     (root / "pr41023" / "pr41023-0.5.19.patch").write_text(CAPABILITY_PATCH)
     (root / "series").write_text("pr35049\npr41023\n")
-    (root / "fixes.toml").write_text(textwrap.dedent(f'''\
+    (root / "fixes.toml").write_text(
+        textwrap.dedent(f'''\
         [[fix]]
         id = "pr35049"
         title = "Deferred decode-side KV release for aborts mid-transfer"
@@ -706,7 +714,8 @@ def kv_pack(tmp_path):
         pr = 41023
         upstream_commit = "cd1103700941a11901f12536a9a29bf1bd4417cd"
         upstream_tests = [{{ path = "{UNIT}/test_capability.py", rev = "{REV}" }}]
-        '''))
+        ''')
+    )
     return root
 
 
@@ -739,12 +748,16 @@ def test_pack_names_in_every_form(kv_pack):
 
     names = pack_fix_names(load_pack(kv_pack))
     assert {"supports_deferred_decode_kv_release", "force_arm", "resolve_deferred_releases"} <= names
-    assert not {"enable_deferred_decode_kv_release", "ensure_abort_notified", "self", "bool"} & names  # context
+    assert (
+        not {"enable_deferred_decode_kv_release", "ensure_abort_notified", "self", "bool"} & names
+    )  # context
     assert fingerprint_names(r"^\s+enable_x: bool = False") == {"enable_x"}
     assert fingerprint_names(r"self\.kv_mgr\._maybe_ack\(self\.room\)") == {"kv_mgr", "_maybe_ack", "room"}
 
 
-def test_missing_class_attribute_and_fingerprint_fixes_are_failed_with_exit_1(server, kv_trees, kv_pack, capsys):
+def test_missing_class_attribute_and_fingerprint_fixes_are_failed_with_exit_1(
+    server, kv_trees, kv_pack, capsys
+):
     server.put(f"{UNIT}/test_capability.py", NEEDS_CLASS_ATTRIBUTE)
     server.put(f"{UNIT}/test_deferred_release.py", NEEDS_FINGERPRINT_NAME)
     code = cli.main(["upstream-tests", str(kv_trees["pristine"]), str(kv_trees["patched"]), "--series",
@@ -755,7 +768,10 @@ def test_missing_class_attribute_and_fingerprint_fixes_are_failed_with_exit_1(se
     patched = by_nodeid(document, str(kv_trees["patched"]))
     attribute = f"{UNIT}/test_capability.py::TestCapability::test_base_manager_does_not_claim_the_drain_ack"
     assert pristine[attribute]["outcome"] == "failed"
-    assert "BaseKVManager.supports_deferred_decode_kv_release, which the fixes add" in pristine[attribute]["reason"]
+    assert (
+        "BaseKVManager.supports_deferred_decode_kv_release, which the fixes add"
+        in pristine[attribute]["reason"]
+    )
     whole = pristine[f"{UNIT}/test_deferred_release.py"]
     assert whole["outcome"] == "failed"
     assert "resolve_deferred_releases, which the fixes add" in whole["reason"]
@@ -878,13 +894,21 @@ class TestBeamGroups(unittest.TestCase):
 
 def test_a_mock_the_tree_never_calls_because_it_has_no_such_code_is_incompatible(server, kv_trees):
     server.put(f"{UNIT}/test_beam_groups.py", NEEDS_A_COORDINATOR)
-    ref = TestRef(f"{UNIT}/test_beam_groups.py", REV, None, frozenset({"supports_deferred_decode_kv_release"}))
-    document = run_upstream_tests([("patched", kv_trees["patched"])], [ref], python=PYTHON, base_url=server.url)
+    ref = TestRef(
+        f"{UNIT}/test_beam_groups.py", REV, None, frozenset({"supports_deferred_decode_kv_release"})
+    )
+    document = run_upstream_tests(
+        [("patched", kv_trees["patched"])], [ref], python=PYTHON, base_url=server.url
+    )
     (only,) = by_nodeid(document, "patched").values()
     assert only["outcome"] == "incompatible"
-    assert only["reason"].startswith("the tree has no retire_group: the test needs code this tree does not have")
+    assert only["reason"].startswith(
+        "the tree has no retire_group: the test needs code this tree does not have"
+    )
     # The same expectation on a name a fix adds is the fix missing.
     named = TestRef(ref.path, REV, None, frozenset({"retire_group"}))
-    document = run_upstream_tests([("patched", kv_trees["patched"])], [named], python=PYTHON, base_url=server.url)
+    document = run_upstream_tests(
+        [("patched", kv_trees["patched"])], [named], python=PYTHON, base_url=server.url
+    )
     (only,) = by_nodeid(document, "patched").values()
     assert only["outcome"] == "failed" and "lacks retire_group, which the fixes add" in only["reason"]

@@ -60,10 +60,12 @@ def _bundle_of(commit: str, tmp: Path) -> Path:
     source = tmp / "source"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(source, filter="data")
-    script = ("import sys; from pathlib import Path; sys.path.insert(0, '.'); "
-              "from backport import evidence; from tests.test_evidence import fixture_run; "
-              "b = evidence.write_bundle(Path(sys.argv[1]) / 'bundle', fixture_run(Path(sys.argv[1]) / 'run')); "
-              "assert evidence.verify(b).ok; print(b)")
+    script = (
+        "import sys; from pathlib import Path; sys.path.insert(0, '.'); "
+        "from backport import evidence; from tests.test_evidence import fixture_run; "
+        "b = evidence.write_bundle(Path(sys.argv[1]) / 'bundle', fixture_run(Path(sys.argv[1]) / 'run')); "
+        "assert evidence.verify(b).ok; print(b)"
+    )
     # -P: the old source tree, not the installed package, is the `backport` imported
     done = subprocess.run([sys.executable, "-P", "-c", script, str(tmp / "old")], cwd=source,
                           capture_output=True, text=True, check=False, timeout=300)
@@ -78,9 +80,11 @@ def test_verify_names_the_toolkit_that_reads_an_older_format(old_format, tmp_pat
     assert json.loads((bundle / "receipt.json").read_text())["predicate"]["schema_version"] == old_format
     assert main(["verify", str(bundle)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"sglang-backport: error: {bundle}: bundle format {old_format}, written by sglang-backport "
-                   f"{old_version}; sglang-backport {__version__} reads format {formats.current()}: verify it with "
-                   f"sglang-backport {old_version} as of commit {commit}, the last that reads format {old_format}")
+    assert err == (
+        f"sglang-backport: error: {bundle}: bundle format {old_format}, written by sglang-backport "
+        f"{old_version}; sglang-backport {__version__} reads format {formats.current()}: verify it with "
+        f"sglang-backport {old_version} as of commit {commit}, the last that reads format {old_format}"
+    )
 
 
 def test_verify_sends_a_newer_format_to_a_newer_toolkit(tmp_path, capsys):
@@ -93,5 +97,6 @@ def test_verify_sends_a_newer_format_to_a_newer_toolkit(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["code"] == 2
     assert err.count("\n") == 1 and f"bundle format {newer}, written by sglang-backport " in err
-    assert err.rstrip().endswith(f"reads format {formats.current()}: verify it with the release that wrote it "
-                                 f"or a newer one")
+    assert err.rstrip().endswith(
+        f"reads format {formats.current()}: verify it with the release that wrote it or a newer one"
+    )

@@ -67,7 +67,9 @@ def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
     probe_modules = sorted({p.relative_to(REPO / "probes").parts[0].removesuffix(".py")
                             for p in (REPO / "probes").rglob("*.py") if "\n@case(" in p.read_text()})
     assert sorted(p for c in classes for p in c["probes"]) == probe_modules
-    for c in classes:  # each fix's report (its patches' Bug:), where it names one, is one of its class's references
+    for c in (
+        classes
+    ):  # each fix's report (its patches' Bug:), where it names one, is one of its class's references
         assert {pack.fixes[f].bug for f in c["fixes"]} - {""} <= set(c["references"]), c["id"]
     by_name = {c["name"]: c for c in classes}
     assert by_name["page-lifetime-release-race"]["upstream_fixed_in"] == "0.5.22"
@@ -91,8 +93,12 @@ def test_a_bad_classes_file_is_bad_input(tmp_path):
 
 
 def test_aliases_are_added_by_class_id_or_name_and_checked(classes):
-    more = add_aliases(classes, {"SBP-2026-0001": ["CVE-2026-12345"], "page-lifetime-release-race": ["GHSA-c3g4-8h2j-mpqr"]})
-    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"]] + [[]] * (len(more) - 2)
+    more = add_aliases(
+        classes, {"SBP-2026-0001": ["CVE-2026-12345"], "page-lifetime-release-race": ["GHSA-c3g4-8h2j-mpqr"]}
+    )
+    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"]] + [[]] * (
+        len(more) - 2
+    )
     with pytest.raises(BadInput, match="no vulnerability class 'nope'"):
         add_aliases(classes, {"nope": ["CVE-2026-1"]})
     with pytest.raises(BadInput, match="not a CVE"):
@@ -101,7 +107,11 @@ def test_aliases_are_added_by_class_id_or_name_and_checked(classes):
 
 def test_run_checks_vuln_alias_before_anything_runs(capsys):
     code = cli.main(["run", "sglang==0.5.19", "--vuln-alias", "SBP-2026-0009=CVE-2026-12345", "--json"])
-    assert code == 2 and "no vulnerability class 'SBP-2026-0009'" in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert (
+        code == 2
+        and "no vulnerability class 'SBP-2026-0009'"
+        in json.loads(capsys.readouterr().out)["error"]["message"]
+    )
     code = cli.main(["run", "sglang==0.5.19", "--vuln-alias", "SBP-2026-0001", "--json"])
     assert code == 2 and "expected CLASS=ID" in capsys.readouterr().out
 
@@ -109,19 +119,46 @@ def test_run_checks_vuln_alias_before_anything_runs(capsys):
 # ---- status from the cases -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows, status", [
-    ([_row("page_lifetime", "a", "unsafe", "safe"), _row("page_lifetime", "b", "safe", "safe", must_preserve=True)],
-     "fixed"),
-    ([_row("page_lifetime", "a", "not-applicable", "safe"), _row("prefill_drain", "b", "safe", "safe")], "fixed"),
-    # 0.5.16: the pack carries no page-lifetime backport; the failed transfer still frees pages at once
-    ([_row("page_lifetime", "a", "unsafe", "unsafe"), _row("page_lifetime", "b", "not-applicable", "not-applicable")],
-     "affected"),
-    ([_row("page_lifetime", "a", "unsafe", "safe"), _row("prefill_drain", "b", "safe", "error")], "under_investigation"),
-    ([_row("page_lifetime", "a", "unsafe", "safe"),
-      _row("page_lifetime", "b", "safe", "unsafe", must_preserve=True)], "under_investigation"),
-    ([_row("page_lifetime", "a", "not-applicable", "not-applicable")], "under_investigation"),
-    ([_row("admission", "a", "unsafe", "unsafe")], "under_investigation"),  # another class's case only
-])
+@pytest.mark.parametrize(
+    "rows, status",
+    [
+        (
+            [
+                _row("page_lifetime", "a", "unsafe", "safe"),
+                _row("page_lifetime", "b", "safe", "safe", must_preserve=True),
+            ],
+            "fixed",
+        ),
+        (
+            [
+                _row("page_lifetime", "a", "not-applicable", "safe"),
+                _row("prefill_drain", "b", "safe", "safe"),
+            ],
+            "fixed",
+        ),
+        # 0.5.16: the pack carries no page-lifetime backport; the failed transfer still frees pages at once
+        (
+            [
+                _row("page_lifetime", "a", "unsafe", "unsafe"),
+                _row("page_lifetime", "b", "not-applicable", "not-applicable"),
+            ],
+            "affected",
+        ),
+        (
+            [_row("page_lifetime", "a", "unsafe", "safe"), _row("prefill_drain", "b", "safe", "error")],
+            "under_investigation",
+        ),
+        (
+            [
+                _row("page_lifetime", "a", "unsafe", "safe"),
+                _row("page_lifetime", "b", "safe", "unsafe", must_preserve=True),
+            ],
+            "under_investigation",
+        ),
+        ([_row("page_lifetime", "a", "not-applicable", "not-applicable")], "under_investigation"),
+        ([_row("admission", "a", "unsafe", "unsafe")], "under_investigation"),  # another class's case only
+    ],
+)
 def test_class_status_follows_from_the_cases(classes, rows, status):
     page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
     assert class_status(page, rows).status == status
@@ -129,7 +166,9 @@ def test_class_status_follows_from_the_cases(classes, rows, status):
 
 def test_an_unsafe_case_shows_the_exposure_whatever_else_errored(classes):
     page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
-    status = class_status(page, [_row("page_lifetime", "a", "unsafe", "unsafe"), _row("prefill_drain", "b", "safe", "error")])
+    status = class_status(
+        page, [_row("page_lifetime", "a", "unsafe", "unsafe"), _row("prefill_drain", "b", "safe", "error")]
+    )
     assert status.status == "affected" and "1 case(s) could not be judged" in status.notes
 
 
@@ -158,7 +197,10 @@ def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
     rows = [_row("page_lifetime", "a", "unsafe", "safe")]
     assert class_status(page, rows).status == "fixed"
     cited = class_status(page, rows, live=_live("safe"))
-    assert cited.status == "fixed" and "aborted_transfer_pages_not_reused pristine unsafe, patched safe" in cited.notes
+    assert (
+        cited.status == "fixed"
+        and "aborted_transfer_pages_not_reused pristine unsafe, patched safe" in cited.notes
+    )
     exposed = class_status(page, rows, live=_live("unsafe"))
     assert exposed.status == "affected" and exposed.unsafe == ("live/aborted_transfer_pages_not_reused",)
 
@@ -168,13 +210,21 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     from backport.evidence.scope import exposure_line
     from backport.evidence.verdicts import case_rows
 
-    docs = {"pristine": {"cases": [{"probe": "page_lifetime", "case": "a", "verdict": "unsafe"},
-                                   {"probe": "page_lifetime", "case": "b", "verdict": "safe", "must_preserve": True}]}}
+    docs = {
+        "pristine": {
+            "cases": [
+                {"probe": "page_lifetime", "case": "a", "verdict": "unsafe"},
+                {"probe": "page_lifetime", "case": "b", "verdict": "safe", "must_preserve": True},
+            ]
+        }
+    }
     rows = case_rows(docs)
     assert [r["pair"] for r in rows] == ["still-unsafe", "held"]
     page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
     status = class_status(page, rows)
-    assert status.status == "affected" and status.tree == "pristine" and "on the pristine tree" in status.notes
+    assert (
+        status.status == "affected" and status.tree == "pristine" and "on the pristine tree" in status.notes
+    )
     apply = {"status": "failed", "patches": [{"fix": "pr36988", "variant": None, "status": "failed"},
                                              {"fix": "pr38935", "variant": "v.patch", "status": "failed",
                                               "reason": "missing dependency: pr36988"}]}
@@ -184,7 +234,9 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
 
 
 def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
-    apply_report = {"patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.12 is outside scope"}]}
+    apply_report = {
+        "patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.12 is outside scope"}]
+    }
     rows = [_row("page_lifetime", "failed_transfer_holds_pages_until_drain", "unsafe", "unsafe")]
     page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
     from backport.evidence.vulnerabilities import action_statement
@@ -222,7 +274,13 @@ def test_a_class_whose_code_is_absent_is_not_affected(classes, pr35049, status):
 def test_not_affected_is_valid_openvex_and_cyclonedx(bundle, classes):
     receipt = _receipt(bundle)
     receipt["predicate"]["apply"]["patches"].append(
-        {"fix": "pr35049", "status": "not-applicable", "reason": "no backport for sglang 0.5.16", "variant": None})
+        {
+            "fix": "pr35049",
+            "status": "not-applicable",
+            "reason": "no backport for sglang 0.5.16",
+            "variant": None,
+        }
+    )
     standards = json.loads((bundle / "standards.json").read_text())
     document = vex.build_vex(receipt, standards)
     assert vex.schema_errors(document) is None
@@ -346,10 +404,16 @@ def test_the_schema_holds_the_specs_status_rules(bundle, edit, message):
     assert vex.schema_errors({k: v for k, v in document.items() if k != "timestamp"}) is not None
 
 
-@pytest.mark.parametrize("edit, said", [
-    (lambda d: d["statements"][0]["products"][0].update({"@id": "pkg:pypi/sglang@0.5.19"}), "a product changed"),
-    (lambda d: d["statements"][1].update(status="fixed"), "a status changed"),
-])
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (
+            lambda d: d["statements"][0]["products"][0].update({"@id": "pkg:pypi/sglang@0.5.19"}),
+            "a product changed",
+        ),
+        (lambda d: d["statements"][1].update(status="fixed"), "a status changed"),
+    ],
+)
 def test_a_vex_tamper_is_named_by_what_changed(bundle, edit, said):
     """A product swapped for another (and every digest resealed) is reported as a product change,
     not as wrong statuses; a status changed is reported as such."""
@@ -380,10 +444,14 @@ def test_two_runs_of_the_same_inputs_differ_only_in_the_timestamps_field(tmp_pat
 
     old = os.umask(0o022)
     try:
-        one = evidence.write_bundle(tmp_path / "a", vex_run(tmp_path / "r1", classes, started="2026-01-01T00:00:00+00:00",
-                                                             import_seconds=8.1))
-        two = evidence.write_bundle(tmp_path / "b", vex_run(tmp_path / "run2", classes,
-                                                             started="2026-03-04T05:06:07+00:00", import_seconds=12.7))
+        one = evidence.write_bundle(
+            tmp_path / "a",
+            vex_run(tmp_path / "r1", classes, started="2026-01-01T00:00:00+00:00", import_seconds=8.1),
+        )
+        two = evidence.write_bundle(
+            tmp_path / "b",
+            vex_run(tmp_path / "run2", classes, started="2026-03-04T05:06:07+00:00", import_seconds=12.7),
+        )
         assert _files(one) == _files(two) and {"vex.openvex.json", "sbom.cdx.json"} <= set(_files(one))
         assert [n for n in _files(one) if (one / n).read_bytes() != (two / n).read_bytes()] == ["SHA256SUMS",
                                                                                               "receipt.json"]

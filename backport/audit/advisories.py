@@ -32,8 +32,16 @@ def rows(pack: Pack, code: CodeFacts | None, servers: tuple[ServerFacts, ...],
         matches = code is not None and s.version is not None and same_build(code.version, s.version)
         root = code.package_root if matches else None
         for adv in known:
-            out.append(advisories.row(adv, f"{s.role or 'unknown-role'} {s.url}", version=s.version, root=root,
-                                      settings=s.settings, pack_fixed=fixed if matches else None))
+            out.append(
+                advisories.row(
+                    adv,
+                    f"{s.role or 'unknown-role'} {s.url}",
+                    version=s.version,
+                    root=root,
+                    settings=s.settings,
+                    pack_fixed=fixed if matches else None,
+                )
+            )
     if not read and code is not None:
         out += advisories.tree_rows(known, code.how, code.package_root, code.version, fixed, launch_flags)
     return out
@@ -46,8 +54,13 @@ def parse_launch_flags(text: str) -> dict:
         words = shlex.split(text)
     except ValueError as exc:
         raise BadInput(f"--launch-flags: cannot split ({exc})") from None
-    out: dict = {"enable_custom_logit_processor": False, "admin_api_key": False, "enable_pd_role_switch": False,
-                 "host": "127.0.0.1", "disaggregation_mode": "null"}   # launch_server's defaults
+    out: dict = {
+        "enable_custom_logit_processor": False,
+        "admin_api_key": False,
+        "enable_pd_role_switch": False,
+        "host": "127.0.0.1",
+        "disaggregation_mode": "null",
+    }   # launch_server's defaults
     i = 0
     while i < len(words):
         word = words[i]

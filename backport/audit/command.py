@@ -31,14 +31,26 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="an SGLang tree the servers run (checkout or unpacked release)")
     p.add_argument("--python", metavar="EXE",
                    help="the interpreter of the serving environment; its sglang package is audited")
-    p.add_argument("--server", action="append", default=[], metavar="URL",
-                   help="a server's base URL, e.g. http://prefill-0:30000 (repeat for every node of the pair)")
-    p.add_argument("--live", metavar="URL",
-                   help="also send gates 1 and 2's negative case (a prompt within the context, above the prefill "
-                        "pool) to this router, --live-count times (it sends traffic)")
-    p.add_argument("--live-count", type=int, default=3, metavar="N", help="negative requests to send (1-10, default 3)")
+    p.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a server's base URL, e.g. http://prefill-0:30000 (repeat for every node of the pair)",
+    )
+    p.add_argument(
+        "--live",
+        metavar="URL",
+        help="also send gates 1 and 2's negative case (a prompt within the context, above the prefill "
+        "pool) to this router, --live-count times (it sends traffic)",
+    )
+    p.add_argument(
+        "--live-count", type=int, default=3, metavar="N", help="negative requests to send (1-10, default 3)"
+    )
     p.add_argument("--report", metavar="FILE", help="write the Markdown report here")
-    p.add_argument("--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)")
+    p.add_argument(
+        "--series", metavar="DIR", help="patch pack directory (default: the pack shipped with the toolkit)"
+    )
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds per HTTP request, the whole answer included (default 10)")
     p.add_argument("--total-timeout", type=float, default=120.0, metavar="SECONDS",
@@ -52,10 +64,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allow-unknown", action="store_true",
                    help="exit 0 when no gate fails even if some are unknown (not verified: no server given, "
                         "unreadable); by default an unknown gate exits 1")
-    p.add_argument("--launch-flags", metavar="FLAGS",
-                   help="the servers' launch flags as one argument, joined with '=' since they start with "
-                        "'--' (e.g. --launch-flags='--disaggregation-mode prefill --host 0.0.0.0 "
-                        "--enable-custom-logit-processor'): the advisories table reads them when no --server was read")
+    p.add_argument(
+        "--launch-flags",
+        metavar="FLAGS",
+        help="the servers' launch flags as one argument, joined with '=' since they start with "
+        "'--' (e.g. --launch-flags='--disaggregation-mode prefill --host 0.0.0.0 "
+        "--enable-custom-logit-processor'): the advisories table reads them when no --server was read",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.set_defaults(func=cmd_audit)
     return p

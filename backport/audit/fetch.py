@@ -181,7 +181,9 @@ def request(method: str, url: str, limits: Limits, *, json_body=None) -> Reply:
             status, location = response.status_code, _printable(response.headers.get("Location"))
             declared = response.headers.get("Content-Length", "")
             if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
-                error = f"an answer of {int(declared):,} bytes, above the audit's limit of {MAX_REPLY_BYTES:,}"
+                error = (
+                    f"an answer of {int(declared):,} bytes, above the audit's limit of {MAX_REPLY_BYTES:,}"
+                )
             else:
                 chunks, size = [], 0
                 for chunk in response.iter_content(_CHUNK):
@@ -201,7 +203,9 @@ def request(method: str, url: str, limits: Limits, *, json_body=None) -> Reply:
             " (the audit's total time, --total-timeout, ran out)" if seconds < limits.per_request else "")
     elif error and status is not None:
         status, body = None, b""
-    return Reply(url, status, round(time.monotonic() - started, 3), body, location, error, bool(limits.api_key))
+    return Reply(
+        url, status, round(time.monotonic() - started, 3), body, location, error, bool(limits.api_key)
+    )
 
 
 def describe(reply: Reply, who: str = "the server") -> str | None:

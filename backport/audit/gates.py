@@ -91,9 +91,14 @@ def _pool_versus_context(s: ServerFacts) -> ServerVerdict:
     if s.role not in PD_ROLES:
         return ServerVerdict(s.url, s.role, WARN, f"{numbers}: pool smaller than the context on a non-PD "
                              "node (mode null); unfit to join a PD pair")
-    return ServerVerdict(s.url, s.role, FAIL, f"{numbers}: a prompt of {pool + 1:,} to {context:,} tokens is "
-                         f"within the advertised context but does not fit the {s.role} pool; it is "
-                         "rejected inside the scheduler, after admission, which is the incident's configuration")
+    return ServerVerdict(
+        s.url,
+        s.role,
+        FAIL,
+        f"{numbers}: a prompt of {pool + 1:,} to {context:,} tokens is "
+        f"within the advertised context but does not fit the {s.role} pool; it is "
+        "rejected inside the scheduler, after admission, which is the incident's configuration",
+    )
 
 
 def gate_pool_versus_context(servers: tuple[ServerFacts, ...]) -> GateResult:
@@ -125,12 +130,16 @@ def remedy(code: CodeFacts, pack: Pack, missing: list[str]) -> str:
                 "but this code lacks it: reinstall the release, or upgrade to SGLang 0.5.22 or later")
     unpatchable = [f for f in missing if pack.variant_for(f, version) is None]
     if unpatchable:
-        return (f"this pack carries no backport of {', '.join('#' + str(pack.fixes[f].pr) for f in unpatchable)} "
-                f"for sglang {version}: upgrade to SGLang 0.5.22 or later")
-    return (f"this pack backports {names} to sglang {version}: `sglang-backport run sglang=={version} --export` "
-            "fetches, patches and proves it and puts the patched wheel in the evidence bundle (export/); install "
-            "it with `pip install --no-deps` on every prefill node first, then on every decode node (README, "
-            "Rollout and rollback)")
+        return (
+            f"this pack carries no backport of {', '.join('#' + str(pack.fixes[f].pr) for f in unpatchable)} "
+            f"for sglang {version}: upgrade to SGLang 0.5.22 or later"
+        )
+    return (
+        f"this pack backports {names} to sglang {version}: `sglang-backport run sglang=={version} --export` "
+        "fetches, patches and proves it and puts the patched wheel in the evidence bundle (export/); install "
+        "it with `pip install --no-deps` on every prefill node first, then on every decode node (README, "
+        "Rollout and rollback)"
+    )
 
 
 def _fixes_evidence(code: CodeFacts, pack: Pack, fixes) -> tuple[list[str], list[str]]:
@@ -159,7 +168,9 @@ def _probe_evidence(code: CodeFacts) -> tuple[list[str], str]:
     lines, verdict = [f"probes run by {code.harness}"], PASS
     for probe in ADMISSION_PROBES:
         mine = [c for c in cases if c["probe"] == probe]
-        counts = {v: sum(c["verdict"] == v for c in mine) for v in ("safe", "unsafe", "error", "not-applicable")}
+        counts = {
+            v: sum(c["verdict"] == v for c in mine) for v in ("safe", "unsafe", "error", "not-applicable")
+        }
         lines.append(f"probe {probe}: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n))
         for c in mine:
             if c["verdict"] in ("unsafe", "error"):
@@ -227,11 +238,15 @@ def _pack_coverage(code: CodeFacts | None, pd: list[ServerFacts]) -> tuple[str, 
     roles = {s.role for s in pd if s.role}
     mismatches = [m for m in (_mismatch(code, s) for s in pd) if m]
     if not set(PD_ROLES) <= roles or mismatches:
-        return UNKNOWN, ("this pack's transferred-coverage check is on in the code, but "
-                         + ("; ".join(mismatches) or "both prefill and decode must run it: give both --server"))
-    return PASS, (f"this pack's transferred-coverage check is on ({setting.name}, {setting.source}); prefill and "
-                  "decode run the audited code; it counts coverage at the handoff and cannot see a write that "
-                  "lands after the check")
+        return UNKNOWN, (
+            "this pack's transferred-coverage check is on in the code, but "
+            + ("; ".join(mismatches) or "both prefill and decode must run it: give both --server")
+        )
+    return PASS, (
+        f"this pack's transferred-coverage check is on ({setting.name}, {setting.source}); prefill and "
+        "decode run the audited code; it counts coverage at the handoff and cannot see a write that "
+        "lands after the check"
+    )
 
 
 def gate_transfer_covers_read(servers: tuple[ServerFacts, ...], code: CodeFacts | None) -> GateResult:
@@ -257,11 +272,29 @@ def _checksum_gate(servers: tuple[ServerFacts, ...], code: CodeFacts | None, pd:
         if code is None:
             return GateResult(3, name, UNKNOWN, ("no --server and no code given",))
         if code.has_checksum_flag:
-            return GateResult(3, name, UNKNOWN, (("this code has --disaggregation-enable-kv-checksum; whether "
-                                                 "it is on for prefill and decode needs --server"),))
-        return GateResult(3, name, WARN, ((f"this code (sglang {code.version}) has no handoff checksum "
-                                          f"(--disaggregation-enable-kv-checksum ships from 0.5.21); {coverage}"),
-                                          NOT_PROVEN))
+            return GateResult(
+                3,
+                name,
+                UNKNOWN,
+                (
+                    (
+                        "this code has --disaggregation-enable-kv-checksum; whether "
+                        "it is on for prefill and decode needs --server"
+                    ),
+                ),
+            )
+        return GateResult(
+            3,
+            name,
+            WARN,
+            (
+                (
+                    f"this code (sglang {code.version}) has no handoff checksum "
+                    f"(--disaggregation-enable-kv-checksum ships from 0.5.21); {coverage}"
+                ),
+                NOT_PROVEN,
+            ),
+        )
     states = [(s, *_checksum_state(s)) for s in pd]
     on = {s.role for s, st, _ in states if st == "on"}
     per_server = []
@@ -271,9 +304,16 @@ def _checksum_gate(servers: tuple[ServerFacts, ...], code: CodeFacts | None, pd:
         elif state == UNKNOWN:
             per_server.append(ServerVerdict(s.url, s.role, UNKNOWN, why))
         elif on:
-            per_server.append(ServerVerdict(s.url, s.role, FAIL, f"{why} while it is on for another node: decode "
-                                            "skips the comparison when prefill wrote no checksum, so one side "
-                                            "alone passes silently"))
+            per_server.append(
+                ServerVerdict(
+                    s.url,
+                    s.role,
+                    FAIL,
+                    f"{why} while it is on for another node: decode "
+                    "skips the comparison when prefill wrote no checksum, so one side "
+                    "alone passes silently",
+                )
+            )
         else:
             per_server.append(ServerVerdict(s.url, s.role, WARN, why))
     evidence = [f"{v.verdict}: {v.role or 'unknown-role'} {v.url}: {v.evidence}" for v in per_server]
@@ -301,8 +341,17 @@ def gate_page_lifetime(code: CodeFacts | None, pack: Pack, servers: tuple[Server
     name = "page lifetime"
     pd = [s for s in servers if s.is_pd or s.error]
     if code is None:
-        return GateResult(4, name, UNKNOWN, (("no code given: the page-lifetime fixes and the deferred-release "
-                                             "default are read from the code (--python EXE or TREE)"),))
+        return GateResult(
+            4,
+            name,
+            UNKNOWN,
+            (
+                (
+                    "no code given: the page-lifetime fixes and the deferred-release "
+                    "default are read from the code (--python EXE or TREE)"
+                ),
+            ),
+        )
     lines, missing = _fixes_evidence(code, pack, PAGE_LIFETIME_FIXES)
     verdicts = [FAIL if missing else PASS]
     deferred, timeout = code.deferred_release, code.timeout
@@ -325,10 +374,12 @@ def gate_page_lifetime(code: CodeFacts | None, pack: Pack, servers: tuple[Server
                      "possible exposure")
     if code.extra.get("mooncake_tcp_proto") == "1":
         verdicts.append(FAIL)
-        lines.append(f"{MOONCAKE_TCP_PROTO}=1 in the audit's environment: Mooncake's legacy TCP completion reports "
-                     "a transfer complete once its bytes left prefill's socket buffer, so the drain ACK can come "
-                     "before the writes land (the live tier's page-lifetime race: patched 0.5.19 and upstream "
-                     f"0.5.22 both unsafe 3 of 3); unset {MOONCAKE_TCP_PROTO} on every prefill and decode node")
+        lines.append(
+            f"{MOONCAKE_TCP_PROTO}=1 in the audit's environment: Mooncake's legacy TCP completion reports "
+            "a transfer complete once its bytes left prefill's socket buffer, so the drain ACK can come "
+            "before the writes land (the live tier's page-lifetime race: patched 0.5.19 and upstream "
+            f"0.5.22 both unsafe 3 of 3); unset {MOONCAKE_TCP_PROTO} on every prefill and decode node"
+        )
     capable = code.capable_backends
     lines.append("backends with the capability in this code: " + (
         ", ".join(capable) if capable else "none" if capable is not None
@@ -338,24 +389,39 @@ def gate_page_lifetime(code: CodeFacts | None, pack: Pack, servers: tuple[Server
         if s.error:
             per_server.append(ServerVerdict(s.url, None, UNKNOWN, f"not read: {s.error}"))
         elif s.backend is None:
-            per_server.append(ServerVerdict(s.url, s.role, UNKNOWN, "disaggregation_transfer_backend not reported"))
+            per_server.append(
+                ServerVerdict(s.url, s.role, UNKNOWN, "disaggregation_transfer_backend not reported")
+            )
         elif capable is None or s.backend not in capable:
-            per_server.append(ServerVerdict(s.url, s.role, FAIL, f"backend {s.backend} has no deferred-release "
-                                            "capability in this code: its pages are released at once"))
+            per_server.append(
+                ServerVerdict(
+                    s.url,
+                    s.role,
+                    FAIL,
+                    f"backend {s.backend} has no deferred-release "
+                    "capability in this code: its pages are released at once",
+                )
+            )
         elif (why := _mismatch(code, s)) is not None:
             per_server.append(ServerVerdict(s.url, s.role, UNKNOWN, why))
         else:
-            per_server.append(ServerVerdict(s.url, s.role, PASS, f"backend {s.backend} holds pages until drained"))
+            per_server.append(
+                ServerVerdict(s.url, s.role, PASS, f"backend {s.backend} holds pages until drained")
+            )
     lines += [f"{v.verdict}: {v.role or 'unknown-role'} {v.url}: {v.evidence}" for v in per_server]
     verdicts += [v.verdict for v in per_server]
     roles = {s.role for s in pd if s.role}
     if not pd:
         verdicts.append(UNKNOWN)
-        lines.append("no prefill or decode --server given: the backend and both sides of the pair are unchecked")
+        lines.append(
+            "no prefill or decode --server given: the backend and both sides of the pair are unchecked"
+        )
     elif not set(PD_ROLES) <= roles:
         verdicts.append(UNKNOWN)
-        lines.append(f"only {', '.join(sorted(roles)) or 'no'} side given: an unpatched prefill sends no drain "
-                     "ACK, so both sides must be checked")
+        lines.append(
+            f"only {', '.join(sorted(roles)) or 'no'} side given: an unpatched prefill sends no drain "
+            "ACK, so both sides must be checked"
+        )
     fix_remedy = remedy(code, pack, missing) if missing else None
     if fix_remedy:
         lines.append(fix_remedy)

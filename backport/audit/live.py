@@ -113,9 +113,13 @@ def negative_case(url: str, servers: list[ServerFacts], count: int, limits: Limi
                            f"context (the smallest {context:,})"}
     length = min(context - NEW_TOKENS - 1, pool + max(1, pool // 2), max_prompt)
     if length <= pool:
-        return {"skipped": f"a prompt above the prefill pool ({pool:,} tokens) is longer than --max-prompt-tokens "
-                           f"({max_prompt:,})", "remedy": f"--max-prompt-tokens {pool + 1}",
-                "prefill_pool": pool, "context_length": context}
+        return {
+            "skipped": f"a prompt above the prefill pool ({pool:,} tokens) is longer than --max-prompt-tokens "
+            f"({max_prompt:,})",
+            "remedy": f"--max-prompt-tokens {pool + 1}",
+            "prefill_pool": pool,
+            "context_length": context,
+        }
     fits = max(1, min(*(s.max_req_input_len or s.pool_tokens for s in prefill),
                       *(s.pool_tokens for s in prefill), max_prompt) // 2)
     case = {"prompt_tokens_sent": length, "prefill_pool": pool, "context_length": context,
@@ -131,8 +135,10 @@ def _baseline_problem(baseline: dict) -> str | None:
     if baseline["status"] != 200:
         return f"HTTP {baseline['status']}"
     if not baseline["tokens"] or baseline["prompt_tokens"] != baseline["prompt_tokens_sent"]:
-        return (f"HTTP 200 with {baseline['tokens']} output tokens and prompt_tokens={baseline['prompt_tokens']} "
-                f"for {baseline['prompt_tokens_sent']} sent: not a generate answer")
+        return (
+            f"HTTP 200 with {baseline['tokens']} output tokens and prompt_tokens={baseline['prompt_tokens']} "
+            f"for {baseline['prompt_tokens_sent']} sent: not a generate answer"
+        )
     return None
 
 
@@ -144,8 +150,14 @@ def judge(case: dict) -> tuple[str, str, str | None]:
     problem = _baseline_problem(case["baseline"])
     if problem:
         remedy = "--api-key KEY" if "--api-key" in problem else None
-        return UNKNOWN, (f"live: the baseline (a {case['baseline']['prompt_tokens_sent']}-token prompt that fits) "
-                         f"was not served: {problem}; the over-pool prompt was not sent, nothing judged"), remedy
+        return (
+            UNKNOWN,
+            (
+                f"live: the baseline (a {case['baseline']['prompt_tokens_sent']}-token prompt that fits) "
+                f"was not served: {problem}; the over-pool prompt was not sent, nothing judged"
+            ),
+            remedy,
+        )
     replies = case["replies"]
     summary = ", ".join(f"{r['status']} in {r['seconds']} s" for r in replies)
     served = [r for r in replies if r["status"] == 200 and r["tokens"]]
@@ -159,11 +171,26 @@ def judge(case: dict) -> tuple[str, str, str | None]:
     rejected = [r for r in replies if r["status"] is not None and 400 <= r["status"] < 500 and not r["tokens"]
                 and not r.get("error") and r["names_length"]]
     if replies and len(rejected) == len(replies):
-        return PASS, (f"live: the baseline was served; a {length}-token prompt (prefill pool {pool}) got {summary}, "
-                      "each naming the input length: rejected"), None
-    reasons = sorted({r.get("error") or (f"HTTP {r['status']} that does not name the input length ({length})"
-                                         if r["status"] and 400 <= r["status"] < 500 else f"HTTP {r['status']}")
-                      for r in replies if r not in rejected})
+        return (
+            PASS,
+            (
+                f"live: the baseline was served; a {length}-token prompt (prefill pool {pool}) got {summary}, "
+                "each naming the input length: rejected"
+            ),
+            None,
+        )
+    reasons = sorted(
+        {
+            r.get("error")
+            or (
+                f"HTTP {r['status']} that does not name the input length ({length})"
+                if r["status"] and 400 <= r["status"] < 500
+                else f"HTTP {r['status']}"
+            )
+            for r in replies
+            if r not in rejected
+        }
+    )
     return UNKNOWN, f"live: a {length}-token prompt got {summary}: no verdict ({'; '.join(reasons)})", None
 
 
@@ -189,8 +216,10 @@ def apply_live(results: tuple[GateResult, ...], url: str, *, count: int, limits:
                 base = gate
             elif servers:
                 base = gate_pool_versus_context(tuple(servers))
-            else:   # the router's own error is in `line`
-                base = dataclasses.replace(gate, evidence=("no --server given and no worker read through the router",))
+            else:  # the router's own error is in `line`
+                base = dataclasses.replace(
+                    gate, evidence=("no --server given and no worker read through the router",)
+                )
             extra = (listing,) if listing and servers else ()
             out.append(dataclasses.replace(base, evidence=(*base.evidence, *extra, line),
                                            details={**base.details, "live": case}))

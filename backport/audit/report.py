@@ -34,7 +34,9 @@ def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tupl
     }
 
 
-def terminal(gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (), advisories: list[Row] = ()) -> str:
+def terminal(
+    gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (), advisories: list[Row] = ()
+) -> str:
     # an unread server's reason is printed once, here; the gates it leaves unknown point back to it
     unread = [s for s in servers if s.error]
     lines = [f"server {s.url}: not read: {s.error}" for s in unread]
@@ -67,9 +69,14 @@ def _advisory_lines(advisories: list[Row]) -> list[str]:
     if not advisories:
         return []
     opened = sum(r.status == OPEN for r in advisories)
-    lines = [f"advisories: {opened} open of {len(advisories)} rows (not a gate; every row in --json and --report)"]
-    lines += [f"    {r.status}: {r.advisory}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''} on {r.subject}: "
-              f"{r.reason}; {r.pack}" for r in shown]
+    lines = [
+        f"advisories: {opened} open of {len(advisories)} rows (not a gate; every row in --json and --report)"
+    ]
+    lines += [
+        f"    {r.status}: {r.advisory}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''} on {r.subject}: "
+        f"{r.reason}; {r.pack}"
+        for r in shown
+    ]
     return lines
 
 
@@ -101,8 +108,10 @@ def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tup
                 continue
             pool = f"{s.pool_tokens:,}" if s.pool_tokens is not None else "-"
             ctx = f"{s.context_length:,}" if s.context_length is not None else "-"
-            out.append(f"| {s.url} | {s.endpoint} | {s.role or '-'} | {s.version or '-'} | {s.backend or '-'} "
-                       f"| {pool} | {ctx} | {s.page_size if s.page_size is not None else '-'} |")
+            out.append(
+                f"| {s.url} | {s.endpoint} | {s.role or '-'} | {s.version or '-'} | {s.backend or '-'} "
+                f"| {pool} | {ctx} | {s.page_size if s.page_size is not None else '-'} |"
+            )
     else:
         out.append("- Servers: none given.")
     for g in gates:

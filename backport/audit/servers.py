@@ -134,16 +134,24 @@ def facts_from_documents(url: str, endpoint: str, info: dict, model_info: dict |
     version = info.get("version")
     fraction = info.get("mem_fraction_static")
     return ServerFacts(
-        url=url, endpoint=endpoint, error=None, role=role,
+        url=url,
+        endpoint=endpoint,
+        error=None,
+        role=role,
         version=version if isinstance(version, str) else None,
         backend=backend if isinstance(backend, str) else None,
-        pool_tokens=pool, max_req_input_len=max_input, context_length=context,
-        context_source=source if context is not None else None, page_size=page_size,
+        pool_tokens=pool,
+        max_req_input_len=max_input,
+        context_length=context,
+        context_source=source if context is not None else None,
+        page_size=page_size,
         kv_checksum=checksum,
         is_server_args_dump="disaggregation_mode" in info and "model_path" in info,
-        mem_fraction_static=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+        mem_fraction_static=float(fraction)
+        if isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
         else None,
-        problems=tuple(problems), settings=settings_of(info),
+        problems=tuple(problems),
+        settings=settings_of(info),
     )
 
 

@@ -116,8 +116,11 @@ def _dispatch(argv: list[str], wants_json: bool) -> int:
         return _error(wants_json, 1, str(exc))
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"sglang-backport: interrupted by {signal.Signals(signum).name}: stopped; every process it started "
-              f"is ended and its temporary files removed", file=sys.stderr)
+        print(
+            f"sglang-backport: interrupted by {signal.Signals(signum).name}: stopped; every process it started "
+            f"is ended and its temporary files removed",
+            file=sys.stderr,
+        )
         return 128 + signum
     except BrokenPipeError:
         raise

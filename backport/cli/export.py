@@ -66,8 +66,13 @@ def _from_bundle(args, bundle: Path) -> int:
     export = json.loads((bundle / evidence.RECEIPT).read_text())["predicate"].get("export")
     if not export:
         raise no_exports()
-    document = {"bundle": str(bundle), "label": export["label"], "patch_set_sha256": export["patch_set_sha256"],
-                "wheel": None, "patches": None}
+    document = {
+        "bundle": str(bundle),
+        "label": export["label"],
+        "patch_set_sha256": export["patch_set_sha256"],
+        "wheel": None,
+        "patches": None,
+    }
     lines = [f"{bundle}: verified; patch set {export['patch_set_sha256'][:12]}"]
     if args.wheel:
         Path(args.wheel).mkdir(parents=True, exist_ok=True)
@@ -103,8 +108,11 @@ def register(sub) -> None:
                    help="a patched tree of a wheel target (apply --out, run --keep-trees), or a bundle of "
                         "`run --export` (its files are copied out once it verifies)")
     p.add_argument("--wheel", metavar="DIR", help="write sglang-X+backport.N-<tags>.whl here")
-    p.add_argument("--patches", metavar="DIR", help="write the backport commits as `git format-patch` files here "
-                                                     "(a new or empty directory)")
+    p.add_argument(
+        "--patches",
+        metavar="DIR",
+        help="write the backport commits as `git format-patch` files here (a new or empty directory)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
 

@@ -41,7 +41,10 @@ def cmd_merge(args) -> int:
     if failed:
         bundle, result = failed[0]
         exc = Finding(f"{bundle}: does not verify ({result.first}); nothing merged")
-        exc.document = {"merged": None, "failed": [{"bundle": str(b), "first": r.first.to_json()} for b, r in failed]}
+        exc.document = {
+            "merged": None,
+            "failed": [{"bundle": str(b), "first": r.first.to_json()} for b, r in failed],
+        }
         raise exc
     summary = merge(bundles, Path(args.out), expected=args.expect)
     failing = args.fail_on == "finding" and summary["failed"]
@@ -49,8 +52,10 @@ def cmd_merge(args) -> int:
         print(json.dumps(summary, indent=2, sort_keys=True))
     elif not args.json:
         print((Path(args.out) / "summary.md").read_text(), end="")
-        print(f"merged {summary['bundles']} bundles into {args.out}: {summary['vex_statements']} VEX statements, "
-              f"{summary['attestations']} attestations")
+        print(
+            f"merged {summary['bundles']} bundles into {args.out}: {summary['vex_statements']} VEX statements, "
+            f"{summary['attestations']} attestations"
+        )
     if failing:
         exc = Finding(f"{len(summary['failed'])} release(s) not a pass: "
                       + "; ".join(f"{f['release']} {f['result']} ({f['why']})" for f in summary["failed"]))
@@ -66,9 +71,15 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help='print {"include": [{"shard", "specs", "releases"}]}')
     p.set_defaults(func=cmd_matrix)
 
-    p = sub.add_parser("merge", help="CI fan-in: verify many bundles, write one aggregate VEX, attestations, summary")
-    p.add_argument("dirs", nargs="+", metavar="DIR", help="bundles, or folders holding bundles (CI artifacts)")
-    p.add_argument("--out", default="merged", metavar="DIR", help="where the merged files go (default ./merged)")
+    p = sub.add_parser(
+        "merge", help="CI fan-in: verify many bundles, write one aggregate VEX, attestations, summary"
+    )
+    p.add_argument(
+        "dirs", nargs="+", metavar="DIR", help="bundles, or folders holding bundles (CI artifacts)"
+    )
+    p.add_argument(
+        "--out", default="merged", metavar="DIR", help="where the merged files go (default ./merged)"
+    )
     p.add_argument("--expect", action="extend", nargs="+", metavar="SPEC", default=[],
                    help="the specs that must each have a bundle (e.g. every spec of `matrix --json`); one "
                         "without is a `missing` row and counts as a finding")

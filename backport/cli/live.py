@@ -64,9 +64,19 @@ def serve(args, tree) -> int:
             with deployed(env, Path(tree.package_root), tree.version, model, logs or Path(tmp)) as dep:
                 servers = (dep.prefill, dep.decode, dep.router)
                 if args.json:
-                    print(json.dumps({"router": dep.router_url, "tree": str(tree.path), "version": tree.version,
-                                      "prefill": dep.prefill.url, "decode": dep.decode.url,
-                                      "startup_seconds": round(dep.startup_seconds, 1)}, sort_keys=True))
+                    print(
+                        json.dumps(
+                            {
+                                "router": dep.router_url,
+                                "tree": str(tree.path),
+                                "version": tree.version,
+                                "prefill": dep.prefill.url,
+                                "decode": dep.decode.url,
+                                "startup_seconds": round(dep.startup_seconds, 1),
+                            },
+                            sort_keys=True,
+                        )
+                    )
                 else:
                     print(dep.router_url)
                 sys.stdout.flush()

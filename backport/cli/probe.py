@@ -30,14 +30,19 @@ def cmd_probe(args) -> int:
         if name.startswith(("_", "harness", "standins")) or not found:
             raise BadInput(f"--probe {name}: no such probe in {probes_dir}")
     python = str(ensure_env(args.python))
-    documents = [run_harness(python, tree.package_root, args.probe or None, version=tree.version) for tree in trees]
+    documents = [
+        run_harness(python, tree.package_root, args.probe or None, version=tree.version) for tree in trees
+    ]
     unsafe = [(d["tree"], c["probe"], c["case"]) for d in documents for c in d["cases"]
               if c["verdict"] in ("unsafe", "error")]
     lines = []
     for d in documents:
         lines.append(f"{d['tree']} (sglang {d['version']})")
-        lines += [f"  {c['verdict']:14} {c['probe']}/{c['case']}" + (" [must-preserve]" if c["must_preserve"] else "")
-                  for c in d["cases"]]
+        lines += [
+            f"  {c['verdict']:14} {c['probe']}/{c['case']}"
+            + (" [must-preserve]" if c["must_preserve"] else "")
+            for c in d["cases"]
+        ]
     emit(args, {"trees": documents}, "\n".join(lines))
     return 1 if unsafe else 0
 

@@ -15,8 +15,13 @@ def cmd_refresh(args) -> int:
     if args.continue_tree:
         result = continue_refresh(pack, args.fix, args.release, Path(args.continue_tree))
     else:
-        result = refresh(pack, args.fix, args.release, work_dir=Path(args.work_dir) if args.work_dir else None,
-                         check=args.check)
+        result = refresh(
+            pack,
+            args.fix,
+            args.release,
+            work_dir=Path(args.work_dir) if args.work_dir else None,
+            check=args.check,
+        )
     lines = [f"{result.fix} for sglang {result.release} from {result.from_variant}: {result.status}"]
     lines += [f"  {h.file}:{h.line}: {h.status} offset={h.offset} fuzz={h.fuzz} {h.reason}".rstrip()
               for h in result.hunks]

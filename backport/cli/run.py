@@ -30,7 +30,11 @@ def render_summary(bundle: Bundle, written: Path, previous: Path | None = None) 
 
     p = bundle.statement["predicate"]
     roles = [r for r in evidence.ROLES if r in p["probes"]]
-    exposure = [evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])] if p["mode"] == "exposure" else []
+    exposure = (
+        [evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])]
+        if p["mode"] == "exposure"
+        else []
+    )
     lines = exposure + [f"{'case':58} " + " ".join(f"{r:14}" for r in roles) + " pair"]
     for row in p["cases"]:
         name = f"{row['probe']}/{row['case']}" + (" *" if row["must_preserve"] else "")
@@ -50,8 +54,10 @@ def render_summary(bundle: Bundle, written: Path, previous: Path | None = None) 
         lines.append(f"previous bundle kept whole (it held files this run does not rewrite): {previous}")
     export = p.get("export")
     if export:
-        lines.append(f"exported: {written / export['wheel']['file']} (version {export['wheel']['version']}) and "
-                     f"{len(export['patches'])} patches in {written / 'export' / 'patches'}")
+        lines.append(
+            f"exported: {written / export['wheel']['file']} (version {export['wheel']['version']}) and "
+            f"{len(export['patches'])} patches in {written / 'export' / 'patches'}"
+        )
     lines.append(covers_line(p))  # last: what the result rests on, and what it does not judge
     return "\n".join(lines)
 
@@ -97,12 +103,19 @@ def _document(outcome) -> dict:
     from backport import evidence
 
     p = outcome.bundle.statement["predicate"]
-    return {"bundle": str(outcome.written), "result": outcome.summary["result"], "exit_code": outcome.exit_code,
-            "mode": p["mode"], "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])
-            if p["mode"] == "exposure" else None,
-            "receipt_sha256": outcome.receipt_sha256, "summary": outcome.summary,
-            "subject": outcome.bundle.statement["subject"],
-            "previous_bundle": None if outcome.previous is None else str(outcome.previous)}
+    return {
+        "bundle": str(outcome.written),
+        "result": outcome.summary["result"],
+        "exit_code": outcome.exit_code,
+        "mode": p["mode"],
+        "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])
+        if p["mode"] == "exposure"
+        else None,
+        "receipt_sha256": outcome.receipt_sha256,
+        "summary": outcome.summary,
+        "subject": outcome.bundle.statement["subject"],
+        "previous_bundle": None if outcome.previous is None else str(outcome.previous),
+    }
 
 
 def cmd_run(args) -> int:
@@ -117,8 +130,14 @@ def cmd_run(args) -> int:
         raise
     code = max(outcome.exit_code for outcome in outcomes)
     if args.json:
-        document = _document(outcomes[0]) if len(outcomes) == 1 else {
-            "exit_code": code, "runs": [{"spec": spec, **_document(o)} for spec, o in zip(args.spec, outcomes)]}
+        document = (
+            _document(outcomes[0])
+            if len(outcomes) == 1
+            else {
+                "exit_code": code,
+                "runs": [{"spec": spec, **_document(o)} for spec, o in zip(args.spec, outcomes)],
+            }
+        )
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
         print("\n\n".join(render_summary(o.bundle, o.written, o.previous) for o in outcomes))
@@ -126,16 +145,25 @@ def cmd_run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run", help="the main job: fetch, apply, probe pristine/patched/reference, write a bundle",
-                       description=__doc__.split("\n\n")[1])
+    p = sub.add_parser(
+        "run",
+        help="the main job: fetch, apply, probe pristine/patched/reference, write a bundle",
+        description=__doc__.split("\n\n")[1],
+    )
     p.add_argument("spec", nargs="+", help="sglang==X | git+URL@SHA | PATH | installed (several: one bundle "
                                            "each, every tree probed in one probe matrix)")
-    p.add_argument("--out", help="bundle directory (default: evidence/<target>/ under the current directory); "
-                                 "with several SPECs the folder that holds their bundles")
-    p.add_argument("--force", action="store_true",
-                   help="--out may hold an evidence bundle already: replace it (a bundle holding anything the "
-                        "toolkit did not write, a signature or notes, is moved aside whole and the new path "
-                        "printed); a directory that is not a bundle is never written into")
+    p.add_argument(
+        "--out",
+        help="bundle directory (default: evidence/<target>/ under the current directory); "
+        "with several SPECs the folder that holds their bundles",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--out may hold an evidence bundle already: replace it (a bundle holding anything the "
+        "toolkit did not write, a signature or notes, is moved aside whole and the new path "
+        "printed); a directory that is not a bundle is never written into",
+    )
     p.add_argument("--jobs", type=int, metavar="N", help="trees probed at once (default: the core count)")
     p.add_argument("--min-coverage", type=float, metavar="PCT",
                    help="make it a finding (exit 1) when fewer than PCT%% of the executable lines the pack "
@@ -143,23 +171,32 @@ def register(sub) -> None:
     p.add_argument("--reference", metavar="SPEC",
                    help="the upstream-fixed tree to compare with, or 'none' (default: the first pinned "
                         "release whose version is in every fix's fixed_in)")
-    p.add_argument("--head", metavar="SPEC",
-                   help="probe this tree as the head instead of applying the pack (upstream before/after pairs)")
+    p.add_argument(
+        "--head",
+        metavar="SPEC",
+        help="probe this tree as the head instead of applying the pack (upstream before/after pairs)",
+    )
     p.add_argument("--series", help="patch series directory (default: the pack shipped with the toolkit)")
     p.add_argument("--python", metavar="EXE",
                    help="probe interpreter (default: the cached probe environment); for the 'installed' spec "
                         "also the interpreter whose sglang is taken")
     p.add_argument("--allow-unpinned", action="store_true",
                    help="fetch a sglang==X that patches/releases.toml does not pin (recorded as unpinned)")
-    p.add_argument("--version", metavar="X",
-                   help="the release of a checkout, directory or git target when its tag and version file say "
-                        "none, or disagree (a wheel's version is its own)")
+    p.add_argument(
+        "--version",
+        metavar="X",
+        help="the release of a checkout, directory or git target when its tag and version file say "
+        "none, or disagree (a wheel's version is its own)",
+    )
     p.add_argument("--upstream-base-url", metavar="URL", help="raw-file base URL for upstream's test files")
     p.add_argument("--no-upstream-tests", action="store_true", help="do not run upstream's unit tests")
     p.add_argument("--keep-trees", action="store_true", help="keep the patched work tree (path on stderr)")
-    p.add_argument("--export", action="store_true",
-                   help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
-                        "series (export/patches/) in the bundle, as its subjects (sglang==X targets)")
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help="put the patched wheel (export/sglang-X+backport.N-<tags>.whl) and the git format-patch "
+        "series (export/patches/) in the bundle, as its subjects (sglang==X targets)",
+    )
     p.add_argument("--vuln-alias", action="append", metavar="CLASS=ID",
                    help="name a CVE or GHSA id for a vulnerability class (its SBP-... id or name, "
                         "patches/vulnerabilities.toml) in the bundle's VEX documents; repeatable")

@@ -18,9 +18,12 @@ if TYPE_CHECKING:  # the library is imported by the commands that use it: --help
 
 
 def version_arg(p) -> None:
-    p.add_argument("--version", metavar="X",
-                   help="the release of a checkout, directory or git target when its tag and version file say "
-                        "none, or disagree (a wheel's version is its own)")
+    p.add_argument(
+        "--version",
+        metavar="X",
+        help="the release of a checkout, directory or git target when its tag and version file say "
+        "none, or disagree (a wheel's version is its own)",
+    )
 
 
 def target_args(p) -> None:
@@ -41,8 +44,10 @@ def fetch_tree(spec: str, args) -> Tree:
     version = getattr(args, "version", None)
     kind = source_kind(parse_spec(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins))
     if version is not None and kind in ("wheel", "installed"):
-        raise BadInput(f"--version {version}: only for a checkout, a directory or a git target ({spec} says its "
-                       f"own version)")
+        raise BadInput(
+            f"--version {version}: only for a checkout, a directory or a git target ({spec} says its "
+            f"own version)"
+        )
     tree = materialise(spec, allow_unpinned=args.allow_unpinned, python=args.python, pins=pins).tree
     return replace(tree, version=decided_version(tree, version, "git" if kind == "git" else "path"))
 
@@ -98,9 +103,13 @@ def cmd_status(args) -> int:
         lines.append("  rollout: " + advice["order"] + (
             "; the PD peer must run this patch set too" if advice["peer_must_be_patched"] else ""))
         if advice["rollback"]:
-            lines.append(f"  rollback: {advice['rollback']}  (a plain `pip install sglang==X` keeps this build)")
+            lines.append(
+                f"  rollback: {advice['rollback']}  (a plain `pip install sglang==X` keeps this build)"
+            )
     elif args.bundle or args.require_patched:
-        raise BadInput(f"{'--bundle' if args.bundle else '--require-patched'}: only with the 'installed' target")
+        raise BadInput(
+            f"{'--bundle' if args.bundle else '--require-patched'}: only with the 'installed' target"
+        )
     emit(args, document, "\n".join(lines))
     # A rollout gate: 1 unless this node runs a whole exported build (record, label and tree agree).
     return 1 if args.require_patched and not installed.patched else 0
@@ -109,14 +118,24 @@ def cmd_status(args) -> int:
 def installed_lines(installed, asked: bool) -> list[str]:
     record = installed.provenance
     if record is None:
-        lines = [f"installed: sglang {installed.version}, not a wheel exported by sglang-backport: NOT patched"]
+        lines = [
+            f"installed: sglang {installed.version}, not a wheel exported by sglang-backport: NOT patched"
+        ]
     else:
-        lines = [(f"installed: sglang {installed.version}, exported by sglang-backport from {record.get('spec')} "
-                  f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} commits)"),
-                 "  the installed package " + ("is the tree its record names" if installed.digest_matches else
-                                               f"is NOT the tree its record names ({record.get('tree_digest')})"),
-                 f"  sglang.__version__ says {installed.package_version}: "
-                 + ("patched" if installed.patched else "NOT a whole patched build")]
+        lines = [
+            (
+                f"installed: sglang {installed.version}, exported by sglang-backport from {record.get('spec')} "
+                f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} commits)"
+            ),
+            "  the installed package "
+            + (
+                "is the tree its record names"
+                if installed.digest_matches
+                else f"is NOT the tree its record names ({record.get('tree_digest')})"
+            ),
+            f"  sglang.__version__ says {installed.package_version}: "
+            + ("patched" if installed.patched else "NOT a whole patched build"),
+        ]
     for match in installed.bundles:
         lines.append(f"  described by {match['bundle']}: "
                      + ("verifies" if match["verifies"] else f"does NOT verify ({match['problem']})"))
@@ -184,7 +203,9 @@ def cmd_apply(args) -> int:
                           only=args.only or None, check=args.check, allow_dirty=args.allow_dirty)
     lines = [f"{tree.path}: sglang {tree.version} -> {report.status}"]
     for patch in report.patches:
-        lines.append(f"  {patch.fix:10} {patch.status:16} {patch.variant or ''} {patch.reason or ''}".rstrip())
+        lines.append(
+            f"  {patch.fix:10} {patch.status:16} {patch.variant or ''} {patch.reason or ''}".rstrip()
+        )
         for hunk in patch.hunks:
             lines.append(f"      {hunk.file}: {hunk.status} offset={hunk.offset} fuzz={hunk.fuzz}")
     if not args.check and not is_checkout(args.target) and not args.out:
@@ -217,9 +238,12 @@ def register(sub) -> None:
     p.add_argument("--bundle", action="append", metavar="PATH",
                    help="for 'installed': an evidence bundle, or a folder of bundles, to match the installed "
                         "tree against (repeatable)")
-    p.add_argument("--require-patched", action="store_true",
-                   help="for 'installed': exit 1 unless the environment runs a wheel exported by sglang-backport, "
-                        "whole (its record, its sglang.__version__ label and its measured tree agree)")
+    p.add_argument(
+        "--require-patched",
+        action="store_true",
+        help="for 'installed': exit 1 unless the environment runs a wheel exported by sglang-backport, "
+        "whole (its record, its sglang.__version__ label and its measured tree agree)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
 

@@ -50,15 +50,26 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--fix", action="append", metavar="FIX",
                         help="only this fix's test files (repeatable; default: every fix)")
     parser.add_argument("--rev", metavar="SHA", help="take every test file at this upstream commit instead")
-    parser.add_argument("--test", action="append", metavar="PATH",
-                        help="an upstream test file path to run instead of fixes.toml's (needs --rev; repeatable)")
+    parser.add_argument(
+        "--test",
+        action="append",
+        metavar="PATH",
+        help="an upstream test file path to run instead of fixes.toml's (needs --rev; repeatable)",
+    )
     parser.add_argument("--base-url", metavar="URL",
                         help=f"raw-file base URL (default ${BASE_URL_ENV} or {DEFAULT_BASE_URL})")
-    parser.add_argument("--python", metavar="EXE", help="probe interpreter (default: the cached probe environment)")
-    parser.add_argument("--series", metavar="DIR", type=Path, help="the patch pack directory (default: patches/)")
-    parser.add_argument("--print-pins", action="store_true",
-                        help="download each listed test file from the base URL (never the cache), and print its "
-                             "sha256 as the upstream_tests lines of fixes.toml; runs no test and changes no file")
+    parser.add_argument(
+        "--python", metavar="EXE", help="probe interpreter (default: the cached probe environment)"
+    )
+    parser.add_argument(
+        "--series", metavar="DIR", type=Path, help="the patch pack directory (default: patches/)"
+    )
+    parser.add_argument(
+        "--print-pins",
+        action="store_true",
+        help="download each listed test file from the base URL (never the cache), and print its "
+        "sha256 as the upstream_tests lines of fixes.toml; runs no test and changes no file",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.set_defaults(func=handle)
     return parser
@@ -97,7 +108,9 @@ def render(document: dict) -> str:
             test = per_tree.get(label)
             if test is None:
                 whole = table.get(nodeid.split("::", 1)[0], {}).get(label)
-                lines.append(f"  {label}: (whole file: {whole['outcome']})" if whole else f"  {label}: (not run)")
+                lines.append(
+                    f"  {label}: (whole file: {whole['outcome']})" if whole else f"  {label}: (not run)"
+                )
                 continue
             reason = f"  ({test['reason']})" if test["reason"] else ""
             lines.append(f"  {label}: {test['outcome']}{reason}")

@@ -65,11 +65,19 @@ def cmd_verify(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("verify", help="recompute every digest of an evidence bundle and re-check its receipt")
-    p.add_argument("bundle", metavar="BUNDLE", nargs="+", help="one or more bundles (several: one JSON verdict, "
-                                                           "exit 1 if any fails)")
-    p.add_argument("--key", metavar="PUB", help="also check the signatures of the bundle's envelope "
-                                                "(receipt.dsse.json) and attestations (*.intoto.jsonl) with this "
-                                                "PEM public key; without it all but the signatures is checked")
+    p.add_argument(
+        "bundle",
+        metavar="BUNDLE",
+        nargs="+",
+        help="one or more bundles (several: one JSON verdict, exit 1 if any fails)",
+    )
+    p.add_argument(
+        "--key",
+        metavar="PUB",
+        help="also check the signatures of the bundle's envelope "
+        "(receipt.dsse.json) and attestations (*.intoto.jsonl) with this "
+        "PEM public key; without it all but the signatures is checked",
+    )
     p.add_argument("--require-pass", action="store_true",
                    help="exit 1 also when a bundle verifies but its run is not a pass (a finding)")
     p.add_argument("--json", action="store_true")

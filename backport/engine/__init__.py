@@ -5,4 +5,12 @@ from .apply import apply_series, recover_checkout
 from .detect import Detection, detect
 from .report import ApplyReport, HunkResult, PatchResult
 
-__all__ = ["ApplyReport", "Detection", "HunkResult", "PatchResult", "apply_series", "detect", "recover_checkout"]
+__all__ = [
+    "ApplyReport",
+    "Detection",
+    "HunkResult",
+    "PatchResult",
+    "apply_series",
+    "detect",
+    "recover_checkout",
+]

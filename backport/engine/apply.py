@@ -190,8 +190,10 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
         changed.update((p, "staged") for p in staged.intersection(touched) if p not in flagged)
         if changed and not allow_dirty:
             path, what = min(changed.items())
-            raise BadInput(f"{repo}: uncommitted changes in {len(changed)} file(s) the series may change (e.g. "
-                           f"{path}: {what}); commit or stash them, or allow dirty trees")
+            raise BadInput(
+                f"{repo}: uncommitted changes in {len(changed)} file(s) the series may change (e.g. "
+                f"{path}: {what}); commit or stash them, or allow dirty trees"
+            )
         blocked = {**{p: f"uncommitted changes ({what})" for p, what in changed.items()}, **flagged}
         if blocked:
             decision = decide(repo, prefix, pack, v, selected, blocked, base_entries)
@@ -201,7 +203,9 @@ def apply_series(repo: Path, pack: Pack, version: str, *, package_prefix: str = 
             p.reap()
 
 
-def _start(procs: list[gitops.Background], repo: Path, *args: str, input: bytes | None = None) -> gitops.Background:
+def _start(
+    procs: list[gitops.Background], repo: Path, *args: str, input: bytes | None = None
+) -> gitops.Background:
     procs.append(gitops.Background(repo, *args, input=input))  # reaped on every way out
     return procs[-1]
 
@@ -215,8 +219,14 @@ def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
                         ((d, objs[spec]) for d, spec in specs.items())})
 
 
-def _untouchable(repo: Path, prefix: str, decision: Decision, touched: Sequence[str],
-                 base_entries: dict[str, tuple[str, str]], ls_files_out: bytes) -> tuple[dict[str, str], dict[str, str]]:
+def _untouchable(
+    repo: Path,
+    prefix: str,
+    decision: Decision,
+    touched: Sequence[str],
+    base_entries: dict[str, tuple[str, str]],
+    ls_files_out: bytes,
+) -> tuple[dict[str, str], dict[str, str]]:
     """The touched paths the engine must not touch, {repo path: why}: flagged (a skip-worktree or
     assume-unchanged entry: git status does not show its local changes) and changed (bytes that
     are not the committed blob, or a committed file gone from the work tree)."""
@@ -243,6 +253,8 @@ def _finish(repo: Path, git_dir: Path, prefix: str, version: str, base: str, che
         return report
     commits = write_series(repo, git_dir, prefix, base, decision, trees)
     by_fix = dict(zip((f.id for f, _, _ in decision.pending), commits))
-    patches = tuple(PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
-                    for r in decision.results)
+    patches = tuple(
+        PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
+        for r in decision.results
+    )
     return ApplyReport(report.tree, version, base, commits[-1], status, patches, check, prefix, recovery)

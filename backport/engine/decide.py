@@ -52,7 +52,9 @@ class Decision:
 
     def changed_paths(self) -> list[tuple[str, bool]]:
         """(path under the package root, existed before the run) for every file the pending patches change."""
-        return [(rel, self.overlay.disk(rel) is not None) for _, _, changes in self.pending for rel in changes]
+        return [
+            (rel, self.overlay.disk(rel) is not None) for _, _, changes in self.pending for rel in changes
+        ]
 
     def final_contents(self) -> dict[str, bytes | None]:
         """{path under the package root: content after the series, None = deleted}."""
@@ -110,7 +112,9 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
         if variant is None:
             have = ", ".join(f"{pv.name} ({pv.applies_to})" for pv in pack.variants.get(fid, ())) or "none"
             state[fid] = FAILED
-            results.append(PatchResult(fid, None, FAILED, f"no variant applies to sglang {v}; variants: {have}"))
+            results.append(
+                PatchResult(fid, None, FAILED, f"no variant applies to sglang {v}; variants: {have}")
+            )
             continue
         missing = []
         for dep in dict.fromkeys(fix.depends_on + variant.depends_on):
@@ -158,13 +162,22 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
             else:
                 for h in hr:
                     if h.status == CONFLICT:
-                        problems.append(f"{h.file}:{h.line}: {h.reason}" if h.line else f"{h.file}: {h.reason}")
+                        problems.append(
+                            f"{h.file}:{h.line}: {h.reason}" if h.line else f"{h.file}: {h.reason}"
+                        )
         if problems and not untouchable and reverse_applies(ov, variant, fuzz=2):
             # a patch applied earlier with fuzz: its new side is there (with
             # fuzz) and its old side is not; strict reverse-apply came first
             state[fid] = PRESENT
-            results.append(PatchResult(fid, vname, PRESENT, f"{variant.name} reverse-applies with fuzz and does "
-                                       f"not apply forward", variant_sha256=vsha))
+            results.append(
+                PatchResult(
+                    fid,
+                    vname,
+                    PRESENT,
+                    f"{variant.name} reverse-applies with fuzz and does not apply forward",
+                    variant_sha256=vsha,
+                )
+            )
             continue
         if problems:
             state[fid] = FAILED

@@ -94,6 +94,9 @@ def detect(repo_or_pkgroot: str | Path, pack: Pack, *, version: str | None = Non
                 if variant is not None and reverse_applies(Overlay(root), variant):
                     present, how = True, f"no fingerprint rules; {variant.name} reverse-applies cleanly"
                 else:
-                    present, how = False, "no fingerprint rules; not in fixed_in and the patch does not reverse-apply"
+                    present, how = (
+                        False,
+                        "no fingerprint rules; not in fixed_in and the patch does not reverse-apply",
+                    )
         out.append(Detection(fid, bool(present), how))
     return tuple(out)

@@ -53,8 +53,13 @@ class _FedGit:
 
     def __init__(self, root: Path, args: Sequence[str], env: Mapping[str, str] | None = None):
         self.args = args
-        self.p = subprocess.Popen(gitops.command(root, args), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, env=env)
+        self.p = subprocess.Popen(
+            gitops.command(root, args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
 
     def _end(self, data: bytes | None = None) -> bool:
         """Close its input (after ``data``) and wait; True when a signal killed it, GitError when it failed."""
@@ -99,7 +104,9 @@ class IndexUpdate(_FedGit):
             update_index(self.root, self.paths, self.index_file)
 
 
-RefUpdates = Sequence[tuple[str, str | None, str | None]]  # (ref, new id or None to delete, expected old id or None)
+RefUpdates = Sequence[
+    tuple[str, str | None, str | None]
+]  # (ref, new id or None to delete, expected old id or None)
 
 
 def _ref_lines(updates: RefUpdates) -> bytes:
@@ -129,7 +136,9 @@ class RefUpdate(_FedGit):
         super().__init__(root, ("update-ref", "-m", message, "--stdin"))
 
     def commit(self, updates: RefUpdates) -> None:
-        if self._end(_ref_lines(updates)) and any(gitops.read_ref(self.root, ref) != new for ref, new, _ in updates):
+        if self._end(_ref_lines(updates)) and any(
+            gitops.read_ref(self.root, ref) != new for ref, new, _ in updates
+        ):
             move_refs(self.root, self.message, updates)
 
 

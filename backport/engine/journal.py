@@ -70,7 +70,9 @@ class Journal:
 
     @classmethod
     def start(cls, base: str, message: str) -> Journal:
-        return cls(os.getpid(), _proc_start(os.getpid()), OBJECTS, base, None, message, token=secrets.token_hex(8))
+        return cls(
+            os.getpid(), _proc_start(os.getpid()), OBJECTS, base, None, message, token=secrets.token_hex(8)
+        )
 
     def with_files(self, target: str, files: tuple[FileMove, ...], locks: list[Path]) -> Journal:
         return replace(self, phase=FILES, target=target, files=files, locks=tuple(map(str, locks)),
@@ -208,7 +210,9 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
         if gitops.read_ref(repo, pending_ref):
             index_refs.delete_ref(repo, pending_ref)
             stale.append(Path(pending_ref))
-        return f"removed leftovers of an interrupted apply ({', '.join(p.name for p in stale)})" if stale else ""
+        return (
+            f"removed leftovers of an interrupted apply ({', '.join(p.name for p in stale)})" if stale else ""
+        )
     if _alive(journal):
         raise BadInput(f"{path}: another sglang-backport apply (pid {journal.pid}) is writing this checkout")
     head = gitops.read_ref(repo, "HEAD")

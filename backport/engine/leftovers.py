@@ -81,7 +81,9 @@ def clear(git_dir: Path, *, token: str, pack: str | None, locks: list[str], lock
     pack_dir = objects_dir(git_dir) / "pack"
     doomed = [pack_temp(pack_dir, ext, token) for ext in ("pack", "idx")] if token else []
     if pack and not forward:
-        doomed += [pack_dir / f"{pack}.{ext}" for ext in ("idx", "pack")]  # the index first: git reads through it
+        doomed += [
+            pack_dir / f"{pack}.{ext}" for ext in ("idx", "pack")
+        ]  # the index first: git reads through it
     doomed += [lock for lock in map(Path, locks) if _is_ours(lock, locks_at, target)]
     removed = []
     for path in doomed:

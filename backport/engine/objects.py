@@ -138,7 +138,9 @@ class PackWriter:
             for ext, data in files:
                 if token:
                     tmp = str(pack_temp(self.pack_dir, ext, token))
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                    fd = os.open(
+                        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+                    )
                 else:
                     fd, tmp = tempfile.mkstemp(prefix=f"tmp_{ext}_", dir=self.pack_dir)
                 written.append(tmp)
@@ -175,8 +177,15 @@ def _write_whole(fd: int, data: bytes) -> None:
         os.fchmod(fh.fileno(), 0o444)
 
 
-def write_commits(objects_dir: Path, base: str, trees: Trees, commits: Sequence[tuple[str, str, int, dict]], *,
-                  token: str = "", on_named: Callable[[str], None] | None = None) -> list[str]:
+def write_commits(
+    objects_dir: Path,
+    base: str,
+    trees: Trees,
+    commits: Sequence[tuple[str, str, int, dict]],
+    *,
+    token: str = "",
+    on_named: Callable[[str], None] | None = None,
+) -> list[str]:
     """Write one commit per (author "Name <email>", message, epoch, {repo path:
     (mode, data) | None}), the first on top of ``base``; their ids in order.
     The same input gives the same ids (as git fast-import gave)."""
@@ -196,8 +205,11 @@ def write_commits(objects_dir: Path, base: str, trees: Trees, commits: Sequence[
             up, _, name = d.rpartition("/")
             entries = dirs.get(d, {})
             # git keeps no empty directory
-            _put(dirs.setdefault(up, {}), _name(name), (TREE_MODE, out.write(b"tree", b"".join(entries.values())))
-                 if entries else None)
+            _put(
+                dirs.setdefault(up, {}),
+                _name(name),
+                (TREE_MODE, out.write(b"tree", b"".join(entries.values()))) if entries else None,
+            )
         root = out.write(b"tree", b"".join(dirs[""].values())).hex()
         text = (f"tree {root}\nparent {parent}\nauthor {who} {epoch} +0000\n"
                 f"committer {who} {epoch} +0000\n\n{message}").encode()

@@ -95,7 +95,9 @@ def _lines_bytes(lines: Sequence[str], no_eol: bool) -> bytes:
     return img.to_bytes()
 
 
-def patch_file(fp: FilePatch, ov: Overlay, *, reverse: bool, fuzz: int = 2) -> tuple[list[HunkResult], bytes | None, bool]:
+def patch_file(
+    fp: FilePatch, ov: Overlay, *, reverse: bool, fuzz: int = 2
+) -> tuple[list[HunkResult], bytes | None, bool]:
     """Apply (or reverse-apply) one file patch on the overlay, with up to
     ``fuzz`` (reverse: 0 unless asked). Returns (hunk results, new content or
     None for deletion, ok)."""
@@ -108,7 +110,11 @@ def patch_file(fp: FilePatch, ov: Overlay, *, reverse: bool, fuzz: int = 2) -> t
     cur = ov.read(path)
 
     def fail(reason: str, expected=None, actual=None) -> tuple[list[HunkResult], None, bool]:
-        return [HunkResult(path, CONFLICT, line=0, expected=expected, actual=actual, reason=reason)], None, False
+        return (
+            [HunkResult(path, CONFLICT, line=0, expected=expected, actual=actual, reason=reason)],
+            None,
+            False,
+        )
 
     if creation:
         if ov.exists(path):
@@ -124,9 +130,15 @@ def patch_file(fp: FilePatch, ov: Overlay, *, reverse: bool, fuzz: int = 2) -> t
         old = [l for h in hunks for l in h.old_lines]
         if img.lines != old:
             return fail("file to delete differs from the patch's old content", old, img.lines[: len(old) + 3])
-        return [HunkResult(path, EXACT, line=1) for _ in hunks] or [HunkResult(path, EXACT, line=1)], None, True
+        return (
+            [HunkResult(path, EXACT, line=1) for _ in hunks] or [HunkResult(path, EXACT, line=1)],
+            None,
+            True,
+        )
     pls = place_hunks(img.lines, hunks, max_fuzz=fuzz, detail=not reverse)
-    results = [HunkResult(path, p.status, p.offset, p.fuzz, p.line, p.expected, p.actual, p.reason) for p in pls]
+    results = [
+        HunkResult(path, p.status, p.offset, p.fuzz, p.line, p.expected, p.actual, p.reason) for p in pls
+    ]
     if any(p.status == CONFLICT for p in pls):
         return results, None, False
     return results, apply_hunks(img, hunks, pls).to_bytes(), True

@@ -62,7 +62,9 @@ from .journal import JOURNAL_NAME, NEXT_INDEX, FileMove, Journal, put_file, reco
 from .leftovers import ref_locks
 from .objects import Trees, write_commits
 
-PENDING_REF = "refs/sglang-backport/pending"  # an earlier version kept its objects here: recovery still drops it
+PENDING_REF = (
+    "refs/sglang-backport/pending"  # an earlier version kept its objects here: recovery still drops it
+)
 AUTHOR = "sglang-backport <sglang-backport@localhost>"
 UPSTREAM_REPO = "sgl-project/sglang"
 VENDOR_TRAILER = "Vendor-Fix:"  # tree.py knows a toolkit commit by this or Backport-Of:
@@ -126,7 +128,9 @@ def plan_moves(prefix: str, decision: Decision) -> tuple[FileMove, ...]:
     for rel, after in decision.final_contents().items():
         before = decision.overlay.disk(rel)
         mode_before = decision.overlay.disk_mode(rel)
-        mode_after = mode_before if mode_before is not None else _mode_bits(decision.overlay.modes.get(rel, ""))
+        mode_after = (
+            mode_before if mode_before is not None else _mode_bits(decision.overlay.modes.get(rel, ""))
+        )
         moves.append(FileMove(prefix + rel, _sha256(before), _sha256(after), mode_before,
                               None if after is None else mode_after))
     return tuple(moves)
@@ -183,7 +187,11 @@ def write_series(repo: Path, git_dir: Path, prefix: str, base: str, decision: De
         except BaseException as exc:
             try:
                 outcome = recover(repo, git_dir, PENDING_REF)
-            except (OSError, BadInput, gitops.GitError) as again:  # the first error matters; the journal stays
+            except (
+                OSError,
+                BadInput,
+                gitops.GitError,
+            ) as again:  # the first error matters; the journal stays
                 log.error("recovery after %s failed: %s", type(exc).__name__, again)
                 raise exc from None
             if not (shas and gitops.read_ref(repo, "HEAD") == shas[-1]):

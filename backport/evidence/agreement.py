@@ -80,7 +80,13 @@ def _restated(statement: dict, name: str, document: Any) -> dict:
 def _recorded_digest(predicate: dict, name: str) -> str | None:
     """The sha256 the receipt records beside its copy of a file (None: it records none)."""
     role = role_of(name)
-    doc = predicate["probes"].get(role) if role else predicate["upstream_tests"] if name == UPSTREAM_TESTS else None
+    doc = (
+        predicate["probes"].get(role)
+        if role
+        else predicate["upstream_tests"]
+        if name == UPSTREAM_TESTS
+        else None
+    )
     return None if doc is None else doc.get("sha256", "<absent>")
 
 
@@ -108,7 +114,9 @@ def _embedded_file_problems(bundle: Path, statement: dict, names: set[str], repo
             problems.append(Problem(name, "inconsistent", f"not JSON ({exc})"))
             continue
         if data != canonical_json(document):
-            problems.append(Problem(name, "inconsistent", "not in the canonical JSON form the receipt's digest covers"))
+            problems.append(
+                Problem(name, "inconsistent", "not in the canonical JSON form the receipt's digest covers")
+            )
             continue
         if data == canonical_json(want):
             recorded = _recorded_digest(p, name)
@@ -132,7 +140,9 @@ def _embedded_file_problems(bundle: Path, statement: dict, names: set[str], repo
             why = "REPORT.md does not show the value" if receipt_renders else "REPORT.md agrees with neither"
             problems.append(Problem(name, "inconsistent", f"{where or '(top)'} is {theirs!r}, receipt.json "
                                     f"({part}) has {ours!r}; {why}, so either file may have been edited"))
-            problems.append(Problem(RECEIPT, "inconsistent", f"{part} is {ours!r}, {name} has {theirs!r}; {why}"))
+            problems.append(
+                Problem(RECEIPT, "inconsistent", f"{part} is {ours!r}, {name} has {theirs!r}; {why}")
+            )
     for role in p["probes"]:
         if probe_file(role) not in names:
             problems.append(Problem(probe_file(role), "missing", "the receipt records probe results for it"))
@@ -192,12 +202,24 @@ def report_problems(statement: dict, report: bytes) -> list[Problem]:
     own = [i for i in differing if not _only_masked_values_differ(masked[i], got[i])]
     if own:
         i = own[0]
-        return [Problem(REPORT, "inconsistent", f"line {i + 1} is {got[i]!r}, the receipt renders {want[i]!r}")]
+        return [
+            Problem(REPORT, "inconsistent", f"line {i + 1} is {got[i]!r}, the receipt renders {want[i]!r}")
+        ]
     i = differing[0]
-    return [Problem(REPORT, "inconsistent", f"line {i + 1} is {got[i]!r} where receipt.json renders {want[i]!r}; "
-                    "only these two files hold the value, so either may have been edited"),
-            Problem(RECEIPT, "inconsistent", f"renders REPORT.md line {i + 1} as {want[i]!r}, REPORT.md has "
-                    f"{got[i]!r}; only these two files hold the value, so either may have been edited")]
+    return [
+        Problem(
+            REPORT,
+            "inconsistent",
+            f"line {i + 1} is {got[i]!r} where receipt.json renders {want[i]!r}; "
+            "only these two files hold the value, so either may have been edited",
+        ),
+        Problem(
+            RECEIPT,
+            "inconsistent",
+            f"renders REPORT.md line {i + 1} as {want[i]!r}, REPORT.md has "
+            f"{got[i]!r}; only these two files hold the value, so either may have been edited",
+        ),
+    ]
 
 
 def _other_renderer_named(statement: dict, problems: list[Problem]) -> list[Problem]:
@@ -224,4 +246,6 @@ def agreement_problems(bundle: Path, statement: dict, names: set[str]) -> list[P
     try:
         return _other_renderer_named(statement, report_problems(statement, report))
     except _RESTATE_ERRORS as exc:
-        return [Problem(RECEIPT, "inconsistent", f"cannot be rendered as REPORT.md ({type(exc).__name__}: {exc})")]
+        return [
+            Problem(RECEIPT, "inconsistent", f"cannot be rendered as REPORT.md ({type(exc).__name__}: {exc})")
+        ]

@@ -34,7 +34,9 @@ def tree_subject_name(role: str) -> str:
 EXPORT_DIR = "export"
 PATCHES_DIR = f"{EXPORT_DIR}/patches"
 TREE_DIGEST_METHOD = "sha256 of the sha256sum manifest of sglang/ (sglang-backport status)"
-PROVENANCE = "sglang_backport.json"  # the exported wheel's record, in its dist-info (export/wheel.py writes it)
+PROVENANCE = (
+    "sglang_backport.json"  # the exported wheel's record, in its dist-info (export/wheel.py writes it)
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ def export_of(wheel: dict, wheel_bytes: bytes, patches: list[tuple[str, bytes]],
     return Exported(files, record)
 
 
-def subjects(patched_tree_digest: str, version: str, export: dict | None, *, role: str = "patched") -> list[dict]:
+def subjects(
+    patched_tree_digest: str, version: str, export: dict | None, *, role: str = "patched"
+) -> list[dict]:
     found = [{"name": tree_subject_name(role), "digest": {"sha256": patched_tree_digest},
               "annotations": {"version": version, "digest_of": TREE_DIGEST_METHOD}}]
     if export:
@@ -85,7 +89,9 @@ def statement_problems(statement: dict) -> list[str]:
         return problems
     for have, want in zip(got, expected, strict=True):
         if have.get("digest") != want["digest"]:
-            problems.append(f"subject {want['name']}: digest {have.get('digest')} is not the predicate's {want['digest']}")
+            problems.append(
+                f"subject {want['name']}: digest {have.get('digest')} is not the predicate's {want['digest']}"
+            )
         if have.get("annotations", want.get("annotations")) != want.get("annotations"):
             problems.append(f"subject {want['name']}: annotations disagree with inputs.trees.{role}")
     files = p.get("files") or {}
@@ -96,8 +102,10 @@ def statement_problems(statement: dict) -> list[str]:
                 problems.append(f"export.wheel.sha256 is {wheel['sha256']}, predicate.files records "
                                 f"{files.get(wheel['file'])} for {wheel['file']}")
             if wheel.get("tree_digest") != patched.get("tree_digest"):
-                problems.append(f"export.wheel.tree_digest {wheel.get('tree_digest')} is not the patched tree's "
-                                f"{patched.get('tree_digest')}")
+                problems.append(
+                    f"export.wheel.tree_digest {wheel.get('tree_digest')} is not the patched tree's "
+                    f"{patched.get('tree_digest')}"
+                )
         for item in export.get("patches") or []:
             if files.get(item["file"]) != item["sha256"]:
                 problems.append(f"export.patches: {item['file']} sha256 {item['sha256']}, predicate.files "
@@ -142,8 +150,14 @@ def bundle_problems(bundle: Path, statement: dict) -> list[Problem]:
         return [Problem(name, "modified", f"not a readable wheel ({exc})")]
     problems = []
     if digest != wheel.get("tree_digest"):
-        problems.append(Problem(name, "modified", f"installs a sglang/ of tree digest {digest}, the receipt's "
-                                                  f"patched tree is {wheel.get('tree_digest')}"))
+        problems.append(
+            Problem(
+                name,
+                "modified",
+                f"installs a sglang/ of tree digest {digest}, the receipt's "
+                f"patched tree is {wheel.get('tree_digest')}",
+            )
+        )
     for key, want in (("version", wheel.get("version")), ("tree_digest", wheel.get("tree_digest")),
                       ("patch_set_sha256", export.get("patch_set_sha256"))):
         if provenance.get(key) != want:
@@ -157,8 +171,10 @@ def render(statement: dict) -> list[str]:
     lines = ["## Subjects", "", "What this receipt is about (its in-toto subjects):", ""]
     for s in statement["subject"]:
         if s["name"] == TREE_SUBJECT:
-            lines.append(f"- `{TREE_SUBJECT}` (sglang {s.get('annotations', {}).get('version')}): tree digest "
-                         f"`{s['digest']['sha256']}`, the {TREE_DIGEST_METHOD}")
+            lines.append(
+                f"- `{TREE_SUBJECT}` (sglang {s.get('annotations', {}).get('version')}): tree digest "
+                f"`{s['digest']['sha256']}`, the {TREE_DIGEST_METHOD}"
+            )
         else:
             lines.append(f"- `{s['name']}`: sha256 `{s['digest']['sha256']}`")
     export = statement["predicate"].get("export")
@@ -167,8 +183,12 @@ def render(statement: dict) -> list[str]:
         lines.append("Nothing exported (`run --export` adds the patched wheel and the patch series).")
         return lines + [""]
     wheel = export["wheel"]
-    lines.append(f"Exported wheel `{wheel['file']}`: version {wheel['version']}, built from upstream's "
-                 f"`{wheel['original']}`; it installs the patched tree (`pip install --no-deps {wheel['file']}`).")
-    lines.append(f"Patch series: {len(export.get('patches') or [])} `git format-patch` files in `{PATCHES_DIR}/` "
-                 f"(patch set {export['patch_set_sha256'][:12]}, label {export['label']}).")
+    lines.append(
+        f"Exported wheel `{wheel['file']}`: version {wheel['version']}, built from upstream's "
+        f"`{wheel['original']}`; it installs the patched tree (`pip install --no-deps {wheel['file']}`)."
+    )
+    lines.append(
+        f"Patch series: {len(export.get('patches') or [])} `git format-patch` files in `{PATCHES_DIR}/` "
+        f"(patch set {export['patch_set_sha256'][:12]}, label {export['label']})."
+    )
     return lines + [""]

@@ -70,7 +70,12 @@ def tree_subject(statement: dict, standards: dict, role: str) -> dict:
 
 
 def _statement(subjects: list[dict], predicate_type: str, predicate: dict) -> dict:
-    return {"_type": STATEMENT_TYPE, "subject": subjects, "predicateType": predicate_type, "predicate": predicate}
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": subjects,
+        "predicateType": predicate_type,
+        "predicate": predicate,
+    }
 
 
 def provenance(statement: dict) -> dict | None:
@@ -81,8 +86,13 @@ def provenance(statement: dict) -> dict | None:
     if not wheel:
         return None
     pristine = p["inputs"]["trees"]["pristine"]
-    dependencies = [{"uri": f"pkg:pypi/sglang@{pristine['version']}", "name": wheel.get("original") or pristine["spec"],
-                     "digest": {"sha256": pristine["artifact_sha256"]}}]
+    dependencies = [
+        {
+            "uri": f"pkg:pypi/sglang@{pristine['version']}",
+            "name": wheel.get("original") or pristine["spec"],
+            "digest": {"sha256": pristine["artifact_sha256"]},
+        }
+    ]
     dependencies += [{"name": f"patches/{item['path']}", "digest": {"sha256": item["sha256"]},
                       "annotations": {"fix": item["fix"]}}
                      for item in p["inputs"]["patches"] if item.get("status") == "applied"]
@@ -130,7 +140,9 @@ def vex_statement(statement: dict, standards: dict, vex_document: dict) -> dict:
     wheel = (statement["predicate"].get("export") or {}).get("wheel")
     if wheel:
         subjects.append({"name": wheel["file"].rsplit("/", 1)[-1], "digest": {"sha256": wheel["sha256"]}})
-    subjects.append(tree_subject(statement, standards, product_role(statement["predicate"]["inputs"]["trees"])))
+    subjects.append(
+        tree_subject(statement, standards, product_role(statement["predicate"]["inputs"]["trees"]))
+    )
     return _statement(subjects, OPENVEX, vex_document)
 
 
@@ -208,9 +220,13 @@ def subject_problems(bundle, document: dict) -> list[str]:
             if role == "patched" and wheel and (bundle / wheel["file"]).is_file():
                 wants.append(artifacts.read_wheel((bundle / wheel["file"]).read_bytes())[0])
             if any(value != want for want in wants):
-                problems.append(f"subject {name}: tree digest {value} is not the tree's {', '.join(sorted(set(wants)))}")
+                problems.append(
+                    f"subject {name}: tree digest {value} is not the tree's {', '.join(sorted(set(wants)))}"
+                )
             if "gitTree" in digest and digest["gitTree"] != git.get(role):
-                problems.append(f"subject {name}: gitTree {digest['gitTree']} is not {git.get(role)} (standards.json)")
+                problems.append(
+                    f"subject {name}: gitTree {digest['gitTree']} is not {git.get(role)} (standards.json)"
+                )
             continue
         path = next((p for p in (bundle / name, bundle / "export" / name) if name and p.is_file()), None)
         if path is None:

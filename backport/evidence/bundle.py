@@ -114,7 +114,9 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
         paths.setdefault(role, str(root))
     timestamps["import_seconds"] = import_seconds
     timestamps["paths"] = paths
-    replacements = [(t.package_root, role) for role, t in trees.items() if t.package_root] + tree_paths + extra_paths
+    replacements = (
+        [(t.package_root, role) for role, t in trees.items() if t.package_root] + tree_paths + extra_paths
+    )
     apply_doc = normalise_document(apply_report, replacements)
     upstream = normalise_document(upstream_tests or {"skipped": "not run", "trees": []}, replacements)
     upstream.setdefault("skipped", None)
@@ -144,14 +146,31 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
         digests = {name: sha256_bytes(data) for name, data in files.items()}
         digests[REPORT] = sha256_bytes(report) if report is not None else "0" * 64
         return build_statement(
-            mode=mode, target=target, trees=trees, probes=probes, apply_report=apply_doc, patches=patches,
-            series_files=series_files, upstream_tests=upstream, environment=environment, toolkit=toolkit,
-            files=digests, timestamps=timestamps, reference_choice=reference_choice, coverage=coverage,
-            export=None if export is None else export.record, live=None if live is None else live_section(live),
-            advisories=advisories)
+            mode=mode,
+            target=target,
+            trees=trees,
+            probes=probes,
+            apply_report=apply_doc,
+            patches=patches,
+            series_files=series_files,
+            upstream_tests=upstream,
+            environment=environment,
+            toolkit=toolkit,
+            files=digests,
+            timestamps=timestamps,
+            reference_choice=reference_choice,
+            coverage=coverage,
+            export=None if export is None else export.record,
+            live=None if live is None else live_section(live),
+            advisories=advisories,
+        )
 
-    if vulnerabilities is not None:  # the VEX documents (vex.py): a function of the statement, which they do not change
-        files.update(vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees))))
+    if (
+        vulnerabilities is not None
+    ):  # the VEX documents (vex.py): a function of the statement, which they do not change
+        files.update(
+            vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees)))
+        )
     # REPORT.md is rendered from the statement (which does not depend on its digest), then listed.
     report = render_report(statement_for(None)).encode()
     files[REPORT] = report
@@ -196,9 +215,11 @@ def check_bundle_target(out: Path, *, replace: bool = False) -> Path:
         raise BadInput(f"{out}: exists, is not empty and is not an evidence bundle (no {MARKER} beside a "
                        f"receipt.json); refusing to write into it, nothing was changed: give another --out")
     if not replace:
-        raise BadInput(f"{out}: holds an evidence bundle already; pass --force to replace it (files the toolkit "
-                       f"did not write, a signature or notes, stay with the old bundle, moved aside) or give "
-                       f"another --out")
+        raise BadInput(
+            f"{out}: holds an evidence bundle already; pass --force to replace it (files the toolkit "
+            f"did not write, a signature or notes, stay with the old bundle, moved aside) or give "
+            f"another --out"
+        )
     return out
 
 

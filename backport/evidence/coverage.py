@@ -50,9 +50,11 @@ def _patch_problems(entry: dict, record: dict[str, list[str]] | None) -> list[st
     only = entry.get("executed_only_by_upstream_tests") or []
     by_upstream = entry.get("executed_by_upstream_tests")
     if entry["executed_by_probes"] + len(only) + len(entry["not_executed"]) != entry["added"]:
-        found.append(f"coverage of {fix}: executed by probes {entry['executed_by_probes']} + only by upstream "
-                     f"tests {len(only)} + not executed {len(entry['not_executed'])} is not the "
-                     f"{entry['added']} added lines")
+        found.append(
+            f"coverage of {fix}: executed by probes {entry['executed_by_probes']} + only by upstream "
+            f"tests {len(only)} + not executed {len(entry['not_executed'])} is not the "
+            f"{entry['added']} added lines"
+        )
     if by_upstream is None:
         if only:
             found.append(f"coverage of {fix}: lines executed only by upstream tests, but upstream tests are "
@@ -78,7 +80,9 @@ def _patch_problems(entry: dict, record: dict[str, list[str]] | None) -> list[st
 
 
 def _pristine_problems(coverage: dict, pristine: dict | None, fixes: set[str]) -> list[str]:
-    unsafe = {f"{c['probe']}/{c['case']}" for c in (pristine or {}).get("cases", []) if c.get("verdict") == "unsafe"}
+    unsafe = {
+        f"{c['probe']}/{c['case']}" for c in (pristine or {}).get("cases", []) if c.get("verdict") == "unsafe"
+    }
     found = []
     for f in coverage.get("pristine_functions") or []:
         name = f"pristine function {f['file']}:{f['function']} ({f['fix']})"
@@ -91,7 +95,9 @@ def _pristine_problems(coverage: dict, pristine: dict | None, fixes: set[str]) -
                 found.append(f"{name}: executed lines without measured lines")
             continue
         if f["executed_by_unsafe_cases"] is None or not 0 <= f["executed_by_unsafe_cases"] <= f["lines"]:
-            found.append(f"{name}: {f['executed_by_unsafe_cases']} executed of {f['lines']} lines is impossible")
+            found.append(
+                f"{name}: {f['executed_by_unsafe_cases']} executed of {f['lines']} lines is impossible"
+            )
         elif (f["executed_by_unsafe_cases"] == 0) != (not f["unsafe_cases"]):
             found.append(f"{name}: {f['executed_by_unsafe_cases']} lines executed by the unsafe cases "
                          f"{f['unsafe_cases']}")
@@ -101,7 +107,9 @@ def _pristine_problems(coverage: dict, pristine: dict | None, fixes: set[str]) -
     return found
 
 
-def problems(coverage: dict | None, *, upstream: dict | None = None, pristine: dict | None = None) -> list[str]:
+def problems(
+    coverage: dict | None, *, upstream: dict | None = None, pristine: dict | None = None
+) -> list[str]:
     """Contradictions inside the section (every number must follow from the per-patch lists), and
     against upstream-tests.json (`upstream`) and the pristine probe results (`pristine`)."""
     if not coverage or not coverage.get("measured"):
@@ -112,9 +120,11 @@ def problems(coverage: dict | None, *, upstream: dict | None = None, pristine: d
     for entry in coverage["patches"]:
         found += _patch_problems(entry, record)
         if (entry.get("executed_by_upstream_tests") is not None) != measured:
-            found.append(f"coverage of {entry['fix']}: executed_by_upstream_tests is "
-                         f"{entry.get('executed_by_upstream_tests')!r} but coverage.upstream_tests.measured is "
-                         f"{measured}")
+            found.append(
+                f"coverage of {entry['fix']}: executed_by_upstream_tests is "
+                f"{entry.get('executed_by_upstream_tests')!r} but coverage.upstream_tests.measured is "
+                f"{measured}"
+            )
     if measured and (upstream or {}).get("skipped"):
         found.append(f"coverage.upstream_tests.measured is true, but upstream tests were skipped "
                      f"({upstream['skipped']})")
@@ -161,27 +171,40 @@ def render(coverage: dict | None) -> list[str]:
         return lines + [f"Not measured: {reason}.", ""]
     t = totals(coverage["patches"])
     upstream = coverage.get("upstream_tests") or {"measured": False, "reason": "not recorded"}
-    lines += [f"{t['executed_by_probes']} of the {t['added']} executable lines the pack adds ran under a probe "
-              f"case ({t['percent']}%); {t['excluded']} excluded with a listed reason"
-              + (f"; floor {coverage['min_percent']}%" if coverage.get("min_percent") is not None else "") + ".",
-              (f"Upstream's tests ran {t['executed_by_upstream_tests']} of them, "
-               f"{t['executed_only_by_upstream_tests']} that no probe case ran; "
-               f"{t['not_executed']} ran under neither." if upstream["measured"] else
-               f"Upstream's tests: not measured ({upstream.get('reason')}); "
-               f"{t['not_executed']} lines ran under no probe case."),
-              ("An executed line ran at least once under some case or test; it does not prove a case checked it. "
-               "A line not executed is code no verdict rests on."), "",
-              "| fix | variant | added | executed by probes | by upstream tests | excluded | not executed |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        f"{t['executed_by_probes']} of the {t['added']} executable lines the pack adds ran under a probe "
+        f"case ({t['percent']}%); {t['excluded']} excluded with a listed reason"
+        + (f"; floor {coverage['min_percent']}%" if coverage.get("min_percent") is not None else "")
+        + ".",
+        (
+            f"Upstream's tests ran {t['executed_by_upstream_tests']} of them, "
+            f"{t['executed_only_by_upstream_tests']} that no probe case ran; "
+            f"{t['not_executed']} ran under neither."
+            if upstream["measured"]
+            else f"Upstream's tests: not measured ({upstream.get('reason')}); "
+            f"{t['not_executed']} lines ran under no probe case."
+        ),
+        (
+            "An executed line ran at least once under some case or test; it does not prove a case checked it. "
+            "A line not executed is code no verdict rests on."
+        ),
+        "",
+        "| fix | variant | added | executed by probes | by upstream tests | excluded | not executed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in coverage["patches"]:
-        by_upstream = "not measured" if p["executed_by_upstream_tests"] is None else p["executed_by_upstream_tests"]
+        by_upstream = (
+            "not measured" if p["executed_by_upstream_tests"] is None else p["executed_by_upstream_tests"]
+        )
         only = p.get("executed_only_by_upstream_tests") or []
         if only:
             by_upstream = f"{by_upstream} (only by them: {', '.join(f'`{x}`' for x in only)})"
         missing = ", ".join(f"`{x}`" for x in p["not_executed"]) or "-"
         excluded = _excluded_ranges(p["excluded"])
-        lines.append(f"| {p['fix']} | {p['variant']} | {p['added']} | {p['executed_by_probes']} | {by_upstream} "
-                     f"| {excluded} | {missing} |")
+        lines.append(
+            f"| {p['fix']} | {p['variant']} | {p['added']} | {p['executed_by_probes']} | {by_upstream} "
+            f"| {excluded} | {missing} |"
+        )
     functions = coverage.get("pristine_functions")
     if functions is not None:
         lines += ["", "### Pristine functions the fixes change", ""]
@@ -190,11 +213,19 @@ def render(coverage: dict | None) -> list[str]:
         if not functions:
             lines.append("No applied patch changes a function of the pristine tree.")
         else:
-            lines += [("Per fix, each function of the pristine tree its hunks change: its executable lines, and "
-                       "how many of them the cases unsafe on the pristine tree ran."), "",
-                      "| fix | function | lines | executed by unsafe cases | unsafe cases |", "|---|---|---|---|---|"]
+            lines += [
+                (
+                    "Per fix, each function of the pristine tree its hunks change: its executable lines, and "
+                    "how many of them the cases unsafe on the pristine tree ran."
+                ),
+                "",
+                "| fix | function | lines | executed by unsafe cases | unsafe cases |",
+                "|---|---|---|---|---|",
+            ]
             for f in functions:
                 cases = ", ".join(f"`{c}`" for c in f["unsafe_cases"]) or "-"
-                lines.append(f"| {f['fix']} | `{f['file']}:{f['first_line']}-{f['last_line']}` `{f['function']}` "
-                             f"| {_cell(f['lines'])} | {_cell(f['executed_by_unsafe_cases'])} | {cases} |")
+                lines.append(
+                    f"| {f['fix']} | `{f['file']}:{f['first_line']}-{f['last_line']}` `{f['function']}` "
+                    f"| {_cell(f['lines'])} | {_cell(f['executed_by_unsafe_cases'])} | {cases} |"
+                )
     return lines + [""]

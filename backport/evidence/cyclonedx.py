@@ -58,11 +58,24 @@ def _component(statement: dict, standards: dict):
         if item.get("status") != "applied":
             continue
         row = class_of.get(item["fix"])
-        resolves = [IssueType(type=IssueClassification.DEFECT, id=item["fix"], name=item["variant"],
-                              references=[XsUri(u) for u in (row or {}).get("fix_urls", {}).get(item["fix"], [])])]
+        resolves = [
+            IssueType(
+                type=IssueClassification.DEFECT,
+                id=item["fix"],
+                name=item["variant"],
+                references=[XsUri(u) for u in (row or {}).get("fix_urls", {}).get(item["fix"], [])],
+            )
+        ]
         if row is not None:
-            resolves.append(IssueType(type=IssueClassification.SECURITY, id=row["id"], name=row["name"],
-                                      description=row["title"], references=[XsUri(u) for u in row["references"]]))
+            resolves.append(
+                IssueType(
+                    type=IssueClassification.SECURITY,
+                    id=row["id"],
+                    name=row["name"],
+                    description=row["title"],
+                    references=[XsUri(u) for u in row["references"]],
+                )
+            )
         patches.append(Patch(type=PatchClassification.BACKPORT, resolves=resolves))
     ancestors = []
     if pristine.get("version"):
@@ -110,21 +123,40 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     for row in standards["classes"]:
         status = class_status(row, p["cases"], p["apply"], p.get("live"))
         own = VulnerabilitySource(name="sglang-backport", url=XsUri(vulnerability_iri(row["id"])))
-        references = [VulnerabilityReference(id=alias, source=VulnerabilitySource(
-            name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD")) for alias in row["aliases"]]
+        references = [
+            VulnerabilityReference(
+                id=alias,
+                source=VulnerabilitySource(
+                    name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD"
+                ),
+            )
+            for alias in row["aliases"]
+        ]
         detail = status.notes
         recommendation = None
         if status.status == "affected":
             recommendation = action_statement(row, status, product_version(statement), p["apply"])
-        found.append(Vulnerability(
-            bom_ref=f"vulnerability:{row['id']}", id=row["id"], source=own, references=references,
-            description=row["title"], detail=row["description"], recommendation=recommendation,
-            advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row["references"]],
-            analysis=VulnerabilityAnalysis(
-                state=ImpactAnalysisState(_STATES[status.status]), detail=detail,
-                justification=ImpactAnalysisJustification.CODE_NOT_PRESENT if status.status == "not_affected" else None,
-                responses=[ImpactAnalysisResponse.UPDATE] if status.status == "affected" else None),
-            affects=[BomTarget(ref=ref)]))
+        found.append(
+            Vulnerability(
+                bom_ref=f"vulnerability:{row['id']}",
+                id=row["id"],
+                source=own,
+                references=references,
+                description=row["title"],
+                detail=row["description"],
+                recommendation=recommendation,
+                advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row["references"]],
+                analysis=VulnerabilityAnalysis(
+                    state=ImpactAnalysisState(_STATES[status.status]),
+                    detail=detail,
+                    justification=ImpactAnalysisJustification.CODE_NOT_PRESENT
+                    if status.status == "not_affected"
+                    else None,
+                    responses=[ImpactAnalysisResponse.UPDATE] if status.status == "affected" else None,
+                ),
+                affects=[BomTarget(ref=ref)],
+            )
+        )
     return found
 
 
@@ -135,7 +167,9 @@ def build(statement: dict, standards: dict) -> str:
 
 
     component, ref = _component(statement, standards)
-    started = _dt.datetime.fromisoformat(issued(statement, standards))  # not the run's time: same inputs, same bytes
+    started = _dt.datetime.fromisoformat(
+        issued(statement, standards)
+    )  # not the run's time: same inputs, same bytes
     bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement)),
               metadata=BomMetaData(component=component, timestamp=started),
               vulnerabilities=_vulnerabilities(statement, standards, ref))

@@ -49,8 +49,10 @@ def current() -> int:
     """The format this toolkit writes, from the shipped schema's `$id`."""
     match = SCHEMA_ID.match(str(receipt_schema().get("$id")))
     if match is None:
-        raise Finding(f"{resources.receipt_schema()}: its $id {receipt_schema().get('$id')!r} names no bundle "
-                      f"format; this installation of sglang-backport is broken")
+        raise Finding(
+            f"{resources.receipt_schema()}: its $id {receipt_schema().get('$id')!r} names no bundle "
+            f"format; this installation of sglang-backport is broken"
+        )
     return int(match["format"])
 
 

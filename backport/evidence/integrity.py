@@ -73,7 +73,9 @@ def sums_problems(bundle: Path, present: dict[str, Path], actual: dict[str, str]
                 altered[name] = renamed[0]
     for name in sorted(set(listed) | set(actual)):
         if name in altered:
-            problems.append(Problem(SUMS, "modified", f"lists {name!r} where the bundle has {altered[name]!r}"))
+            problems.append(
+                Problem(SUMS, "modified", f"lists {name!r} where the bundle has {altered[name]!r}")
+            )
         elif name in altered.values():
             continue  # reported as the altered SHA256SUMS entry
         elif name in listed and name not in actual:
@@ -83,10 +85,18 @@ def sums_problems(bundle: Path, present: dict[str, Path], actual: dict[str, str]
         elif actual[name] != listed[name]:
             vouched = name != RECEIPT and receipt_matches_sums and subjects.get(name) == actual[name]
             if vouched or _hex_distance(actual[name], listed[name]) <= 2:
-                problems.append(Problem(SUMS, "modified", f"its digest for {name} was altered; the file itself "
-                                        f"matches {'the receipt' if vouched else 'all but a few hex digits'}"))
+                problems.append(
+                    Problem(
+                        SUMS,
+                        "modified",
+                        f"its digest for {name} was altered; the file itself "
+                        f"matches {'the receipt' if vouched else 'all but a few hex digits'}",
+                    )
+                )
             else:
-                problems.append(Problem(name, "modified", f"sha256 {actual[name]}, SHA256SUMS says {listed[name]}"))
+                problems.append(
+                    Problem(name, "modified", f"sha256 {actual[name]}, SHA256SUMS says {listed[name]}")
+                )
     return problems
 
 
@@ -97,10 +107,17 @@ def file_problems(actual: dict[str, str], files: dict[str, str]) -> list[Problem
         if name not in files:
             problems.append(Problem(name, "unexpected", "not listed in the receipt's predicate.files"))
         elif name not in actual:
-            problems.append(Problem(name, "missing", "listed in the receipt's predicate.files, not in the bundle"))
+            problems.append(
+                Problem(name, "missing", "listed in the receipt's predicate.files, not in the bundle")
+            )
         elif files[name] != actual[name]:
-            problems.append(Problem(name, "modified",
-                                    f"sha256 {actual[name]}, the receipt's predicate.files says {files[name]}"))
+            problems.append(
+                Problem(
+                    name,
+                    "modified",
+                    f"sha256 {actual[name]}, the receipt's predicate.files says {files[name]}",
+                )
+            )
     return problems
 
 

@@ -45,10 +45,17 @@ def section(documents: dict[str, dict]) -> dict:
     rows = []
     for name in order:
         seen = verdicts[name]
-        rows.append({"scenario": name, "must_preserve": must[name],
-                     "verdicts": {role: seen.get(role) for role in present},
-                     "pair": pair_verdict(seen.get(BASE), seen.get(HEAD)),
-                     "reference_agrees": (seen.get(HEAD) == seen.get(REFERENCE)) if REFERENCE in documents else None})
+        rows.append(
+            {
+                "scenario": name,
+                "must_preserve": must[name],
+                "verdicts": {role: seen.get(role) for role in present},
+                "pair": pair_verdict(seen.get(BASE), seen.get(HEAD)),
+                "reference_agrees": (seen.get(HEAD) == seen.get(REFERENCE))
+                if REFERENCE in documents
+                else None,
+            }
+        )
         if name in setups:
             rows[-1]["runs"] = setups[name]
     return {"scenarios": rows,
@@ -65,12 +72,20 @@ def race_setup(item: dict) -> dict | None:
     trials = details.get("trials") or []
     valid = [t for t in trials if not t.get("invalid")]
     controls = details.get("controls") or {}
-    return {"topology": details["topology"], "shaping": details.get("shaping"),
-            "environment": details.get("environment") or {},
-            "trials": {"run": len(trials), "valid": len(valid),
-                       "unsafe": sum(1 for t in valid if not t.get("b_matches_reference"))},
-            "controls": {name: "safe" if c.get("b_matches_reference") else "unsafe" for name, c in controls.items()},
-            "released_through_timeout": details.get("released_through_timeout")}
+    return {
+        "topology": details["topology"],
+        "shaping": details.get("shaping"),
+        "environment": details.get("environment") or {},
+        "trials": {
+            "run": len(trials),
+            "valid": len(valid),
+            "unsafe": sum(1 for t in valid if not t.get("b_matches_reference")),
+        },
+        "controls": {
+            name: "safe" if c.get("b_matches_reference") else "unsafe" for name, c in controls.items()
+        },
+        "released_through_timeout": details.get("released_through_timeout"),
+    }
 
 
 def findings(live: dict | None) -> list[dict]:
@@ -86,7 +101,10 @@ def fold_summary(summary: dict, live: dict | None) -> dict:
     for row in live["scenarios"]:
         counts[row["pair"]] = counts.get(row["pair"], 0) + 1
     found = findings(live)
-    folded = {**summary, "live": {"scenarios": len(live["scenarios"]), "pair_verdicts": counts, "findings": found}}
+    folded = {
+        **summary,
+        "live": {"scenarios": len(live["scenarios"]), "pair_verdicts": counts, "findings": found},
+    }
     if found or not live["scenarios"]:
         folded["result"] = "fail"
     return folded
@@ -98,8 +116,10 @@ def section_problems(live: dict | None) -> list[str]:
     for row in (live or {}).get("scenarios", []):
         expected = pair_verdict(row["verdicts"].get(BASE), row["verdicts"].get(HEAD))
         if row.get("pair") != expected:
-            problems.append(f"live scenario {row['scenario']}: pair verdict {row.get('pair')!r} does not follow "
-                            f"from {row['verdicts']} (expected {expected!r})")
+            problems.append(
+                f"live scenario {row['scenario']}: pair verdict {row.get('pair')!r} does not follow "
+                f"from {row['verdicts']} (expected {expected!r})"
+            )
     return problems
 
 
@@ -128,20 +148,33 @@ def render(predicate: dict) -> list[str]:
     """REPORT.md's "Live tier" section (ends with an empty line)."""
     live = predicate["live"]
     roles = [role for role in ROLES if role in live["servers"]]  # a receipt read back has sorted keys
-    lines = ["## Live tier", "",
-             ("A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, Mooncake "
-              "over TCP, a tiny seeded model; every request answered by the servers (details in "
-              + ", ".join(f"`{live['files'][r]}`" for r in roles) + "). `*` marks a must-preserve scenario."), "",
-             "| scenario | " + " | ".join(roles) + " | pair | patched = reference |", "|" + "---|" * (len(roles) + 3)]
+    lines = [
+        "## Live tier",
+        "",
+        (
+            "A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, Mooncake "
+            "over TCP, a tiny seeded model; every request answered by the servers (details in "
+            + ", ".join(f"`{live['files'][r]}`" for r in roles)
+            + "). `*` marks a must-preserve scenario."
+        ),
+        "",
+        "| scenario | " + " | ".join(roles) + " | pair | patched = reference |",
+        "|" + "---|" * (len(roles) + 3),
+    ]
     for row in live["scenarios"]:
         agree = {True: "yes", False: "**no**", None: "-"}[row["reference_agrees"]]
         pair = f"**{row['pair']}**" if is_finding(row["pair"], row["must_preserve"]) else row["pair"]
-        lines.append(f"| {row['scenario']}{' *' if row['must_preserve'] else ''} | "
-                     + " | ".join(str(row["verdicts"].get(r) or "-") for r in roles) + f" | {pair} | {agree} |")
+        lines.append(
+            f"| {row['scenario']}{' *' if row['must_preserve'] else ''} | "
+            + " | ".join(str(row["verdicts"].get(r) or "-") for r in roles)
+            + f" | {pair} | {agree} |"
+        )
     lines += ["", "| role | sglang | router | transfer backend |", "|---|---|---|---|"]
     for role in roles:
         server = live["servers"][role] or {}
-        lines.append(f"| {role} | {server.get('version')} | {server.get('router')} | {server.get('backend')} |")
+        lines.append(
+            f"| {role} | {server.get('version')} | {server.get('router')} | {server.get('backend')} |"
+        )
     lines += _render_races(live, roles)
     found = findings(live)
     if found:
@@ -158,21 +191,35 @@ def _render_races(live: dict, roles: list[str]) -> list[str]:
             continue
         first = next(iter(runs.values()))
         topo, shaping = first["topology"], first.get("shaping") or {}
-        lines += ["", (f"`{row['scenario']}`: {topo['name']} ({topo['prefills']} prefills, {topo['decodes']} decode, "
-                  f"{topo['network']}); only prefill A's Mooncake flow to decode shaped to {shaping.get('rate')} "
-                  f"(htb); decode aborts A at {shaping.get('abort_at_fraction')} of A's {topo['a_tokens']}-token KV, "
-                  f"then B ({topo['b_tokens']} tokens, {topo['b_new_tokens']} new) goes through prefill B onto "
-                  f"A's freed pages (decode pool {topo['decode_pool']})."), "",
-                  "| role | trials (valid) | unsafe | controls | released through the timeout |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            (
+                f"`{row['scenario']}`: {topo['name']} ({topo['prefills']} prefills, {topo['decodes']} decode, "
+                f"{topo['network']}); only prefill A's Mooncake flow to decode shaped to {shaping.get('rate')} "
+                f"(htb); decode aborts A at {shaping.get('abort_at_fraction')} of A's {topo['a_tokens']}-token KV, "
+                f"then B ({topo['b_tokens']} tokens, {topo['b_new_tokens']} new) goes through prefill B onto "
+                f"A's freed pages (decode pool {topo['decode_pool']})."
+            ),
+            "",
+            "| role | trials (valid) | unsafe | controls | released through the timeout |",
+            "|---|---|---|---|---|",
+        ]
         for role in roles:
             run = runs.get(role)
             if run is None:
                 continue
             controls = ", ".join(f"{n} {v}" for n, v in run["controls"].items()) or "-"
-            lines.append(f"| {role} | {run['trials']['run']} ({run['trials']['valid']}) | {run['trials']['unsafe']} | "
-                         f"{controls} | {'yes' if run.get('released_through_timeout') else 'no'} |")
-        lines += ["", ("It shows decode releasing pages a writer may still touch, on real servers with the real "
-                  "Mooncake TCP transport: an abort mid-transfer lets the next request's KV be overwritten. It does "
-                  "not show RDMA (the writes are TCP on loopback, slowed by tc), GPU memory, or timings of a real "
-                  "network; the mechanism is the same one an RDMA write after release exercises.")]
+            lines.append(
+                f"| {role} | {run['trials']['run']} ({run['trials']['valid']}) | {run['trials']['unsafe']} | "
+                f"{controls} | {'yes' if run.get('released_through_timeout') else 'no'} |"
+            )
+        lines += [
+            "",
+            (
+                "It shows decode releasing pages a writer may still touch, on real servers with the real "
+                "Mooncake TCP transport: an abort mid-transfer lets the next request's KV be overwritten. It does "
+                "not show RDMA (the writes are TCP on loopback, slowed by tc), GPU memory, or timings of a real "
+                "network; the mechanism is the same one an RDMA write after release exercises."
+            ),
+        ]
     return lines

@@ -59,9 +59,13 @@ def find_bundles(paths: list[Path]) -> list[Path]:
 def check_out(out: Path) -> None:
     """Refuse an --out that holds anything a merge does not write (checked before any work)."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(p.name not in (MERGED_VEX, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD)
-                                                 for p in out.iterdir())):
-        raise BadInput(f"--out {out}: exists and holds other files than a merge writes; refusing to write there")
+    if out.exists() and (
+        not out.is_dir()
+        or any(p.name not in (MERGED_VEX, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD) for p in out.iterdir())
+    ):
+        raise BadInput(
+            f"--out {out}: exists and holds other files than a merge writes; refusing to write there"
+        )
 
 
 def _upstream_cell(up: dict | None) -> str:
@@ -86,10 +90,24 @@ def _order(row: dict) -> tuple:
 def missing_rows(expected: list[str], rows: list[dict]) -> list[dict]:
     """A row for each expected spec no bundle is of (a shard that crashed, or wrote nothing)."""
     have = {row["spec"] for row in rows}
-    return [{"bundle": None, "release": _release(spec), "spec": spec, "product": None, "result": "missing",
-             "why": "no bundle: its run left none", "fixes": {}, "vex": {}, "live": "-", "upstream_tests": "-",
-             "signed": False, "document": None}
-            for spec in dict.fromkeys(expected) if spec not in have]
+    return [
+        {
+            "bundle": None,
+            "release": _release(spec),
+            "spec": spec,
+            "product": None,
+            "result": "missing",
+            "why": "no bundle: its run left none",
+            "fixes": {},
+            "vex": {},
+            "live": "-",
+            "upstream_tests": "-",
+            "signed": False,
+            "document": None,
+        }
+        for spec in dict.fromkeys(expected)
+        if spec not in have
+    ]
 
 
 def _row(bundle: Path) -> dict:
@@ -112,7 +130,9 @@ def _row(bundle: Path) -> dict:
         "upstream_tests": _upstream_cell(p.get("upstream_tests")),
         "fixes": {x["fix"]: x["status"] for x in (p.get("apply") or {}).get("patches", [])},
         "vex": {s["vulnerability"]["name"]: s["status"] for s in (document or {}).get("statements", [])},
-        "signed": (bundle / ENVELOPE).is_file(),  # the envelope that verify checked (and with --key, its signature)
+        "signed": (
+            bundle / ENVELOPE
+        ).is_file(),  # the envelope that verify checked (and with --key, its signature)
         "document": document,
     }
 
@@ -181,12 +201,26 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
                      for path in sorted(Path(row["bundle"]).rglob("*" + ATTESTATION_SUFFIX)))
     write_readable(out / MERGED_LINES, lines)
     table = [{k: v for k, v in row.items() if k != "document"} for row in rows]
-    summary = {"bundles": len(present), "fixes": fixes, "classes": classes, "rows": table,
-               "vex_statements": len(document["statements"]) if document else 0,
-               "attestations": lines.count(b"\n"),
-               "unsigned": [r["bundle"] for r in rows if not r["signed"] and r["bundle"] is not None],
-               "failed": [{"release": r["release"], "spec": r["spec"], "bundle": r["bundle"], "result": r["result"],
-                           "why": r["why"]} for r in rows if r["result"] != "pass"]}
+    summary = {
+        "bundles": len(present),
+        "fixes": fixes,
+        "classes": classes,
+        "rows": table,
+        "vex_statements": len(document["statements"]) if document else 0,
+        "attestations": lines.count(b"\n"),
+        "unsigned": [r["bundle"] for r in rows if not r["signed"] and r["bundle"] is not None],
+        "failed": [
+            {
+                "release": r["release"],
+                "spec": r["spec"],
+                "bundle": r["bundle"],
+                "result": r["result"],
+                "why": r["why"],
+            }
+            for r in rows
+            if r["result"] != "pass"
+        ],
+    }
     write_readable(out / SUMMARY_JSON, canonical_json(summary))
     write_readable(out / SUMMARY_MD, summary_markdown(rows, fixes, classes).encode())
     return {**summary, "out": str(out)}

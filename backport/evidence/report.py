@@ -27,10 +27,12 @@ def _toolkit_line(p: dict) -> str:
     installed = dist.get("installed_from", "unknown")
     if dist.get("wheel"):
         installed += f" `{dist['wheel']}` (sha256 `{dist.get('wheel_sha256') or 'not recorded'}`)"
-    return (f"Toolkit sglang-backport {toolkit['version']} (commit {toolkit['git_commit'] or 'none: not a git checkout'}"
-            f"; installed from {installed}; code sha256: toolkit `{code.get('backport_sha256')}`, probes "
-            f"`{code.get('probes_sha256')}`, probe requirements `{code.get('probe_requirements_sha256')}`). "
-            f"Probe environment: Python {env['python']}, torch {env['torch']}, {env['platform']}.")
+    return (
+        f"Toolkit sglang-backport {toolkit['version']} (commit {toolkit['git_commit'] or 'none: not a git checkout'}"
+        f"; installed from {installed}; code sha256: toolkit `{code.get('backport_sha256')}`, probes "
+        f"`{code.get('probes_sha256')}`, probe requirements `{code.get('probe_requirements_sha256')}`). "
+        f"Probe environment: Python {env['python']}, torch {env['torch']}, {env['platform']}."
+    )
 
 
 def render_report(statement: dict) -> str:
@@ -56,22 +58,41 @@ def render_report(statement: dict) -> str:
         lines.append("No patch applied (the head tree is given, not built by the toolkit)."
                      if p["mode"] == "upstream-pair" else "No patch applies to this release.")
     if p["mode"] == "exposure":
-        lines += ["", (f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
-                       f"tree was built, so nothing here is a fix (the release stays exposed).")]
+        lines += [
+            "",
+            (
+                f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
+                f"tree was built, so nothing here is a fix (the release stays exposed)."
+            ),
+        ]
     elif p["apply"] is not None:
-        lines += ["", f"Apply status: {p['apply'].get('status')}; head commit `{_cell(p['apply'].get('head_commit'))}`."]
+        lines += [
+            "",
+            f"Apply status: {p['apply'].get('status')}; head commit `{_cell(p['apply'].get('head_commit'))}`.",
+        ]
     lines += [""] + artifacts.render(statement)[:-1]
     own_mark = "own check" if REFERENCE in roles else "-"
     pair_is = ("Pair = the pristine tree as shipped (an exposure run: no patched tree; unsafe reads "
                "still-unsafe, safe reads held)" if p["mode"] == "exposure" else "Pair = pristine -> patched")
-    lines += ["", "## Cases", "", (pair_is + "; **bold** marks a finding. "
-                                   "`*` marks a must-preserve case (behaviour every fix must keep). "
-                                   "patched = reference: `yes` the patched tree's verdict equals the reference's, "
-                                   "`**no**` it differs"
-                                   + (", `own check` a case of one of this pack's own checks, which the reference lacks "
-                                      "(not compared: the reference is unsafe there by design)"
-                                      if REFERENCE in roles else ", `-` no reference tree was probed")
-                                   + ". A `-` in a tree's column: that tree was not probed for the case."), ""]
+    lines += [
+        "",
+        "## Cases",
+        "",
+        (
+            pair_is + "; **bold** marks a finding. "
+            "`*` marks a must-preserve case (behaviour every fix must keep). "
+            "patched = reference: `yes` the patched tree's verdict equals the reference's, "
+            "`**no**` it differs"
+            + (
+                ", `own check` a case of one of this pack's own checks, which the reference lacks "
+                "(not compared: the reference is unsafe there by design)"
+                if REFERENCE in roles
+                else ", `-` no reference tree was probed"
+            )
+            + ". A `-` in a tree's column: that tree was not probed for the case."
+        ),
+        "",
+    ]
     header = "| probe / case | " + " | ".join(roles) + " | pair | patched = reference |"
     lines += [header, "|" + "---|" * (len(roles) + 3)]
     for row in p["cases"]:
@@ -97,16 +118,25 @@ def render_report(statement: dict) -> str:
     lines.append(f"- {scope.reference_comparison(p)}")
     if summary.get("coverage"):
         c = summary["coverage"]
-        lines.append(f"- patch lines executed by probes: {c['executed_by_probes']} of {c['added']} ({c['percent']}%)"
-                     + ("; **below the floor** " if coverage.below_floor(p.get("coverage")) else "")
-                     + (f" (floor {c['min_percent']}%)" if c["min_percent"] is not None else ""))
+        lines.append(
+            f"- patch lines executed by probes: {c['executed_by_probes']} of {c['added']} ({c['percent']}%)"
+            + ("; **below the floor** " if coverage.below_floor(p.get("coverage")) else "")
+            + (f" (floor {c['min_percent']}%)" if c["min_percent"] is not None else "")
+        )
     lines += upstream_section.summary_lines(summary)
     if summary["findings"]:
         lines.append("- findings: " + ", ".join(f"{f['probe']}/{f['case']} ({f['pair']})"
                                                for f in summary["findings"]))
-    lines += ["", ("Verdicts: fixed = unsafe on pristine, safe on patched; held = safe on both; "
-                   "still-unsafe = unsafe on both; regressed = safe (or absent) on pristine, unsafe on patched; "
-                   "added = absent on pristine, safe on patched; error = a tree could not be judged (a finding). "
-                   "Check this bundle with `sglang-backport verify <bundle>` or `sha256sum -c SHA256SUMS`."), "",
-              scope.covers_line(p), ""]
+    lines += [
+        "",
+        (
+            "Verdicts: fixed = unsafe on pristine, safe on patched; held = safe on both; "
+            "still-unsafe = unsafe on both; regressed = safe (or absent) on pristine, unsafe on patched; "
+            "added = absent on pristine, safe on patched; error = a tree could not be judged (a finding). "
+            "Check this bundle with `sglang-backport verify <bundle>` or `sha256sum -c SHA256SUMS`."
+        ),
+        "",
+        scope.covers_line(p),
+        "",
+    ]
     return "\n".join(lines)

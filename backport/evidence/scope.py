@@ -10,12 +10,14 @@ from __future__ import annotations
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 
 # Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
-STAND_INS = ("`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
-             "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
-             "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/shims/` (`torchvision`, "
-             "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/addons.py` (names older "
-             "releases read that torch 2.13 and triton dropped) where missing, and its 3FS client module where "
-             "a wheel lacks the C++ source that module compiles at import (0.4.10)")
+STAND_INS = (
+    "`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
+    "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
+    "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/shims/` (`torchvision`, "
+    "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/addons.py` (names older "
+    "releases read that torch 2.13 and triton dropped) where missing, and its 3FS client module where "
+    "a wheel lacks the C++ source that module compiles at import (0.4.10)"
+)
 # The rollback of an exported wheel: `==X` alone is satisfied by `X+backport.N` (PEP 440), hence the flags.
 ROLLBACK = "pip install --force-reinstall --no-deps 'sglang=={version}'"
 COVERAGE_SWITCH = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK=0"
@@ -35,11 +37,18 @@ def reference_comparison(predicate: dict) -> str:
     rows = predicate["cases"]
     compared = [r for r in rows if r["reference_agrees"] is not None]
     own = len(rows) - len(compared)
-    text = (f"patched differs from the reference in {sum(1 for r in compared if r['reference_agrees'] is False)} "
-            f"of {len(compared)} compared cases")
+    text = (
+        f"patched differs from the reference in {sum(1 for r in compared if r['reference_agrees'] is False)} "
+        f"of {len(compared)} compared cases"
+    )
     if own:
-        unsafe = sum(1 for r in rows if r["reference_agrees"] is None
-                     and r["verdicts"].get(REFERENCE) not in ("safe", None) and r["verdicts"].get("patched") == "safe")
+        unsafe = sum(
+            1
+            for r in rows
+            if r["reference_agrees"] is None
+            and r["verdicts"].get(REFERENCE) not in ("safe", None)
+            and r["verdicts"].get("patched") == "safe"
+        )
         text += (f"; {own} case(s) of this pack's own checks are counted apart, not compared (the reference "
                  f"lacks them; {unsafe} of them safe on patched and unsafe on the reference, by design)")
     return text
@@ -65,8 +74,13 @@ def _upstream_line(up: dict) -> tuple[str, bool]:
     if not outcomes:
         return f"no test ran ({len(files)} test file(s) listed)", False
     detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
-    return ((f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a result, "
-            f"on {', '.join(trees)} ({detail})"), ran > 0)
+    return (
+        (
+            f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a result, "
+            f"on {', '.join(trees)} ({detail})"
+        ),
+        ran > 0,
+    )
 
 
 def covers_line(predicate: dict) -> str:
@@ -76,9 +90,11 @@ def covers_line(predicate: dict) -> str:
     ran = _upstream_line(up)[1]
     upstream = "run" if ran else "skipped" if up.get("skipped") else "none ran"
     live_tier = f"yes ({len(live.get('scenarios') or [])} scenarios)" if live else "no"
-    return (f"{s['result'].upper()} covers: CPU probes ({s['cases']} cases); live tier: {live_tier}; upstream tests: "
-            f"{upstream}. A deployment's own configuration is not judged here: check it with "
-            f"`sglang-backport audit`.")
+    return (
+        f"{s['result'].upper()} covers: CPU probes ({s['cases']} cases); live tier: {live_tier}; upstream tests: "
+        f"{upstream}. A deployment's own configuration is not judged here: check it with "
+        f"`sglang-backport audit`."
+    )
 
 
 def render(statement: dict) -> list[str]:
@@ -86,40 +102,62 @@ def render(statement: dict) -> list[str]:
     p = statement["predicate"]
     trees, summary, env = p["inputs"]["trees"], p["summary"], p["environment"]
     roles = [r for r in ROLES if r in p["probes"]]
-    described = ", ".join(f"{role} (sglang {trees[role]['version']})" if role in trees else role for role in roles)
+    described = ", ".join(
+        f"{role} (sglang {trees[role]['version']})" if role in trees else role for role in roles
+    )
     upstream, upstream_ran = _upstream_line(p["upstream_tests"])
     live = p.get("live")
-    lines = exposure_lines(p) + ["## Scope", "", "What ran:", "",
-             (f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
-             f"SGLang modules imported in the probe environment (Python {env.get('python')}, torch "
-             f"{env.get('torch')}) on a CPU, with named stand-ins where a GPU, RDMA or a model would be "
-             f"needed: {STAND_INS}."),
-             "- Live tier (real prefill and decode servers): " + ("ran; see its section below." if live else
-                                                                   "not run; no server answered a request."),
-             f"- Upstream's unit tests: {upstream}.",
-             "", "Not proven by this bundle:", "",
-             "- Behaviour on a GPU, over RDMA or with a real model: no case ran there.",
-             ]
+    lines = exposure_lines(p) + [
+        "## Scope",
+        "",
+        "What ran:",
+        "",
+        (
+            f"- CPU probes: {summary['cases']} cases on {len(roles)} tree(s), {described}: each tree's real "
+            f"SGLang modules imported in the probe environment (Python {env.get('python')}, torch "
+            f"{env.get('torch')}) on a CPU, with named stand-ins where a GPU, RDMA or a model would be "
+            f"needed: {STAND_INS}."
+        ),
+        "- Live tier (real prefill and decode servers): "
+        + ("ran; see its section below." if live else "not run; no server answered a request."),
+        f"- Upstream's unit tests: {upstream}.",
+        "",
+        "Not proven by this bundle:",
+        "",
+        "- Behaviour on a GPU, over RDMA or with a real model: no case ran there.",
+    ]
     if not live:
-        lines.append("- A served deployment: no server was started, so nothing here rests on a request answered.")
+        lines.append(
+            "- A served deployment: no server was started, so nothing here rests on a request answered."
+        )
     if not upstream_ran:
         lines.append("- That upstream's own unit tests pass on these trees.")
     not_executed = (summary.get("coverage") or {}).get("not_executed")
     if not_executed:
-        lines.append(f"- {not_executed} executable line(s) the patches add that no case executed (listed under "
-                     f"Coverage): they are reviewed, not proven.")
+        lines.append(
+            f"- {not_executed} executable line(s) the patches add that no case executed (listed under "
+            f"Coverage): they are reviewed, not proven."
+        )
     lines += [
-        ("- That writes have stopped when the deferred-release timeout fires: "
-        "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT` releases held pages without every drain ACK, "
-        "so a write still in flight can land on reused pages; treat every \"Deferred KV release ... timed out\" "
-        "warning as a possible exposure."),
-        ("- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no release "
-        "and no patch of this pack closes it."),
+        (
+            "- That writes have stopped when the deferred-release timeout fires: "
+            "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT` releases held pages without every drain ACK, "
+            "so a write still in flight can land on reused pages; treat every \"Deferred KV release ... timed out\" "
+            "warning as a possible exposure."
+        ),
+        (
+            "- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no release "
+            "and no patch of this pack closes it."
+        ),
         "- A deployment where only one side runs the pack: both prefill and decode must run it (see Rollout).",
         "",
         f"Result: **{summary['result'].upper()}** ({summary['cases']} cases; "
-        + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n) + "); " + reference_comparison(p) + ".",
-        ""]
+        + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n)
+        + "); "
+        + reference_comparison(p)
+        + ".",
+        "",
+    ]
     return lines + rollout(statement)
 
 
@@ -156,9 +194,16 @@ def exposure_line(version: str, apply: dict | None) -> str:
 def exposure_lines(p: dict) -> list[str]:
     if p["mode"] != "exposure":
         return []
-    return ["## Exposure", "", (f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
+    return [
+        "## Exposure",
+        "",
+        (
+            f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
             "is about the release as shipped: the cases below are its pristine tree's verdicts, the VEX "
-            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix."), ""]
+            "documents state `affected` where a case is unsafe on it, and nothing here claims a fix."
+        ),
+        "",
+    ]
 
 
 def rollout(statement: dict) -> list[str]:
@@ -173,17 +218,28 @@ def rollout(statement: dict) -> list[str]:
                             "--export`, or `apply --out DIR` then `export DIR --wheel dist/`, writes it)")
     rollback = (f"`{ROLLBACK.format(version=version)}` from the package index, or the upstream wheel by file"
                 if p["inputs"]["target"].get("kind") == "wheel" else "reinstall the tree you ran before")
-    return ["## Rollout", "",
-            f"What to deploy: {wheel}, on every prefill and every decode node, in this order:",
-            "",
-            ("1. Prefill first: a patched prefill with an unpatched decode is harmless (it records the "
-            "transferred coverage in a spare slot, and sends drain ACKs an old decode ignores)."),
-            ("2. Then decode. While versions are mixed, a patched decode refuses every handoff from an unpatched "
+    return [
+        "## Rollout",
+        "",
+        f"What to deploy: {wheel}, on every prefill and every decode node, in this order:",
+        "",
+        (
+            "1. Prefill first: a patched prefill with an unpatched decode is harmless (it records the "
+            "transferred coverage in a spare slot, and sends drain ACKs an old decode ignores)."
+        ),
+        (
+            "2. Then decode. While versions are mixed, a patched decode refuses every handoff from an unpatched "
             f"prefill (HTTP 500, `transfer_coverage/unpatched_peer_refused`): set `{COVERAGE_SWITCH}` on decode "
-            "until every prefill runs the pack, then unset it."),
-            (f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. Rollback: "
+            "until every prefill runs the pack, then unset it."
+        ),
+        (
+            f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. Rollback: "
             f"{rollback}; a plain `pip install sglang=={version}` keeps the `+backport` build (PEP 440: the "
-            "local version satisfies `==`)."),
-            ("4. Check each node: `sglang-backport status installed --python EXE` says which patch set it runs, "
-            "the role order and whether its peer must be patched too."),
-            ""]
+            "local version satisfies `==`)."
+        ),
+        (
+            "4. Check each node: `sglang-backport status installed --python EXE` says which patch set it runs, "
+            "the role order and whether its peer must be patched too."
+        ),
+        "",
+    ]

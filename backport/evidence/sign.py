@@ -43,10 +43,14 @@ def load_signer(path: Path):
     try:
         private = load_pem_private_key(_read_key(path), password=None)
     except TypeError:
-        raise BadInput(f"{path}: an encrypted private key; decrypt it first "
-                       "(openssl pkey -in KEY -out PLAIN, kept somewhere safe)") from None
+        raise BadInput(
+            f"{path}: an encrypted private key; decrypt it first "
+            "(openssl pkey -in KEY -out PLAIN, kept somewhere safe)"
+        ) from None
     except ValueError:
-        raise BadInput(f"{path}: not a PEM private key (openssl genpkey -algorithm ed25519 writes one)") from None
+        raise BadInput(
+            f"{path}: not a PEM private key (openssl genpkey -algorithm ed25519 writes one)"
+        ) from None
     try:
         return CryptoSigner(private)
     except ValueError as exc:
@@ -141,7 +145,9 @@ def envelope_problems(bundle: Path, key=None) -> list[Problem]:
     if raw != canonical:
         return [Problem(ENVELOPE, "modified", "not the bytes the signer wrote (its canonical form differs)")]
     if envelope.payload_type != PAYLOAD_TYPE:
-        return [Problem(ENVELOPE, "inconsistent", f"payload type {envelope.payload_type!r}, not {PAYLOAD_TYPE}")]
+        return [
+            Problem(ENVELOPE, "inconsistent", f"payload type {envelope.payload_type!r}, not {PAYLOAD_TYPE}")
+        ]
     if key is not None:
         try:
             envelope.verify([key], 1)
@@ -170,7 +176,9 @@ def _envelope_line(name: str, number: int, raw: bytes, key):
         try:
             envelope.verify([key], 1)
         except VerificationError:
-            return None, Problem(name, "modified", f"{where}: no signature verifies with key {key.keyid[:16]}")
+            return None, Problem(
+                name, "modified", f"{where}: no signature verifies with key {key.keyid[:16]}"
+            )
     return envelope, None
 
 
@@ -181,13 +189,17 @@ def attestation_problems(bundle: Path, key=None) -> list[Problem]:
     from backport.evidence.layout import ATTESTATION_SUFFIX
 
     expected = attestation_payloads(bundle)
-    problems = [Problem(path.relative_to(bundle).as_posix(), "unexpected", "no statement of this bundle goes here")
-                for path in sorted(bundle.rglob("*" + ATTESTATION_SUFFIX))
-                if path.relative_to(bundle).as_posix() not in expected]
+    problems = [
+        Problem(path.relative_to(bundle).as_posix(), "unexpected", "no statement of this bundle goes here")
+        for path in sorted(bundle.rglob("*" + ATTESTATION_SUFFIX))
+        if path.relative_to(bundle).as_posix() not in expected
+    ]
     for name, payloads in expected.items():
         path = bundle / name
         if not path.is_file():
-            problems.append(Problem(name, "missing", "the bundle is signed, its attestations are not (sign again)"))
+            problems.append(
+                Problem(name, "missing", "the bundle is signed, its attestations are not (sign again)")
+            )
             continue
         raw = path.read_bytes()
         lines = raw.split(b"\n")
@@ -198,7 +210,9 @@ def attestation_problems(bundle: Path, key=None) -> list[Problem]:
         for number, (line, payload) in enumerate(zip(lines[:-1], payloads), 1):
             envelope, problem = _envelope_line(name, number, line, key)
             if problem is None and envelope.payload != payload:
-                problem = Problem(name, "inconsistent", f"line {number}: its statement is not the one the receipt gives")
+                problem = Problem(
+                    name, "inconsistent", f"line {number}: its statement is not the one the receipt gives"
+                )
             if problem is None:
                 document = json.loads(payload)
                 messages = att.model_problems(document) + att.subject_problems(bundle, document)

@@ -66,11 +66,26 @@ def _embed(document: dict, name: str) -> dict:
     return {**document, "file": name, "sha256": sha256_bytes(canonical_json(document))}
 
 
-def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], probes: dict[str, dict],
-                    apply_report: dict | None, patches: list[dict], series_files: list[dict],
-                    upstream_tests: dict, environment: dict, toolkit: dict, files: dict[str, str],
-                    timestamps: dict, reference_choice: str | None = None, coverage: dict | None = None,
-                    export: dict | None = None, live: dict | None = None, advisories: dict | None = None) -> dict:
+def build_statement(
+    *,
+    mode: str,
+    target: dict,
+    trees: dict[str, TreeInput],
+    probes: dict[str, dict],
+    apply_report: dict | None,
+    patches: list[dict],
+    series_files: list[dict],
+    upstream_tests: dict,
+    environment: dict,
+    toolkit: dict,
+    files: dict[str, str],
+    timestamps: dict,
+    reference_choice: str | None = None,
+    coverage: dict | None = None,
+    export: dict | None = None,
+    live: dict | None = None,
+    advisories: dict | None = None,
+) -> dict:
     """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
     the artifacts (artifacts.py): the patched tree and, with `export`, the exported files."""
     rows = case_rows(probes)
@@ -92,8 +107,9 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         "cases": rows,
         "reference_differences": reference_differences(rows),
         "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
-        "summary": live_evidence.fold_summary(summarise(rows, probes, upstream_tests, coverage, apply=apply_report),
-                                              live),
+        "summary": live_evidence.fold_summary(
+            summarise(rows, probes, upstream_tests, coverage, apply=apply_report), live
+        ),
         "files": dict(sorted(files.items())),
         "export": export,
         "timestamps": timestamps,
@@ -106,8 +122,12 @@ def build_statement(*, mode: str, target: dict, trees: dict[str, TreeInput], pro
         predicate["advisories"] = advisories
     return {
         "_type": STATEMENT_TYPE,
-        "subject": artifacts.subjects(trees[product_role(trees)].tree_digest, trees[product_role(trees)].version,
-                                      export, role=product_role(trees)),
+        "subject": artifacts.subjects(
+            trees[product_role(trees)].tree_digest,
+            trees[product_role(trees)].version,
+            export,
+            role=product_role(trees),
+        ),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
     }
@@ -139,7 +159,11 @@ def patch_inputs_from(apply_report: dict | None, recorded: list[dict] = ()) -> l
         if not patch.get("variant"):
             continue
         old = recorded[len(patches)] if len(patches) < len(recorded) else {}
-        path = old.get("path") if old.get("variant") == patch["variant"] else f"{patch['fix']}/{patch['variant']}"
+        path = (
+            old.get("path")
+            if old.get("variant") == patch["variant"]
+            else f"{patch['fix']}/{patch['variant']}"
+        )
         patches.append({"fix": patch["fix"], "variant": patch["variant"], "path": path,
                         "sha256": patch.get("variant_sha256"), "status": patch.get("status")})
     return patches
@@ -168,7 +192,9 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
     p["cases"] = rows
     p["reference_differences"] = reference_differences(rows)
     p["summary"] = live_evidence.fold_summary(
-        summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"]), p.get("live"))
+        summarise(rows, plain, embedded(p, UPSTREAM_TESTS), p.get("coverage"), apply=p["apply"]),
+        p.get("live"),
+    )
     p["environment"]["torch"] = probe_torch(plain)
     return s
 
@@ -204,7 +230,9 @@ def _derived_problems(p: dict) -> list[str]:
     expected_rows = case_rows(probes)
     rows = p["cases"]
     if len(rows) != len(expected_rows):
-        problems.append(f"cases lists {len(rows)} cases, the per-tree probe results have {len(expected_rows)}")
+        problems.append(
+            f"cases lists {len(rows)} cases, the per-tree probe results have {len(expected_rows)}"
+        )
     for row, expected in zip(rows, expected_rows):
         name = f"{expected['probe']}/{expected['case']}"
         if (row.get("probe"), row.get("case")) != (expected["probe"], expected["case"]):
@@ -230,7 +258,9 @@ def _derived_problems(p: dict) -> list[str]:
     summary = p["summary"]
     for key in sorted(set(expected_summary) | set(summary)):
         if summary.get(key) != expected_summary.get(key):
-            problems.append(f"summary.{key} is {summary.get(key)!r}, the cases give {expected_summary.get(key)!r}")
+            problems.append(
+                f"summary.{key} is {summary.get(key)!r}, the cases give {expected_summary.get(key)!r}"
+            )
     torch = probe_torch(probes)
     if p["environment"].get("torch") != torch:
         problems.append(f"environment.torch is {p['environment'].get('torch')!r}, the probe results "
@@ -258,7 +288,8 @@ def _input_problems(p: dict) -> list[str]:
         problems.append(f"inputs.trees names {sorted(trees)}, probes cover {sorted(p['probes'])}")
     reference = inputs["reference"]
     if (reference is None) != (REFERENCE not in trees) or (
-            reference is not None and {k: v for k, v in reference.items() if k != "chosen"} != trees[REFERENCE]):
+        reference is not None and {k: v for k, v in reference.items() if k != "chosen"} != trees[REFERENCE]
+    ):
         problems.append("inputs.reference disagrees with inputs.trees.reference")
     target, pristine = inputs["target"], trees.get("pristine", {})
     for key in ("version", "artifact_sha256", "unpinned"):
@@ -274,13 +305,17 @@ def _input_problems(p: dict) -> list[str]:
     if (backport or exposure) != (apply is not None) or paired != (target.get("head") is not None):
         problems.append(f"mode {p['mode']!r} disagrees with the apply report and inputs.target.head")
     if exposure != (HEAD not in trees) or (exposure and (apply or {}).get("status") != "failed"):
-        problems.append(f"mode {p['mode']!r} disagrees with inputs.trees (an exposure run, and only one, has no "
-                        f"patched tree, and its apply report failed)")
+        problems.append(
+            f"mode {p['mode']!r} disagrees with inputs.trees (an exposure run, and only one, has no "
+            f"patched tree, and its apply report failed)"
+        )
     if backport:  # the patched tree is a clone of the pristine one
         for key in ("spec", "version", "artifact_sha256", "unpinned"):
             if trees.get("patched", {}).get(key) != pristine.get(key):
-                problems.append(f"inputs.trees.patched.{key} is {trees.get('patched', {}).get(key)!r}, but the "
-                                f"patched tree is the pristine tree's clone, whose {key} is {pristine.get(key)!r}")
+                problems.append(
+                    f"inputs.trees.patched.{key} is {trees.get('patched', {}).get(key)!r}, but the "
+                    f"patched tree is the pristine tree's clone, whose {key} is {pristine.get(key)!r}"
+                )
     # an exposure run names no patch: the engine's report is kept, the scratch clone it patched is not
     expected_patches = [] if exposure else patch_inputs_from(apply, inputs["patches"])
     for index in range(max(len(expected_patches), len(inputs["patches"]))):
@@ -295,14 +330,18 @@ def _input_problems(p: dict) -> list[str]:
                 problems.append(f"inputs.patches[{index}].{key} is {got.get(key)!r}, predicate.apply records "
                                 f"{want[key]!r} for {want['variant']}")
         if not (got.get("path") == want["variant"] or str(got.get("path")).endswith("/" + want["variant"])):
-            problems.append(f"inputs.patches[{index}].path {got.get('path')!r} does not name {want['variant']}")
+            problems.append(
+                f"inputs.patches[{index}].path {got.get('path')!r} does not name {want['variant']}"
+            )
     if apply is not None and not exposure:
         if trees.get("patched", {}).get("commit") != apply.get("head_commit"):
             problems.append(f"inputs.trees.patched.commit is {trees.get('patched', {}).get('commit')!r}, "
                             f"predicate.apply.head_commit is {apply.get('head_commit')!r}")
         if apply.get("version") != trees.get("patched", {}).get("version"):
-            problems.append(f"predicate.apply.version is {apply.get('version')!r}, inputs.trees.patched.version "
-                            f"is {trees.get('patched', {}).get('version')!r}")
+            problems.append(
+                f"predicate.apply.version is {apply.get('version')!r}, inputs.trees.patched.version "
+                f"is {trees.get('patched', {}).get('version')!r}"
+            )
     for tree in p["upstream_tests"].get("trees") or []:
         if tree.get("tree") not in trees:
             problems.append(f"upstream_tests ran on {tree.get('tree')!r}, which inputs.trees does not name")

@@ -45,17 +45,27 @@ def render(up: dict, summary: dict) -> list[str]:
                      + (f" ({', '.join(with_)})" if with_ else "") + ".")
         without = evidence.get("without_evidence") or {}
         if without:
-            lines += ["", "No upstream evidence for:"] + [f"- {fix}: {why}" for fix, why in sorted(without.items())]
+            lines += ["", "No upstream evidence for:"] + [
+                f"- {fix}: {why}" for fix, why in sorted(without.items())
+            ]
         lines.append("")
     if up.get("skipped"):
         lines += [f"Skipped: {up['skipped']}", ""]
     rows = evidence.get("files") or []
     roles = [r for r in ROLES if any(r in row["trees"] for row in rows)]
     if rows:
-        lines += [("Pair = pristine -> patched, per test file: fixed (failed -> passed), held, passed (patched "
-                  "only), still-failing, regressed, refused (pin mismatch), inconclusive (stale-test, "
-                  "incompatible, unavailable, skipped: never a pass). Bold pair: a finding."), ""]
-        lines += ["| fix | file @ revision | " + " | ".join(roles) + " | pair |", "|" + "---|" * (len(roles) + 3)]
+        lines += [
+            (
+                "Pair = pristine -> patched, per test file: fixed (failed -> passed), held, passed (patched "
+                "only), still-failing, regressed, refused (pin mismatch), inconclusive (stale-test, "
+                "incompatible, unavailable, skipped: never a pass). Bold pair: a finding."
+            ),
+            "",
+        ]
+        lines += [
+            "| fix | file @ revision | " + " | ".join(roles) + " | pair |",
+            "|" + "---|" * (len(roles) + 3),
+        ]
         for row in rows:
             pair = f"**{row['pair']}**" if row["finding"] else row["pair"]
             if row["pair"] == "still-failing" and not row["finding"]:
@@ -72,10 +82,16 @@ def render(up: dict, summary: dict) -> list[str]:
             key = (test.get("nodeid") or test.get("file"), test.get("rev"))
             results.setdefault(key, {})[str(tree.get("tree"))] = test
     if results:
-        lines += ["| test | revision | " + " | ".join(test_roles) + " |", "|" + "---|" * (len(test_roles) + 2)]
+        lines += [
+            "| test | revision | " + " | ".join(test_roles) + " |",
+            "|" + "---|" * (len(test_roles) + 2),
+        ]
         for key in sorted(results, key=lambda k: tuple(str(x) for x in k)):
-            lines.append(f"| `{_cell(key[0])}` | `{str(key[1])[:12]}` | "
-                         + " | ".join(_cell((results[key].get(r) or {}).get("outcome")) for r in test_roles) + " |")
+            lines.append(
+                f"| `{_cell(key[0])}` | `{str(key[1])[:12]}` | "
+                + " | ".join(_cell((results[key].get(r) or {}).get("outcome")) for r in test_roles)
+                + " |"
+            )
         reasons: dict[tuple, list[str]] = {}
         for key, per_tree in results.items():
             for role in test_roles:
@@ -84,7 +100,9 @@ def render(up: dict, summary: dict) -> list[str]:
                     reasons.setdefault((key, test.get("outcome"), test.get("reason")), []).append(role)
         if reasons:
             lines += ["", "Every outcome other than passed, with its reason:"]
-            for (key, outcome, reason), where in sorted(reasons.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            for (key, outcome, reason), where in sorted(
+                reasons.items(), key=lambda kv: tuple(str(x) for x in kv[0])
+            ):
                 lines.append(f"- `{key[0]}` @ `{str(key[1])[:12]}` on {', '.join(where)}: {outcome}"
                              + (f": {reason}" if reason else ""))
         lines.append("")
@@ -105,8 +123,12 @@ def summary_lines(summary: dict) -> list[str]:
     if not evidence:
         return []
     pairs = ", ".join(f"{n} {p}" for p, n in evidence.get("pairs", {}).items() if n) or "none"
-    lines = [(f"- upstream test files (pair): {pairs}; upstream evidence for {len(evidence.get('with_evidence') or [])} "
-             f"of {evidence.get('fixes', 0)} fixes")]
+    lines = [
+        (
+            f"- upstream test files (pair): {pairs}; upstream evidence for {len(evidence.get('with_evidence') or [])} "
+            f"of {evidence.get('fixes', 0)} fixes"
+        )
+    ]
     if evidence.get("findings"):
         lines.append("- upstream test findings: " + ", ".join(
             f"{f['fix']} {str(f['file']).rsplit('/', 1)[-1]}@{str(f['rev'])[:8]} ({f['pair']})"

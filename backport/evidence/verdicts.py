@@ -79,8 +79,11 @@ def case_rows(probes: dict[str, dict]) -> list[dict]:
             key = (case["probe"], case["case"])
             if key not in meta:
                 order.append(key)
-                meta[key] = {"must_preserve": bool(case.get("must_preserve")), "expect": case.get("expect", ""),
-                             "beyond_upstream": bool(case.get("beyond_upstream"))}
+                meta[key] = {
+                    "must_preserve": bool(case.get("must_preserve")),
+                    "expect": case.get("expect", ""),
+                    "beyond_upstream": bool(case.get("beyond_upstream")),
+                }
             verdicts.setdefault(key, {})[role] = case.get("verdict")
     head = product_role(probes)  # no head tree (an exposure run): the pristine tree stays as it is
     rows = []
@@ -136,8 +139,11 @@ def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, 
         for case in doc.get("cases", []):
             counts[case.get("verdict")] = counts.get(case.get("verdict"), 0) + 1
         per_tree[role] = counts
-    findings = [{"probe": r["probe"], "case": r["case"], "pair": r["pair"], "must_preserve": r["must_preserve"]}
-                for r in rows if is_finding(r["pair"], r["must_preserve"])]
+    findings = [
+        {"probe": r["probe"], "case": r["case"], "pair": r["pair"], "must_preserve": r["must_preserve"]}
+        for r in rows
+        if is_finding(r["pair"], r["must_preserve"])
+    ]
     return {
         "cases": len(rows),
         "must_preserve_cases": sum(1 for r in rows if r["must_preserve"]),
@@ -148,6 +154,9 @@ def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, 
         "upstream_tests": upstream_counts(upstream),
         "upstream_evidence": upstream_evidence,
         "coverage": cov.summary(coverage),
-        "result": ("fail" if findings or upstream_evidence["findings"] or not rows or cov.below_floor(coverage)
-                   else "pass"),
+        "result": (
+            "fail"
+            if findings or upstream_evidence["findings"] or not rows or cov.below_floor(coverage)
+            else "pass"
+        ),
     }

@@ -40,7 +40,9 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     if problems:
         return problems, statement
     if statement is None:
-        return [Problem(RECEIPT, "inconsistent", "not an in-toto statement that lists the bundle's files")], None
+        return [
+            Problem(RECEIPT, "inconsistent", "not an in-toto statement that lists the bundle's files")
+        ], None
     problems = file_problems(actual, subjects)
     if problems:
         return problems, statement
@@ -51,7 +53,10 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
     if problems:
         return problems, statement
     problems = agreement_problems(bundle, statement, set(actual))
-    problems += [Problem(name, "inconsistent", why) for name, why in live_bundle_problems(bundle, statement["predicate"])]
+    problems += [
+        Problem(name, "inconsistent", why)
+        for name, why in live_bundle_problems(bundle, statement["predicate"])
+    ]
     if problems:
         return problems, statement
     return vex.problems(bundle, statement, set(actual)), statement
@@ -100,7 +105,9 @@ def finding_reason(summary: dict) -> str | None:
     parts = [f"{n} {pair}" for pair, n in Counter(f["pair"] for f in summary.get("findings") or []).items()]
     live = summary.get("live")
     if live is not None:
-        parts += [f"live {n} {pair}" for pair, n in Counter(f["pair"] for f in live.get("findings") or []).items()]
+        parts += [
+            f"live {n} {pair}" for pair, n in Counter(f["pair"] for f in live.get("findings") or []).items()
+        ]
         if not live.get("scenarios"):
             parts.append("the live tier ran no scenario")
     upstream = len((summary.get("upstream_evidence") or {}).get("findings") or [])

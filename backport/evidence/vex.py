@@ -90,10 +90,16 @@ def build_vex(statement: dict, standards: dict) -> dict:
         if status.status == "not_affected":
             item["justification"] = "vulnerable_code_not_present"
         statements.append(item)
-    return {"@context": CONTEXT, "@id": document_id(statement), "author": AUTHOR, "role": "backport maintainer",
-            "timestamp": issued(statement, standards), "version": 1,
-            "tooling": f"sglang-backport {toolkit.get('version')} (commit {toolkit.get('git_commit')})",
-            "statements": statements}
+    return {
+        "@context": CONTEXT,
+        "@id": document_id(statement),
+        "author": AUTHOR,
+        "role": "backport maintainer",
+        "timestamp": issued(statement, standards),
+        "version": 1,
+        "tooling": f"sglang-backport {toolkit.get('version')} (commit {toolkit.get('git_commit')})",
+        "statements": statements,
+    }
 
 
 @cache
@@ -101,7 +107,9 @@ def _validator() -> jsonschema.Draft202012Validator:
     path = resources.openvex_schema()
     schema = json.loads(path.read_text())
     jsonschema = jsonschemas.load()
-    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    return jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
 
 
 def schema_errors(document: object) -> str | None:
@@ -110,7 +118,12 @@ def schema_errors(document: object) -> str | None:
     if error is None:
         return None
     where = schema_place(error)
-    if error.validator in ("anyOf", "oneOf", "not", "if"):  # the status rules: name the rule, not the instance
+    if error.validator in (
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+    ):  # the status rules: name the rule, not the instance
         rule = "/".join(str(part) for part in error.schema_path)
         return f"does not match the OpenVEX 0.2.0 schema at {where}: breaks the status rule {rule} " \
                f"(not_affected needs a justification or impact_statement, affected an action_statement, " \
@@ -148,7 +161,13 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
         standards = json.loads((bundle / STANDARDS).read_bytes())
         expected = bundle_files(statement, standards)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [Problem(STANDARDS, "inconsistent", f"not the standards document of a bundle ({type(exc).__name__}: {exc})")]
+        return [
+            Problem(
+                STANDARDS,
+                "inconsistent",
+                f"not the standards document of a bundle ({type(exc).__name__}: {exc})",
+            )
+        ]
     except Finding as exc:
         return [Problem(VEX, "inconsistent", str(exc))]
     found = []
@@ -156,12 +175,22 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
     error = schema_errors(document)
     if error:
         found.append(Problem(VEX, "inconsistent", error))
-    same = {VEX: (bundle / VEX).read_bytes() == expected[VEX],
-            cyclonedx.SBOM: cyclonedx.same_document((bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM])}
+    same = {
+        VEX: (bundle / VEX).read_bytes() == expected[VEX],
+        cyclonedx.SBOM: cyclonedx.same_document(
+            (bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM]
+        ),
+    }
     for name, ok in same.items():
         if not ok:
-            found.append(Problem(name, "inconsistent", "differs from what the receipt and standards.json give: "
-                                 + _difference(bundle / name, expected[name])))
+            found.append(
+                Problem(
+                    name,
+                    "inconsistent",
+                    "differs from what the receipt and standards.json give: "
+                    + _difference(bundle / name, expected[name]),
+                )
+            )
     found += cyclonedx.validation_problems((bundle / cyclonedx.SBOM).read_bytes())
     return found
 
@@ -183,7 +212,13 @@ def _difference(path: Path, expected: bytes) -> str:
     if where is None:
         return "not in the canonical form the toolkit writes"
     place, has, gives = where
-    what = ("a product changed" if ".products" in place or ".affects" in place or "metadata.component" in place
-            else "a status changed (statuses follow from the receipt's cases)"
-            if place.endswith((".status", ".state", ".justification")) else "a field changed")
-    return f"{what}: {place.lstrip('.')} is {json.dumps(has)[:120]}, the receipt gives {json.dumps(gives)[:120]}"
+    what = (
+        "a product changed"
+        if ".products" in place or ".affects" in place or "metadata.component" in place
+        else "a status changed (statuses follow from the receipt's cases)"
+        if place.endswith((".status", ".state", ".justification"))
+        else "a field changed"
+    )
+    return (
+        f"{what}: {place.lstrip('.')} is {json.dumps(has)[:120]}, the receipt gives {json.dumps(gives)[:120]}"
+    )

@@ -77,12 +77,16 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
                                      f"{', '.join(_OPTIONAL)})")
         if not isinstance(row.get("introduced_with", ""), str):
             raise _fail(path, where, "introduced_with must be a string")
-        if not isinstance(row.get("live", []), list) or not all(isinstance(x, str) for x in row.get("live", [])):
+        if not isinstance(row.get("live", []), list) or not all(
+            isinstance(x, str) for x in row.get("live", [])
+        ):
             raise _fail(path, where, "live must be a list of live scenario names")
         if fix_ids is not None and "introduced_with" in row and row["introduced_with"] not in fix_ids:
             raise _fail(path, where, f"introduced_with {row['introduced_with']!r} is not in fixes.toml")
         for key, kind in _KEYS.items():
-            if not isinstance(row[key], kind) or (kind is list and not all(isinstance(x, str) for x in row[key])):
+            if not isinstance(row[key], kind) or (
+                kind is list and not all(isinstance(x, str) for x in row[key])
+            ):
                 raise _fail(path, where, f"{key} must be a {kind.__name__} of strings" if kind is list
                             else f"{key} must be a string")
         where = f"class {row['id']}"
@@ -130,7 +134,9 @@ def add_aliases(classes: list[dict], aliases: dict[str, list[str]]) -> list[dict
     known = {c["id"] for c in classes} | {c["name"] for c in classes}
     for key, ids in aliases.items():
         if key not in known:
-            raise BadInput(f"--vuln-alias {key}=...: no vulnerability class {key!r} (known: {', '.join(sorted(known))})")
+            raise BadInput(
+                f"--vuln-alias {key}=...: no vulnerability class {key!r} (known: {', '.join(sorted(known))})"
+            )
         for alias in ids:
             if not ALIAS.fullmatch(alias):
                 raise BadInput(f"--vuln-alias {key}={alias}: not a CVE-... or GHSA-... id")
@@ -156,8 +162,13 @@ def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[di
 def with_dates(classes: list[dict], variants) -> list[dict]:
     """Each class with `last_update`: the newest Last-Update of its fixes' patch variants (None
     without any), the date its VEX statements speak as of."""
-    found = [max((v.last_update for f in row["fixes"] for v in variants.get(f, ())), default=None) for row in classes]
-    return [{**row, "last_update": None if day is None else day.isoformat()} for row, day in zip(classes, found)]
+    found = [
+        max((v.last_update for f in row["fixes"] for v in variants.get(f, ())), default=None)
+        for row in classes
+    ]
+    return [
+        {**row, "last_update": None if day is None else day.isoformat()} for row, day in zip(classes, found)
+    ]
 
 
 def issued(statement: dict, standards: dict) -> str:
@@ -178,7 +189,9 @@ class ClassStatus:
     tree: str = "patched"       # the tree the status speaks for (pristine in an exposure run)
 
 
-def class_status(row: dict, cases: list[dict], apply: dict | None = None, live: dict | None = None) -> ClassStatus:
+def class_status(
+    row: dict, cases: list[dict], apply: dict | None = None, live: dict | None = None
+) -> ClassStatus:
     """The status the receipt's case rows (and its apply report, for `introduced_with`) support
     for one class (module docstring); the class's live scenarios, where they ran, are cited, and one
     unsafe on the product tree makes the class affected whatever the probes said."""
@@ -187,7 +200,9 @@ def class_status(row: dict, cases: list[dict], apply: dict | None = None, live: 
     if not scenarios:
         return status
     role = status.tree
-    seen = "; ".join(f"{r['scenario']} " + ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) for r in scenarios)
+    seen = "; ".join(
+        f"{r['scenario']} " + ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) for r in scenarios
+    )
     unsafe = tuple(f"live/{r['scenario']}" for r in scenarios
                    if not r["must_preserve"] and r["verdicts"].get(role) == "unsafe")
     if unsafe and status.status != "affected":
@@ -227,7 +242,9 @@ def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassSta
                                f"{len(own)} case(s) of the class need it and did not run", tree=role)
         return ClassStatus("under_investigation", names, "no case of this class ran on these trees "
                            f"({len(own)} not-applicable)")
-    return ClassStatus("fixed", names, f"every case of the class is fixed or held on the {role} tree: {counts}")
+    return ClassStatus(
+        "fixed", names, f"every case of the class is fixed or held on the {role} tree: {counts}"
+    )
 
 
 def _code_absent(fix: str | None, apply: dict | None) -> str:
@@ -249,9 +266,17 @@ def _product(cases: list[dict]) -> str:
 
 def action_statement(row: dict, status: ClassStatus, version: str, apply_report: dict | None) -> str:
     """What an operator of this exposed release does (an `affected` statement must say)."""
-    lacking = [p["fix"] for p in (apply_report or {}).get("patches", [])
-               if p.get("fix") in row["fixes"] and (p.get("status") == "not-applicable" and "fixed_in" not in (
-                   p.get("reason") or "") or p.get("status") == "failed" and not p.get("variant"))]
+    lacking = [
+        p["fix"]
+        for p in (apply_report or {}).get("patches", [])
+        if p.get("fix") in row["fixes"]
+        and (
+            p.get("status") == "not-applicable"
+            and "fixed_in" not in (p.get("reason") or "")
+            or p.get("status") == "failed"
+            and not p.get("variant")
+        )
+    ]
     parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]
     if lacking:
         parts[0] += f": it carries no backport of {', '.join(lacking)} for this release"
@@ -260,6 +285,8 @@ def action_statement(row: dict, status: ClassStatus, version: str, apply_report:
         parts.append(f"move to sglang {row['pack_reach']} or later and install its backport wheel "
                      f"(sglang-backport run sglang==X --export)")
     if row.get("upstream_fixed_in"):
-        parts.append(f"or upgrade to upstream sglang {row['upstream_fixed_in']} or later, which ships every fix "
-                     f"of the class ({', '.join(row['fixes'])})")
+        parts.append(
+            f"or upgrade to upstream sglang {row['upstream_fixed_in']} or later, which ships every fix "
+            f"of the class ({', '.join(row['fixes'])})"
+        )
     return "; ".join(parts) + "."

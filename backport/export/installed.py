@@ -22,9 +22,11 @@ from backport.evidence.layout import RECEIPT
 from backport.export.label import backport_label, installed_digest
 from backport.tree import read_version
 
-_READ = ("import json, importlib.metadata as m\n"
-         "try:\n    d = m.distribution('sglang')\nexcept m.PackageNotFoundError:\n    d = None\n"
-         f"print(json.dumps({{'version': d and d.version, 'provenance': d and d.read_text({PROVENANCE!r})}}))")
+_READ = (
+    "import json, importlib.metadata as m\n"
+    "try:\n    d = m.distribution('sglang')\nexcept m.PackageNotFoundError:\n    d = None\n"
+    f"print(json.dumps({{'version': d and d.version, 'provenance': d and d.read_text({PROVENANCE!r})}}))"
+)
 
 
 @dataclass(frozen=True)
@@ -120,15 +122,22 @@ def rollout(installed: Installed, present: set[str]) -> dict:
     pack too, and the rollback command (README, Rollout)."""
     upstream = (installed.version or "").split("+", 1)[0]
     if not installed.is_backport:
-        return {"patched": False, "order": "not a wheel exported by sglang-backport: upgrade prefill nodes first, "
-                                           "then decode", "peer_must_be_patched": None, "rollback": None}
+        return {
+            "patched": False,
+            "order": "not a wheel exported by sglang-backport: upgrade prefill nodes first, then decode",
+            "peer_must_be_patched": None,
+            "rollback": None,
+        }
     checks = COVERAGE_CHECK_FIX in present
     return {
         "patched": True,
-        "order": ("as prefill: safe with any decode, upgrade it first; as decode: upgrade it after every prefill "
-                  f"peer, or set {COVERAGE_SWITCH} on it while versions are mixed (a patched decode refuses an "
-                  "unpatched prefill's handoffs with HTTP 500); roll back decode first" if checks else
-                  "upgrade prefill first, then decode; roll back decode first"),
+        "order": (
+            "as prefill: safe with any decode, upgrade it first; as decode: upgrade it after every prefill "
+            f"peer, or set {COVERAGE_SWITCH} on it while versions are mixed (a patched decode refuses an "
+            "unpatched prefill's handoffs with HTTP 500); roll back decode first"
+            if checks
+            else "upgrade prefill first, then decode; roll back decode first"
+        ),
         "peer_must_be_patched": True,
         "rollback": f"pip install --force-reinstall --no-deps 'sglang=={upstream}'" if upstream else None,
     }

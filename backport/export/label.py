@@ -94,5 +94,10 @@ def installed_digest(package_root: Path, local: str | None) -> str:
     """`unlabelled_digest` of a package on disk (an installed wheel's site-packages), over the files
     tree.tree_digest counts."""
     root = Path(package_root)
-    return unlabelled_digest(((path.relative_to(root).as_posix(), literal, None if literal is not None else path)
-                              for path, literal in manifest_files(root)), local)
+    return unlabelled_digest(
+        (
+            (path.relative_to(root).as_posix(), literal, None if literal is not None else path)
+            for path, literal in manifest_files(root)
+        ),
+        local,
+    )

@@ -50,12 +50,16 @@ def read_lineage(path: Path) -> Lineage:
         gitops.work_tree(root)
         (pristine,) = gitops.run(root, "rev-list", "--max-parents=0", "HEAD").decode().split()
     except (BadInput, gitops.GitError, ValueError):
-        raise BadInput(f"{root}: not a tree the toolkit made (no single pristine commit in its git history)") from None
+        raise BadInput(
+            f"{root}: not a tree the toolkit made (no single pristine commit in its git history)"
+        ) from None
     trailers = dict(_TRAILER.findall(gitops.commit_message(root, pristine)))
     spec, artifact = trailers.get("Spec", ""), trailers.get("Artifact-SHA256")
     if not spec.startswith("sglang==") or not artifact:
-        raise BadInput(f"{root}: its pristine commit records no wheel (Spec: sglang==X and Artifact-SHA256:); "
-                       "export needs a patched tree of a wheel target")
+        raise BadInput(
+            f"{root}: its pristine commit records no wheel (Spec: sglang==X and Artifact-SHA256:); "
+            "export needs a patched tree of a wheel target"
+        )
     dirty = sorted(gitops.uncommitted_paths(root, "sglang"))
     if dirty:
         raise BadInput(f"{root}: {len(dirty)} uncommitted change(s) under sglang/ (first: {dirty[0]}); "

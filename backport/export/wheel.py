@@ -66,8 +66,10 @@ def original_wheel(lineage: Lineage) -> Path:
     for candidate in sorted((cache.cache_root() / "wheels").glob(f"sglang-{lineage.version}-*.whl")):
         if sha256_file(candidate) == lineage.artifact_sha256:
             return candidate
-    raise BadInput(f"{lineage.root}: the upstream wheel of {lineage.spec} (sha256 {lineage.artifact_sha256[:12]}...) "
-                   f"is neither pinned nor in {cache.cache_root() / 'wheels'}")
+    raise BadInput(
+        f"{lineage.root}: the upstream wheel of {lineage.spec} (sha256 {lineage.artifact_sha256[:12]}...) "
+        f"is neither pinned nor in {cache.cache_root() / 'wheels'}"
+    )
 
 
 def _member(name: str, mode: int) -> zipfile.ZipInfo:
@@ -132,7 +134,9 @@ def _build_wheel(lineage: Lineage, out_dir: Path, original: Path | None) -> Expo
         try:
             checked.validate_record(validate_contents=True)
         except ValueError as exc:
-            raise BadInput(f"{original.name}: RECORD check failed: {(getattr(exc, 'issues', None) or [exc])[0]}") from None
+            raise BadInput(
+                f"{original.name}: RECORD check failed: {(getattr(exc, 'issues', None) or [exc])[0]}"
+            ) from None
     # Written under its own name (WheelFile derives the dist-info from it) in a staging folder,
     # then renamed: a failed export leaves no partial wheel behind.
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))

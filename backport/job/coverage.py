@@ -67,9 +67,14 @@ def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
     found = []
     for i, e in enumerate(entries, 1):
         where = f"{path} entry {i}"
-        if not {"fix", "variants", "file", "lines", "reason"} <= set(e) <= {"fix", "variants", "file", "lines",
-                                                                             "reason", "after"}:
-            raise BadInput(f"{where}: an entry is {{ fix, variants, file, lines, reason[, after] }}, got {sorted(e)}")
+        if (
+            not {"fix", "variants", "file", "lines", "reason"}
+            <= set(e)
+            <= {"fix", "variants", "file", "lines", "reason", "after"}
+        ):
+            raise BadInput(
+                f"{where}: an entry is {{ fix, variants, file, lines, reason[, after] }}, got {sorted(e)}"
+            )
         texts = [e["fix"], e["file"], e["reason"], *e["variants"], *e["lines"]]
         if not e["variants"] or not e["lines"] or not all(isinstance(t, str) and t.strip() for t in texts):
             raise BadInput(f"{where}: fix, file, reason, every variant and every line must be non-empty text")
@@ -77,8 +82,16 @@ def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
         after = [after] if isinstance(after, str) else after
         if not isinstance(after, list) or not all(isinstance(t, str) for t in after):
             raise BadInput(f"{where}: after must be the text of the line (or lines) before the run")
-        found.append(Exclusion(e["fix"], tuple(e["variants"]), e["file"], tuple(t.strip() for t in e["lines"]),
-                               e["reason"].strip(), tuple(t.strip() for t in after)))
+        found.append(
+            Exclusion(
+                e["fix"],
+                tuple(e["variants"]),
+                e["file"],
+                tuple(t.strip() for t in e["lines"]),
+                e["reason"].strip(),
+                tuple(t.strip() for t in after),
+            )
+        )
     return found
 
 
@@ -113,7 +126,9 @@ def stale_exclusions(pack) -> list[str]:
             if name not in variants:
                 found.append(f"{e.fix} {name}: no such variant ({e.file}: {e.lines[0]!r})")
             elif (hits := times_added(variants[name], e)) != 1:
-                found.append(f"{e.fix} {name}: adds the run starting {e.lines[0]!r} to {e.file} {hits} times, not once")
+                found.append(
+                    f"{e.fix} {name}: adds the run starting {e.lines[0]!r} to {e.file} {hits} times, not once"
+                )
     return found
 
 
@@ -138,7 +153,9 @@ def touched_files(apply_json: dict | None) -> list[str]:
     return sorted(files)
 
 
-def upstream_lines(upstream_doc: dict | None, tree: str = "patched") -> tuple[dict[str, set[int]] | None, str | None]:
+def upstream_lines(
+    upstream_doc: dict | None, tree: str = "patched"
+) -> tuple[dict[str, set[int]] | None, str | None]:
     """(the lines upstream's tests ran on `tree`, per file; or None and why they are not known)."""
     if not upstream_doc:
         return None, "upstream tests did not run"
@@ -152,17 +169,25 @@ def upstream_lines(upstream_doc: dict | None, tree: str = "patched") -> tuple[di
     return {rel: set(lines) for rel, lines in entry["coverage"].items()}, None
 
 
-def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None, pack: Pack,
-                   probe_doc: dict, min_percent: float | None = None, *,
-                   upstream: tuple[dict[str, set[int]] | None, str | None] = (None, "upstream tests did not run"),
-                   ) -> tuple[dict, dict[str, list[str]]]:
+def patch_coverage(
+    tree_path: Path,
+    package_prefix: str,
+    apply_json: dict | None,
+    pack: Pack,
+    probe_doc: dict,
+    min_percent: float | None = None,
+    *,
+    upstream: tuple[dict[str, set[int]] | None, str | None] = (None, "upstream tests did not run"),
+) -> tuple[dict, dict[str, list[str]]]:
     """The receipt's `coverage` section for the patched tree, and per fix the added lines
     upstream's tests ran (what `upstream-tests.json` records for the patched tree)."""
     measured = probe_doc.get("coverage")
     if measured is None:
         reason = probe_doc.get("coverage_unavailable") or "the probe run recorded no coverage"
-        return ({"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent},
-                {})
+        return (
+            {"measured": False, "reason": reason, "patches": [], "totals": {}, "min_percent": min_percent},
+            {},
+        )
     upstream_ran, upstream_reason = upstream
     listed = load_exclusions(getattr(pack, "root", None))
     blamed: dict[str, tuple[list[str], list[str]]] = {}  # file -> (commit per line, its lines), read once
@@ -180,8 +205,10 @@ def patch_coverage(tree_path: Path, package_prefix: str, apply_json: dict | None
         upstream_hits: list[str] = []
         for rel in sorted({h["file"] for h in patch.get("hunks", [])}):
             if rel not in blamed:
-                blamed[rel] = (blame_commits(tree_path, f"{package_prefix}{rel}"),
-                               (tree_path / f"{package_prefix}{rel}").read_text(errors="replace").splitlines())
+                blamed[rel] = (
+                    blame_commits(tree_path, f"{package_prefix}{rel}"),
+                    (tree_path / f"{package_prefix}{rel}").read_text(errors="replace").splitlines(),
+                )
             commits, lines = blamed[rel]
             file_cov = measured.get(rel, {"statements": [], "executed": []})
             statements, ran = set(file_cov["statements"]), set(file_cov["executed"])
@@ -300,7 +327,9 @@ def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str
     """Per fix, each pristine function it changes: its executable lines, how many of them the cases
     unsafe on the pristine tree ran, and which of those cases ran any."""
     measured = pristine_doc.get("coverage")
-    unsafe = [f"{c['probe']}/{c['case']}" for c in pristine_doc.get("cases", []) if c.get("verdict") == "unsafe"]
+    unsafe = [
+        f"{c['probe']}/{c['case']}" for c in pristine_doc.get("cases", []) if c.get("verdict") == "unsafe"
+    ]
     entries: list[dict] = []
     sources: dict[str, list[tuple[str, int, int, int]]] = {}
     for patch in (apply_json or {}).get("patches", []):
@@ -313,8 +342,16 @@ def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str
             span = next(((first, last) for fn, first, last, _ in sources[rel] if fn == name), None)
             if span is None:
                 continue  # a function an earlier patch added: not pristine code
-            entry = {"fix": patch["fix"], "file": rel, "function": name, "first_line": span[0],
-                     "last_line": span[1], "lines": None, "executed_by_unsafe_cases": None, "unsafe_cases": []}
+            entry = {
+                "fix": patch["fix"],
+                "file": rel,
+                "function": name,
+                "first_line": span[0],
+                "last_line": span[1],
+                "lines": None,
+                "executed_by_unsafe_cases": None,
+                "unsafe_cases": [],
+            }
             file_cov = (measured or {}).get(rel)
             if file_cov is not None and "cases" in file_cov:
                 statements = {n for n in file_cov["statements"] if span[0] <= n <= span[1]}
@@ -345,15 +382,27 @@ def measure(trees: dict, apply_json: dict | None, pack: Pack, probe_docs: dict[s
         patched = trees["patched"]
         prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
         prefix = f"{prefix}/" if prefix else ""
-        section, by_upstream = patch_coverage(patched.tree_path, prefix, apply_json, pack, probe_docs["patched"],
-                                              min_percent, upstream=upstream_lines(upstream_doc))
+        section, by_upstream = patch_coverage(
+            patched.tree_path,
+            prefix,
+            apply_json,
+            pack,
+            probe_docs["patched"],
+            min_percent,
+            upstream=upstream_lines(upstream_doc),
+        )
         if section["measured"] and "pristine" in probe_docs:
             pristine = probe_docs["pristine"]
-            section["pristine_functions"] = pristine_functions(trees["pristine"].package_root, patched.tree_path,
-                                                               prefix, apply_json, pristine)
+            section["pristine_functions"] = pristine_functions(
+                trees["pristine"].package_root, patched.tree_path, prefix, apply_json, pristine
+            )
             section["pristine_reason"] = pristine_reason(pristine)
         for entry in (upstream_doc or {}).get("trees") or []:
-            if entry.get("tree") == "patched" and section["measured"] and section["upstream_tests"]["measured"]:
+            if (
+                entry.get("tree") == "patched"
+                and section["measured"]
+                and section["upstream_tests"]["measured"]
+            ):
                 entry["added_lines_executed"] = by_upstream
     for entry in (upstream_doc or {}).get("trees") or []:
         entry.pop("coverage", None)

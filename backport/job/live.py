@@ -26,8 +26,15 @@ def live_documents(trees: dict[str, evidence.TreeInput], python: str | None) -> 
     ref = trees.get("reference")
     ref_key = (str(env.python), ref.tree_digest) if ref is not None and ref.tree_digest else None
     to_run = [role for role in roles if not (role == "reference" and ref_key in _REFERENCE_RUNS)]
-    documents = dict(zip(to_run, run_live(env, model, [(role, Path(trees[role].package_root), trees[role].version)
-                                                        for role in to_run]), strict=True))
+    documents = dict(
+        zip(
+            to_run,
+            run_live(
+                env, model, [(role, Path(trees[role].package_root), trees[role].version) for role in to_run]
+            ),
+            strict=True,
+        )
+    )
     if ref_key in _REFERENCE_RUNS:
         documents["reference"] = _REFERENCE_RUNS[ref_key]
     elif ref_key is not None and all(s["verdict"] != "error" for s in documents["reference"]["scenarios"]):

@@ -37,8 +37,10 @@ class RunOptions:
     upstream_base_url: str | None = None
     upstream_tests: bool = True
     keep_trees: bool = False
-    bundle_root: Path | None = None    # where evidence/<target> goes without --out (default ./evidence)
-    min_coverage: float | None = None  # a floor for the patches' executed lines (percent); below it: a finding
+    bundle_root: Path | None = None  # where evidence/<target> goes without --out (default ./evidence)
+    min_coverage: float | None = (
+        None  # a floor for the patches' executed lines (percent); below it: a finding
+    )
     export: bool = False               # put the patched wheel and the patch series in the bundle
     force: bool = False                # `out` may hold a bundle already: replace it (evidence/bundle.py)
     vuln_aliases: tuple[tuple[str, str], ...] = ()  # (class id or name, CVE/GHSA id): more VEX aliases
@@ -124,7 +126,9 @@ def plan(options: RunOptions) -> Plan:
     in_place = is_user_checkout(options.spec)
     # A checkout is described now, before anything is built: its commit is what gets proved,
     # whatever happens to its work tree or HEAD while the run goes on.
-    checkout = pristine_checkout(Path(options.spec), options.spec, pack, options.version) if in_place else None
+    checkout = (
+        pristine_checkout(Path(options.spec), options.spec, pack, options.version) if in_place else None
+    )
     return Plan(options, series_dir, pack, "upstream-pair" if options.head else "backport",
                 source_kind(target), in_place, reference, choice, matrix, pins,
                 source_kind(head) if head is not None else None, checkout)

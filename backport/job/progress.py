@@ -40,7 +40,9 @@ def _handlers() -> list[logging.Handler]:
 
 
 @contextmanager
-def heartbeat(what: str, detail: Callable[[], str] | None = None, *, every: float | None = None) -> Iterator[None]:
+def heartbeat(
+    what: str, detail: Callable[[], str] | None = None, *, every: float | None = None
+) -> Iterator[None]:
     """While the block runs, a line `<what> ... N s[, detail]` each time nothing was printed for
     `every` seconds (INTERVAL)."""
     every = INTERVAL if every is None else every

@@ -117,8 +117,10 @@ def check_probed(trees: dict[str, evidence.TreeInput], probe_docs: dict[str, dic
             raise Finding(f"the {role} probes ran on {probed}, not on the recorded tree {tree.package_root}")
         now = tree_digest(Path(tree.package_root))
         if now != tree.tree_digest:
-            raise Finding(f"the {role} tree {tree.package_root} changed while it was probed: digest {now[:12]} "
-                          f"now, {tree.tree_digest[:12]} recorded; no bundle written")
+            raise Finding(
+                f"the {role} tree {tree.package_root} changed while it was probed: digest {now[:12]} "
+                f"now, {tree.tree_digest[:12]} recorded; no bundle written"
+            )
 
 
 def clone(source: Tree) -> Tree:
@@ -132,8 +134,11 @@ def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
         failed = [p for p in report.patches if p.status == "failed"]
         first = failed[0] if failed else None
         what = "" if first is None else f": {first.fix} ({first.variant or 'no variant'}) {first.reason}"
-        raise SeriesDoesNotApply(f"{the_plan.options.spec}: the series does not apply{what}; no bundle written "
-                                 f"(there is no patched tree to prove)", report)
+        raise SeriesDoesNotApply(
+            f"{the_plan.options.spec}: the series does not apply{what}; no bundle written "
+            f"(there is no patched tree to prove)",
+            report,
+        )
     return report
 
 
@@ -143,7 +148,9 @@ def unserved(report: ApplyReport) -> bool:
     return evidence.unserved_fixes(report.to_json()) is not None
 
 
-def tree_input(role: str, tree: Tree, *, digest: str | None = None, commit: str | None = None) -> evidence.TreeInput:
+def tree_input(
+    role: str, tree: Tree, *, digest: str | None = None, commit: str | None = None
+) -> evidence.TreeInput:
     return evidence.TreeInput(role=role, spec=tree.spec, version=tree.version,
                               tree_digest=digest or tree_digest(tree.package_root),
                               commit=commit if commit is not None else tree.base_commit,
@@ -188,7 +195,9 @@ def patch_inputs(the_plan: Plan, report_json: dict) -> list[dict]:
         path = Path(pv.path) if pv is not None else pack.root / patch["fix"] / variant
         digest = evidence.sha256_file(path) if path.is_file() else patch.get("variant_sha256")
         if patch.get("variant_sha256") and digest != patch["variant_sha256"]:
-            raise Finding(f"{path}: sha256 {digest} differs from the {patch['variant_sha256']} the engine applied")
+            raise Finding(
+                f"{path}: sha256 {digest} differs from the {patch['variant_sha256']} the engine applied"
+            )
         try:
             rel = path.resolve().relative_to(Path(pack.root).resolve()).as_posix()
         except ValueError:
@@ -242,7 +251,9 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
                 patched = clone(source)
                 work.append(patched.path)
             try:
-                with progress.step("apply", f"applying the series of {the_plan.series_dir} to sglang {source.version}"):
+                with progress.step(
+                    "apply", f"applying the series of {the_plan.series_dir} to sglang {source.version}"
+                ):
                     report = apply_pack(the_plan, patched)
             except SeriesDoesNotApply as refused:
                 if not unserved(refused.report):
@@ -263,7 +274,9 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
     except BaseException:
         discard(work, keep=False)
         raise
-    return Prepared(the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work, mode)
+    return Prepared(
+        the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work, mode
+    )
 
 
 def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
@@ -327,26 +340,46 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
         source, trees = run.source, run.trees
         bundle = evidence.assemble(
             mode=run.mode,
-            target={"spec": options.spec, "kind": the_plan.kind, "version": source.version,
-                    "artifact_sha256": source.artifact_sha256,
-                    "commit": source.base_commit if the_plan.kind in ("git", "path") else None,
-                    "unpinned": bool(source.unpinned), "head": options.head},
-            trees=trees, probe_docs=probe_docs, apply_report=run.apply_json, patches=run.patches,
-            series_files=series_files(the_plan), upstream_tests=upstream,
+            target={
+                "spec": options.spec,
+                "kind": the_plan.kind,
+                "version": source.version,
+                "artifact_sha256": source.artifact_sha256,
+                "commit": source.base_commit if the_plan.kind in ("git", "path") else None,
+                "unpinned": bool(source.unpinned),
+                "head": options.head,
+            },
+            trees=trees,
+            probe_docs=probe_docs,
+            apply_report=run.apply_json,
+            patches=run.patches,
+            series_files=series_files(the_plan),
+            upstream_tests=upstream,
             environment=evidence.environment_record(evidence.interpreter_environment(python), probe_docs),
             toolkit=evidence.toolkit_info(),
             timestamps={
-                "started": run.started_at, "finished": _now(),
-                "duration_seconds": round(time.monotonic() - run.started, 3), "steps": progress.steps,
-                "paths": {"bundle": str(Path(run.out).absolute()), "probe_python": python,
-                          "series": str(the_plan.series_dir.resolve()), "cache": str(cache.cache_root()),
-                          **{role: str(t.tree_path) for role, t in trees.items()}},
+                "started": run.started_at,
+                "finished": _now(),
+                "duration_seconds": round(time.monotonic() - run.started, 3),
+                "steps": progress.steps,
+                "paths": {
+                    "bundle": str(Path(run.out).absolute()),
+                    "probe_python": python,
+                    "series": str(the_plan.series_dir.resolve()),
+                    "cache": str(cache.cache_root()),
+                    **{role: str(t.tree_path) for role, t in trees.items()},
+                },
             },
             reference_choice=None if run.exposure else the_plan.reference_choice,
             extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
-            coverage=coverage, export=exported, live=live,
+            coverage=coverage,
+            export=exported,
+            live=live,
             vulnerabilities=pack_classes(the_plan.pack, the_plan.matrix, options.vuln_aliases),
-            advisories=bundle_section(the_plan.pack, {role: (t.package_root, t.version) for role, t in trees.items()}))
+            advisories=bundle_section(
+                the_plan.pack, {role: (t.package_root, t.version) for role, t in trees.items()}
+            ),
+        )
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == "pass" else 1
     return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),

@@ -51,8 +51,14 @@ AUTH_REFUSALS = (401, 403)   # sbp-bootstrap-auth: no bearer token / a wrong one
 ABSENT = (404, 405)          # the release has no such route
 
 # rank 0 (dp 0, cp 0, tp 0, pp 0) in every release's query keys; each handler reads its own
-ROUTE_QUERY = {"prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0,  # 0.5.10 on
-               "engine_rank": 0, "target_dp_group": 0}  # up to 0.5.9 (0.4.5.post1 - 0.4.5.post3: engine_rank)
+ROUTE_QUERY = {
+    "prefill_dp_rank": 0,
+    "prefill_cp_rank": 0,
+    "target_tp_rank": 0,
+    "target_pp_rank": 0,  # 0.5.10 on
+    "engine_rank": 0,
+    "target_dp_group": 0,
+}  # up to 0.5.9 (0.4.5.post1 - 0.4.5.post3: engine_rank)
 INFO_QUERY = {key: -1 for key in ROUTE_QUERY}  # -1 everywhere: the prefill's parallel info
 # a single-rank prefill's registration in every release's fields ("role" up to 0.5.9, "engine_rank",
 # "tp_size", "dp_size" up to 0.5.2); sizes only count while unset, so they change nothing
@@ -152,10 +158,13 @@ def _dp_rank_write(base: str) -> dict[str, Any]:
     return out
 
 
-@scenario(must_preserve=False, expect="a client on 127.0.0.1 without the bootstrap token cannot rewrite the route "
-                                      "table (PUT /route and POST /register_dp_rank refused with 401/403, the entry "
-                                      "read back unchanged, no connection to its endpoint) and the pair still "
-                                      "serves the valid prompt with the reference tokens")
+@scenario(
+    must_preserve=False,
+    expect="a client on 127.0.0.1 without the bootstrap token cannot rewrite the route "
+    "table (PUT /route and POST /register_dp_rank refused with 401/403, the entry "
+    "read back unchanged, no connection to its endpoint) and the pair still "
+    "serves the valid prompt with the reference tokens",
+)
 def bootstrap_route_poisoning_refused(dep: Deployment, model: TinyModel) -> Outcome:
     base = bootstrap_url(dep)
     details: dict[str, Any] = {"bootstrap": base}
@@ -171,7 +180,9 @@ def bootstrap_route_poisoning_refused(dep: Deployment, model: TinyModel) -> Outc
             wrong = {"Authorization": f"Bearer {secrets.token_urlsafe(16)}"}
             for label, headers in (("none", {}), ("wrong bearer token", wrong)):
                 put = _call("PUT", base + "/route", json=body, headers=headers)
-                details["attempts"].append({"authorization": label, "put": put, "read_back": read_entry(base)})
+                details["attempts"].append(
+                    {"authorization": label, "put": put, "read_back": read_entry(base)}
+                )
             details["dp_rank"] = _dp_rank_write(base)
             details["next_valid"] = ask(dep, model, "valid", timeout=NEXT_REQUEST_TIMEOUT).to_json()
             time.sleep(SINK_GRACE)
@@ -202,7 +213,10 @@ def judge(details: dict[str, Any], reference: list[int]) -> tuple[str, str]:
     prompts got the reference tokens; a bootstrap that does not answer is `error`."""
     before = details["before"]
     if before["status"] is None:
-        return ERROR, f"the bootstrap server did not answer GET /route ({before.get('error', '')[:120]}): no verdict"
+        return (
+            ERROR,
+            f"the bootstrap server did not answer GET /route ({before.get('error', '')[:120]}): no verdict",
+        )
     original = before.get("entry")
     if original is None:
         return ERROR, f"GET /route for rank 0 got {before['status']} without an entry: no verdict"
@@ -225,10 +239,15 @@ def judge(details: dict[str, Any], reference: list[int]) -> tuple[str, str]:
     for a in attempts:
         put, back = a["put"], a["read_back"]
         if put["status"] is None or back["status"] is None:
-            return ERROR, f"the bootstrap server stopped answering (authorization {a['authorization']!r}): no verdict"
+            return (
+                ERROR,
+                f"the bootstrap server stopped answering (authorization {a['authorization']!r}): no verdict",
+            )
         if back.get("entry") != original:
-            return ERROR, (f"GET /route read back {back.get('entry') or back['status']}, neither the original "
-                           "entry nor the sink's: no verdict")
+            return ERROR, (
+                f"GET /route read back {back.get('entry') or back['status']}, neither the original "
+                "entry nor the sink's: no verdict"
+            )
         if put["status"] not in AUTH_REFUSALS:
             return ERROR, (f"PUT /route with authorization {a['authorization']!r} got {put['status']}, not "
                            "401/403, and the entry is unchanged: no verdict")
@@ -245,8 +264,10 @@ def judge(details: dict[str, Any], reference: list[int]) -> tuple[str, str]:
     refused = "/".join(str(a["put"]["status"]) for a in attempts)
     dp_note = ("" if not dp or dp["register"]["status"] in ABSENT else
                f", POST /register_dp_rank {dp['register']['status']}")
-    return SAFE, (f"PUT /route refused ({refused}){dp_note}, the entry read back unchanged, no connection to the "
-                  "sink, the valid prompt got the reference tokens")
+    return SAFE, (
+        f"PUT /route refused ({refused}){dp_note}, the entry read back unchanged, no connection to the "
+        "sink, the valid prompt got the reference tokens"
+    )
 
 
 def _restored_note(details: dict[str, Any], reference: list[int]) -> str:

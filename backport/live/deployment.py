@@ -35,9 +35,20 @@ ROUTER_START_TIMEOUT = 120.0
 CONTEXT = 1024
 PREFILL_POOL = 256
 DECODE_POOL = 512
-COMMON_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                "--dtype", "float32", "--disable-radix-cache", "--disaggregation-transfer-backend", "mooncake",
-                "--context-length", str(CONTEXT))
+COMMON_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--dtype",
+    "float32",
+    "--disable-radix-cache",
+    "--disaggregation-transfer-backend",
+    "mooncake",
+    "--context-length",
+    str(CONTEXT),
+)
 PREFILL_FLAGS = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL))
 RESERVED_DECODE_TOKENS = 16
 DECODE_FLAGS = ("--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL),
@@ -108,7 +119,9 @@ def flush_frees_held_pages(package_root: Path) -> bool:
     pack = load_pack(resources.pack_dir())
     read = fs_reader(package_root)
     environ = read("sglang/srt/environ.py") or ""
-    held_by_default = re.search(r"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool\(True\)", environ)
+    held_by_default = re.search(
+        r"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE = EnvBool\(True\)", environ
+    )
     counted, _ = fingerprint_match(pack.fixes["sbp-flush-holds"], read)
     return bool(held_by_default) and not counted
 
@@ -159,8 +172,19 @@ def decode_flags(package_root: Path, setup: ServingSetup | None = None) -> tuple
 
 
 def server_argv(env: ServingEnv, model: TinyModel, role_flags: tuple[str, ...], port: int) -> list[str]:
-    return [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model.path), "--host", LOOPBACK,
-            "--port", str(port), *COMMON_FLAGS, *role_flags]
+    return [
+        str(env.python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model.path),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        *COMMON_FLAGS,
+        *role_flags,
+    ]
 
 
 @contextlib.contextmanager
@@ -185,17 +209,41 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
         return server_argv(env, model, with_nccl(role, ports), ports["prefill"])
 
     def router_argv(ports: dict[str, int]) -> list[str]:
-        return [*router_command(env), "launch", "--pd-disaggregation",
-                "--prefill", prefill.url, str(prefill.ports[1]), "--decode", decode.url,  # ports[1]: bootstrap
-                "--host", LOOPBACK, "--port", str(ports["router"]),
-                "--prometheus-host", LOOPBACK, "--prometheus-port", str(ports["metrics"])]
+        return [
+            *router_command(env),
+            "launch",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(prefill.ports[1]),
+            "--decode",
+            decode.url,  # ports[1]: bootstrap
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(ports["router"]),
+            "--prometheus-host",
+            LOOPBACK,
+            "--prometheus-port",
+            str(ports["metrics"]),
+        ]
 
     with Processes(workdir) as processes:
         # each started on free loopback ports, again on others if one was taken meanwhile
-        pair = serve(processes, [
-            Launch("prefill", prefill_argv, ("prefill", "bootstrap", *nccl), server_env),
-            Launch("decode", lambda ports: server_argv(env, model, with_nccl(decode_role, ports), ports["decode"]),
-                   ("decode", *nccl), server_env)], "/health", SERVER_START_TIMEOUT)
+        pair = serve(
+            processes,
+            [
+                Launch("prefill", prefill_argv, ("prefill", "bootstrap", *nccl), server_env),
+                Launch(
+                    "decode",
+                    lambda ports: server_argv(env, model, with_nccl(decode_role, ports), ports["decode"]),
+                    ("decode", *nccl),
+                    server_env,
+                ),
+            ],
+            "/health",
+            SERVER_START_TIMEOUT,
+        )
         prefill, decode = pair["prefill"], pair["decode"]
         if setup.health_before_warmup:
             wait_warmed_up([prefill, decode], SERVER_START_TIMEOUT)

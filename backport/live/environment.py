@@ -73,7 +73,9 @@ def ensure_overlay(python: Path) -> Path:
 
     def build(staged: Path) -> None:
         log.warning("building the serving overlay in %s (one time, about a minute) ...", final)
-        _pip(python, ["--no-deps", "--target", str(staged), "-r", str(SERVE_REQUIREMENTS)], SERVE_REQUIREMENTS)
+        _pip(
+            python, ["--no-deps", "--target", str(staged), "-r", str(SERVE_REQUIREMENTS)], SERVE_REQUIREMENTS
+        )
         (staged / "READY").write_bytes(requirements)
 
     cache.build_entry(final, build)

@@ -31,7 +31,9 @@ def make_tokenizer(out: Path) -> None:
     vocab.update({f"t{i}": i for i in range(len(SPECIAL), SHAPE["vocab_size"])})
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     fast.save_pretrained(out)
 
 

@@ -90,8 +90,10 @@ class Pair:
         ids, new = PROMPTS[name]
         extra = {"rid": rid, "bootstrap_host": LOOPBACK, "bootstrap_port": self.bootstrap_port,
                  "bootstrap_room": random.getrandbits(62)}
-        halves = [pool.submit(generate, server.url, ids, max_new_tokens=new, timeout=REQUEST_TIMEOUT, extra=extra)
-                  for server in (self.prefill, self.decode)]
+        halves = [
+            pool.submit(generate, server.url, ids, max_new_tokens=new, timeout=REQUEST_TIMEOUT, extra=extra)
+            for server in (self.prefill, self.decode)
+        ]
         return halves[0], halves[1]
 
 
@@ -181,8 +183,10 @@ def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[str, str]:
     unsafe = sum(1 for t in valid if not t["b_matches_reference"])
     counted = f"{unsafe} of {len(valid)} valid trials unsafe ({len(trials)} run)"
     if unsafe:
-        return UNSAFE, (f"{counted}: A's late writes landed on B's pages (B's tokens differ from the reference; "
-                        "B alone and B with A's writes held back match it)")
+        return UNSAFE, (
+            f"{counted}: A's late writes landed on B's pages (B's tokens differ from the reference; "
+            "B alone and B with A's writes held back match it)"
+        )
     waits = [t["b_wait_seconds"] for t in valid]
     return SAFE, f"{counted}: B waited {min(waits):.1f} - {max(waits):.1f} s and got the reference tokens"
 
@@ -213,8 +217,14 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
         netns.set_send_buffer(send_buffer)
     workdir.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    server_env = {**base, **SERVER_ENV, **server_environment(setup, RESERVED_DECODE_TOKENS), **(extra_env or {}),
-                  "PYTHONPATH": env.pythonpath(package_root, pythonpath_extras(setup)), "PYTHONNOUSERSITE": "1"}
+    server_env = {
+        **base,
+        **SERVER_ENV,
+        **server_environment(setup, RESERVED_DECODE_TOKENS),
+        **(extra_env or {}),
+        "PYTHONPATH": env.pythonpath(package_root, pythonpath_extras(setup)),
+        "PYTHONNOUSERSITE": "1",
+    }
 
     def nccl() -> tuple[str, ...]:
         return ("--nccl-port", str(free_port())) if setup.nccl_port else ()
@@ -247,7 +257,9 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
             netns.set_port_range(*netns.OTHER_RANGE)
         found = netns.data_port_from_a()
         if warm.status != 200 or found is None:
-            raise RuntimeError(f"A's warm-up: status {warm.status}, Mooncake connection from A's ports: {found}")
+            raise RuntimeError(
+                f"A's warm-up: status {warm.status}, Mooncake connection from A's ports: {found}"
+            )
         shaping = netns.Shaping(found[0], RATE)
         shaping.apply()
         yield Race(a, b, shaping, model, time.monotonic() - started)
@@ -264,9 +276,17 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
     if reason is not None:
         return {**result, "verdict": NOT_APPLICABLE, "observed": reason, "details": {}, "seconds": 0.0}
     model = race_model(env.python)
-    details: dict = {"topology": TOPOLOGY, "shaping": {"rate": RATE, "abort_at_fraction": ABORT_AT,
-                                                      "hold_rate": HOLD_RATE, "hold_limit_seconds": HOLD_LIMIT},
-                     "environment": dict(extra_env or {}), "model_sha256": model.sha256}
+    details: dict = {
+        "topology": TOPOLOGY,
+        "shaping": {
+            "rate": RATE,
+            "abort_at_fraction": ABORT_AT,
+            "hold_rate": HOLD_RATE,
+            "hold_limit_seconds": HOLD_LIMIT,
+        },
+        "environment": dict(extra_env or {}),
+        "model_sha256": model.sha256,
+    }
     if send_buffer:
         details["tcp_send_buffer_bytes"] = send_buffer
     try:
@@ -298,8 +318,17 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
             "seconds": round(time.monotonic() - started, 1)}
 
 
-TOPOLOGY = {"name": "2P1D", "prefills": 2, "decodes": 1, "network": "private namespace, lo MTU 1500",
-            "dispatch": "client sends each half with the router's bootstrap fields",
-            "model": "2 layers, hidden 512, 8 KV heads (8 KiB KV/token)", "a_tokens": A_TOKENS,
-            "b_tokens": B_TOKENS, "b_new_tokens": B_NEW, "decode_pool": DECODE_POOL, "prefill_pool": PREFILL_POOL,
-            "transfer": "mooncake over TCP"}
+TOPOLOGY = {
+    "name": "2P1D",
+    "prefills": 2,
+    "decodes": 1,
+    "network": "private namespace, lo MTU 1500",
+    "dispatch": "client sends each half with the router's bootstrap fields",
+    "model": "2 layers, hidden 512, 8 KV heads (8 KiB KV/token)",
+    "a_tokens": A_TOKENS,
+    "b_tokens": B_TOKENS,
+    "b_new_tokens": B_NEW,
+    "decode_pool": DECODE_POOL,
+    "prefill_pool": PREFILL_POOL,
+    "transfer": "mooncake over TCP",
+}

@@ -124,7 +124,9 @@ def parse(status: int, body: str, prompt: list[int], tokenizer: WordTokenizer | 
         return Reply(status, [], None, seconds, body, recovered=status != 200)
     meta = document.get("meta_info") or {}
     if status != 200:
-        return Reply(status, [], meta.get("prompt_tokens"), seconds, str(document.get("error") or document)[:300])
+        return Reply(
+            status, [], meta.get("prompt_tokens"), seconds, str(document.get("error") or document)[:300]
+        )
     tokens, source, recovered = read_tokens(document, prompt, tokenizer)
     return Reply(status, tokens, meta.get("prompt_tokens"), seconds, "" if recovered else
                  f"the reply's generated tokens cannot be recovered: {json.dumps(document)[:240]}",

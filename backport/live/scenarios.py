@@ -24,7 +24,7 @@ FLUSH_HAZARD = ("this tree's decode frees a deferred hold's pages twice when flu
 # 0.5.22 holds a refused request's reservation up to its deferred-release timeout; the rest is the
 # scheduler loop's and the polling's slack on two loaded cores
 RESERVATION_BOUND = DEFERRED_RELEASE_TIMEOUT + 15.0
-REFUSED_IN_A_ROW = 2   # two 400-token reservations do not fit decode's 512: the second must wait for the first
+REFUSED_IN_A_ROW = 2  # two 400-token reservations do not fit decode's 512: the second must wait for the first
 LOG_NEEDLES = ("exceeds the maximum allowed length", "#new-token: 1,", "Abort", "abort", "Traceback", "Error")
 
 
@@ -70,8 +70,11 @@ def _unreadable(*replies: Reply) -> bool:
     return any(r.status == 200 and not r.recovered for r in replies)
 
 
-@scenario(must_preserve=True, expect="a prompt that fits gets 200 and exactly plain transformers' greedy tokens "
-                                     "(so the prompt's KV moved from prefill to decode)")
+@scenario(
+    must_preserve=True,
+    expect="a prompt that fits gets 200 and exactly plain transformers' greedy tokens "
+    "(so the prompt's KV moved from prefill to decode)",
+)
 def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
     reply = ask(dep, model, "valid")
@@ -85,8 +88,11 @@ def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome
     return Outcome(SAFE, "200 and the reference tokens", details)
 
 
-@scenario(must_preserve=False, expect=f"a prompt within the context but above the prefill pool ({PREFILL_POOL} "
-                                      "tokens) gets 400 and no tokens")
+@scenario(
+    must_preserve=False,
+    expect=f"a prompt within the context but above the prefill pool ({PREFILL_POOL} "
+    "tokens) gets 400 and no tokens",
+)
 def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
     reply = ask(dep, model, "over_pool")
@@ -108,8 +114,11 @@ def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
     return Outcome(ERROR, f"no verdict: status {reply.status} ({reply.error or 'no answer'})", details)
 
 
-@scenario(must_preserve=False, expect="the over-pool request's answer never depends on an earlier request's prompt "
-                                      "(it is refused, or its tokens are the same whatever came before)")
+@scenario(
+    must_preserve=False,
+    expect="the over-pool request's answer never depends on an earlier request's prompt "
+    "(it is refused, or its tokens are the same whatever came before)",
+)
 def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -> Outcome:
     """Decode flushed, earlier prompt A, the over-pool request R; flushed, B, R; flushed, A, R.
     Flushing before each earlier prompt makes decode's allocator hand R the slots A or B used.
@@ -129,15 +138,20 @@ def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -
     details = {"steps": steps, "log": dep.log_lines(mark, *LOG_NEEDLES)}
     replies = [s["rejected_reply"] for s in steps]
     if any(s["earlier_reply"]["status"] != 200 or s["flush"] == "refused" for s in steps):
-        return Outcome(ERROR, "an earlier request failed or decode never accepted a flush: no verdict", details)
+        return Outcome(
+            ERROR, "an earlier request failed or decode never accepted a flush: no verdict", details
+        )
     if any(r.get("tokens_unrecoverable") for r in replies):
-        return Outcome(ERROR, "200, but the reply's generated tokens cannot be read back (reply.py): no verdict",
-                       details)
+        return Outcome(
+            ERROR, "200, but the reply's generated tokens cannot be read back (reply.py): no verdict", details
+        )
     if all(r["status"] is not None and 400 <= r["status"] < 500 and not r["tokens"] for r in replies):
         return Outcome(SAFE, "refused every time", details)
     after_a, after_b, after_a_again = (r["tokens"] for r in replies)
     if after_a != after_a_again:
-        return Outcome(ERROR, "answers after the same earlier prompt differ: not deterministic, no verdict", details)
+        return Outcome(
+            ERROR, "answers after the same earlier prompt differ: not deterministic, no verdict", details
+        )
     if after_a != after_b:
         return Outcome(UNSAFE, "200, and the tokens differ after A and after B and repeat exactly after A: "
                                "the answer depends on another request's prompt", details)
@@ -153,14 +167,20 @@ def over_decode_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outco
     # A prompt that fits prefill but not decode needs decode's pool below prefill's input limit.
     # This pair's decode pool must hold the over-pool prompt (the leak needs it there), so no
     # prompt can drive the path on it; a second pair per tree is beyond the CI budget.
-    return Outcome(NOT_APPLICABLE, f"not driven on this pair: decode's pool ({DECODE_POOL} tokens) is larger "
-                                   f"than prefill's ({PREFILL_POOL}), so no prompt fits prefill and not decode",
-                   {"prefill_pool": PREFILL_POOL, "decode_pool": DECODE_POOL})
+    return Outcome(
+        NOT_APPLICABLE,
+        f"not driven on this pair: decode's pool ({DECODE_POOL} tokens) is larger "
+        f"than prefill's ({PREFILL_POOL}), so no prompt fits prefill and not decode",
+        {"prefill_pool": PREFILL_POOL, "decode_pool": DECODE_POOL},
+    )
 
 
-@scenario(must_preserve=False, expect="after refused over-pool requests decode's tokens in use return to the "
-                                      f"idle baseline within {RESERVATION_BOUND:.0f} s (0.5.22's deferred-release "
-                                      "timeout and slack) and the next valid prompt gets the reference tokens")
+@scenario(
+    must_preserve=False,
+    expect="after refused over-pool requests decode's tokens in use return to the "
+    f"idle baseline within {RESERVATION_BOUND:.0f} s (0.5.22's deferred-release "
+    "timeout and slack) and the next valid prompt gets the reference tokens",
+)
 def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyModel) -> Outcome:
     """The router sends each request to both sides at once, so decode reserves pages for a prompt
     prefill then refuses. Baseline: decode idle (holds of earlier scenarios run out first); then
@@ -182,12 +202,19 @@ def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyMod
     refused = [ask(dep, model, "over_pool") for _ in range(REFUSED_IN_A_ROW)]
     details["refused"] = [r.to_json() for r in refused]
     if any(r.status == 200 for r in refused):
-        return Outcome(NOT_APPLICABLE, "the over-pool prompt is served, not refused: no refused request whose "
-                                      "reservation could be held (over_pool_prompt_rejected judges that)", details)
+        return Outcome(
+            NOT_APPLICABLE,
+            "the over-pool prompt is served, not refused: no refused request whose "
+            "reservation could be held (over_pool_prompt_rejected judges that)",
+            details,
+        )
     if not all(_refused(r) for r in refused):
         details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
-        return Outcome(ERROR, f"the over-pool prompt got {[r.status for r in refused]}, not a refusal: no verdict",
-                       details)
+        return Outcome(
+            ERROR,
+            f"the over-pool prompt got {[r.status for r in refused]}, not a refusal: no verdict",
+            details,
+        )
     held = None
     if baseline is not None:
         held, readings = load.wait_for(url, baseline, RESERVATION_BOUND)
@@ -196,13 +223,23 @@ def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyMod
     details["next_valid"] = after.to_json()
     details["log"] = dep.log_lines(mark, *LOG_NEEDLES)
     if baseline is not None and held is None:
-        holds = f"still holds {readings[-1][1] - baseline} tokens" if readings else "no longer reports its load"
-        return Outcome(UNSAFE, f"decode {holds} {RESERVATION_BOUND:.0f} s after the refused requests", details)
+        holds = (
+            f"still holds {readings[-1][1] - baseline} tokens" if readings else "no longer reports its load"
+        )
+        return Outcome(
+            UNSAFE, f"decode {holds} {RESERVATION_BOUND:.0f} s after the refused requests", details
+        )
     if after.status is None or after.status >= 500:
-        return Outcome(UNSAFE, f"decode stopped serving: the next valid prompt got {after.status or 'no answer'} "
-                               f"({after.error[:120]})", details)
+        return Outcome(
+            UNSAFE,
+            f"decode stopped serving: the next valid prompt got {after.status or 'no answer'} "
+            f"({after.error[:120]})",
+            details,
+        )
     if after.status != 200 or not after.recovered:
-        return Outcome(ERROR, f"the next valid prompt got {after.status} ({after.error[:120]}): no verdict", details)
+        return Outcome(
+            ERROR, f"the next valid prompt got {after.status} ({after.error[:120]}): no verdict", details
+        )
     if after.tokens != model.reference["valid"]:
         return Outcome(UNSAFE, "the next valid prompt got other tokens than the reference", details)
     details["concurrent_cost"] = _reservation_cost(dep, model)
@@ -210,8 +247,11 @@ def rejected_request_releases_decode_reservation(dep: Deployment, model: TinyMod
         return Outcome(UNSAFE, "under the mix of valid and over-pool prompts a valid prompt got other tokens "
                                "than the reference", details)
     released = "" if held is None else f"decode's load back at its baseline after {held:.1f} s, "
-    return Outcome(SAFE, f"refused {REFUSED_IN_A_ROW} times; {released}the next valid prompt got the reference "
-                         "tokens", details)
+    return Outcome(
+        SAFE,
+        f"refused {REFUSED_IN_A_ROW} times; {released}the next valid prompt got the reference tokens",
+        details,
+    )
 
 
 def _reservation_cost(dep: Deployment, model: TinyModel) -> dict:

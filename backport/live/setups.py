@@ -21,7 +21,7 @@ from backport.errors import BadInput
 
 STAND_INS = Path(__file__).resolve().parent / "standins"
 VLLM_LAYERS = STAND_INS / "vllm_layers"       # computing plain-torch layers for vLLM's (no CPU wheel)
-SERVER_ADDONS = STAND_INS / "server_addons"   # a sitecustomize: the probes' add-ons, the 4-CPU host, the route
+SERVER_ADDONS = STAND_INS / "server_addons"  # a sitecustomize: the probes' add-ons, the 4-CPU host, the route
 STAND_IN_CPUS = 4
 
 
@@ -51,8 +51,10 @@ class SetupException:
     reason: str = ""
 
 
-_VLLM = "vLLM's activation and RMSNorm layers, taken by sglang/srt/layers/{activation,layernorm}.py on a CPU " \
-        "without AMX (no vLLM CPU wheel for torch 2.13): computing plain-torch stand-ins"
+_VLLM = (
+    "vLLM's activation and RMSNorm layers, taken by sglang/srt/layers/{activation,layernorm}.py on a CPU "
+    "without AMX (no vLLM CPU wheel for torch 2.13): computing plain-torch stand-ins"
+)
 _TORCHAO = "torchao (in requirements-serve.txt, --no-deps; imports with torch 2.13)"
 _NCCL = "--nccl-port on a free port: the torch-distributed port they pick at random raced (a decode died " \
         "on EADDRINUSE)"
@@ -72,27 +74,42 @@ SETUPS = (
 )
 
 EXCEPTIONS = (
-    SetupException("<0.4.10.post2", {"health_before_warmup": True},
-                   "http_server.py's /health returns 200 unconditionally up to 0.4.10.post1, before the "
-                   "server's warmup request finished (0.4.6.post5: 2 min later, and the first requests timed "
-                   "out); the server is ready when its log says \"The server is fired up and ready to roll\""),
-    SetupException("<0.4.9", {"nccl_port": False},
-                   "server_args.py defines --nccl-port from 0.4.9; older releases pick their own port (the race "
-                   "stays: a bind failure is seen and the server started again)"),
-    SetupException(">=0.4.6,<0.4.7", {"stand_in_cpus": STAND_IN_CPUS},
-                   "Mooncake's KV sender pool is ThreadPoolExecutor(os.cpu_count() // 4) on 0.4.6 - 0.4.6.post5: "
-                   "0 threads on a 2-core host stops prefill at start; the servers see a stand-in 4-core host "
-                   "(os.cpu_count() at least 4; torch's own thread pools are unchanged)"),
-    SetupException("<0.4.6.post3", {"reserved_tokens_env": False, "decode_pool_extra": 512 - 16},
-                   "decode.py hard-codes 512 reserved decode tokens (no flag, no variable before 0.4.6.post3): "
-                   "decode's pool is raised by 496 so a request's reservation leaves the same room as 16 "
-                   "reserved tokens in the 512-token pool"),
-    SetupException("<0.5.3", {"configured_route": True},
-                   "Mooncake's connector takes its own address from sglang.srt.utils.get_local_ip_by_remote (the "
-                   "route to a public address; SGLANG_LOCAL_IP_NIC skips 127.0.0.1), not SGLANG_HOST_IP, up to "
-                   "0.5.2 (0.5.3's get_local_ip_auto tries get_ip first): the pair advertised the host's address "
-                   "and the race's namespace, with no route, stopped prefill (\"Can not get local ip\"); in the "
-                   "servers, that lookup answers SGLANG_HOST_IP, the loopback address the deployment set"),
+    SetupException(
+        "<0.4.10.post2",
+        {"health_before_warmup": True},
+        "http_server.py's /health returns 200 unconditionally up to 0.4.10.post1, before the "
+        "server's warmup request finished (0.4.6.post5: 2 min later, and the first requests timed "
+        "out); the server is ready when its log says \"The server is fired up and ready to roll\"",
+    ),
+    SetupException(
+        "<0.4.9",
+        {"nccl_port": False},
+        "server_args.py defines --nccl-port from 0.4.9; older releases pick their own port (the race "
+        "stays: a bind failure is seen and the server started again)",
+    ),
+    SetupException(
+        ">=0.4.6,<0.4.7",
+        {"stand_in_cpus": STAND_IN_CPUS},
+        "Mooncake's KV sender pool is ThreadPoolExecutor(os.cpu_count() // 4) on 0.4.6 - 0.4.6.post5: "
+        "0 threads on a 2-core host stops prefill at start; the servers see a stand-in 4-core host "
+        "(os.cpu_count() at least 4; torch's own thread pools are unchanged)",
+    ),
+    SetupException(
+        "<0.4.6.post3",
+        {"reserved_tokens_env": False, "decode_pool_extra": 512 - 16},
+        "decode.py hard-codes 512 reserved decode tokens (no flag, no variable before 0.4.6.post3): "
+        "decode's pool is raised by 496 so a request's reservation leaves the same room as 16 "
+        "reserved tokens in the 512-token pool",
+    ),
+    SetupException(
+        "<0.5.3",
+        {"configured_route": True},
+        "Mooncake's connector takes its own address from sglang.srt.utils.get_local_ip_by_remote (the "
+        "route to a public address; SGLANG_LOCAL_IP_NIC skips 127.0.0.1), not SGLANG_HOST_IP, up to "
+        "0.5.2 (0.5.3's get_local_ip_auto tries get_ip first): the pair advertised the host's address "
+        "and the race's namespace, with no route, stopped prefill (\"Can not get local ip\"); in the "
+        "servers, that lookup answers SGLANG_HOST_IP, the loopback address the deployment set",
+    ),
 )
 
 
@@ -101,7 +118,9 @@ def serving_for(version: str) -> ServingSetup:
     try:
         parsed = Version(version)
     except ValueError:
-        raise BadInput(f"{version!r}: not a release version; the live tier picks its serving setup by it") from None
+        raise BadInput(
+            f"{version!r}: not a release version; the live tier picks its serving setup by it"
+        ) from None
     matches = [s for s in SETUPS if s.covers(str(parsed))]
     if len(matches) != 1:
         ranges = ", ".join(f"{s.name} {s.releases}" for s in SETUPS)
@@ -136,8 +155,16 @@ def server_environment(setup: ServingSetup, reserved_decode_tokens: int) -> dict
 
 def record(setup: ServingSetup) -> dict:
     """The bundle's account of the setup that served (the `server` record's `setup`)."""
-    return {"name": setup.name, "releases": setup.releases, "vllm_layers": setup.vllm_layers,
-            "nccl_port": setup.nccl_port, "addons": setup.addons, "reserved_tokens_env": setup.reserved_tokens_env,
-            "stand_in_cpus": setup.stand_in_cpus, "decode_pool_extra": setup.decode_pool_extra,
-            "health_before_warmup": setup.health_before_warmup, "configured_route": setup.configured_route,
-            "exceptions": list(setup.exceptions)}
+    return {
+        "name": setup.name,
+        "releases": setup.releases,
+        "vllm_layers": setup.vllm_layers,
+        "nccl_port": setup.nccl_port,
+        "addons": setup.addons,
+        "reserved_tokens_env": setup.reserved_tokens_env,
+        "stand_in_cpus": setup.stand_in_cpus,
+        "decode_pool_extra": setup.decode_pool_extra,
+        "health_before_warmup": setup.health_before_warmup,
+        "configured_route": setup.configured_route,
+        "exceptions": list(setup.exceptions),
+    }

@@ -68,7 +68,9 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
               workdir: Path, race: bool = True) -> dict:
     log.info("live: starting prefill, decode and router for %s ...", label)
     with deployed(env, package_root, version, model, workdir) as dep:
-        log.info("live: %s serving after %.0f s; running %d scenarios", label, dep.startup_seconds, len(REGISTRY))
+        log.info(
+            "live: %s serving after %.0f s; running %d scenarios", label, dep.startup_seconds, len(REGISTRY)
+        )
         scenarios = [run_scenario(item, dep, model) for item in REGISTRY]
         startup = dep.startup_seconds
         flags = dep.flags
@@ -76,10 +78,20 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
     if race:  # its own deployment (2P1D, private namespace), after the pair is stopped: one at a time
         log.info("live: %s: %s on two prefills and one decode ...", label, RACE_NAME)
         scenarios.append(run_race(env, package_root, workdir / "2p1d", version=version))
-    return {"tree": label, "version": version, "startup_seconds": round(startup, 1),
-            "server": {"version": version, "setup": flags["setup"]["name"], "flags": flags, "backend": backend,
-                       "router": router_name(), "model_sha256": model.sha256},
-            "scenarios": scenarios}
+    return {
+        "tree": label,
+        "version": version,
+        "startup_seconds": round(startup, 1),
+        "server": {
+            "version": version,
+            "setup": flags["setup"]["name"],
+            "flags": flags,
+            "backend": backend,
+            "router": router_name(),
+            "model_sha256": model.sha256,
+        },
+        "scenarios": scenarios,
+    }
 
 
 def run_live(env: ServingEnv, model: TinyModel, trees: list[tuple[str, Path, str]],

@@ -179,7 +179,9 @@ def _check_kind(pf: PatchedFile, where: str) -> None:
             kind = " (a symlink)" if pf.is_symlink else " (a submodule)" if pf.is_submodule else ""
             raise BadInput(f"{where}: {name}: file mode {mode}{kind}: only regular files")
     if pf.source_mode and pf.target_mode and pf.source_mode != pf.target_mode:
-        raise BadInput(f"{where}: {name}: mode changes are not supported ({pf.source_mode} -> {pf.target_mode})")
+        raise BadInput(
+            f"{where}: {name}: mode changes are not supported ({pf.source_mode} -> {pf.target_mode})"
+        )
 
 
 def _file_patch(pf: PatchedFile, where: str) -> FilePatch:

@@ -121,7 +121,9 @@ def check_agreement(header: Mapping[str, str], depends_on: tuple[str, ...], fix:
     bug = header.get("Bug", "").strip()
     report = fix.bug or fix.url
     if bug and bug != report:
-        raise BadInput(f"{where}: Bug is {bug}, fixes.toml [{fix.id}] {'bug' if fix.bug else 'url'} is {report}")
+        raise BadInput(
+            f"{where}: Bug is {bug}, fixes.toml [{fix.id}] {'bug' if fix.bug else 'url'} is {report}"
+        )
     _check_applied_upstream(header.get("Applied-Upstream", "").strip(), fix, where)
     if set(depends_on) != set(fix.depends_on):
         said = ", ".join(depends_on) or "none"

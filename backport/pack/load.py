@@ -48,8 +48,25 @@ from .model import (
     parse_spec,
 )
 
-FIX_KEYS = frozenset({"id", "title", "pr", "url", "bug", "upstream_commit", "commit", "merge_commit", "fixed_in",
-                      "scope", "depends_on", "fingerprint", "upstream_tests", "origin", "coverage_exclude"})
+FIX_KEYS = frozenset(
+    {
+        "id",
+        "title",
+        "pr",
+        "url",
+        "bug",
+        "upstream_commit",
+        "commit",
+        "merge_commit",
+        "fixed_in",
+        "scope",
+        "depends_on",
+        "fingerprint",
+        "upstream_tests",
+        "origin",
+        "coverage_exclude",
+    }
+)
 ORIGINS = ("upstream", "vendor")
 RULE_KEYS = frozenset({"file", "pattern", "absent"})
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -163,7 +180,9 @@ def _fix(fid: str, e: dict, where: str) -> Fix:
         pr = e["pr"]
         if isinstance(pr, bool) or not isinstance(pr, int) or pr <= 0:
             raise BadInput(f"{where}: pr {pr!r} is not a positive integer")
-        commit_key = next((k for k in ("upstream_commit", "commit", "merge_commit") if k in e), "upstream_commit")
+        commit_key = next(
+            (k for k in ("upstream_commit", "commit", "merge_commit") if k in e), "upstream_commit"
+        )
         commit = _str(e, commit_key, where)
         if not commit.strip():
             raise BadInput(f"{where}: upstream_commit is empty")
@@ -223,7 +242,9 @@ def _exclusions(items: object, where: str) -> tuple[CoverageExclusion, ...]:
     for item in items:
         if not isinstance(item, dict) or set(item) != {"file", "pattern", "reason"} or not all(
                 isinstance(v, str) and v.strip() for v in item.values()):
-            raise BadInput(f"{where}: a coverage_exclude entry is {{ file, pattern, reason }}, all non-empty strings")
+            raise BadInput(
+                f"{where}: a coverage_exclude entry is {{ file, pattern, reason }}, all non-empty strings"
+            )
         if not item["file"].startswith("sglang/"):
             raise BadInput(f"{where}: coverage_exclude file {item['file']!r} is not inside sglang/")
         try:
@@ -243,7 +264,9 @@ def _vendor_fields(e: dict, where: str) -> tuple[None, str]:
     if "url" not in e:
         raise BadInput(f"{where}: a vendor fix needs url (its design reference)")
     if str(e.get("fixed_in", "")).strip():
-        raise BadInput(f"{where}: a vendor fix is in no release; fixed_in must be empty, not {e['fixed_in']!r}")
+        raise BadInput(
+            f"{where}: a vendor fix is in no release; fixed_in must be empty, not {e['fixed_in']!r}"
+        )
     return None, ""
 
 

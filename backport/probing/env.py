@@ -110,7 +110,9 @@ def ensure_env(python: str | None = None, *, quiet: bool = False) -> Path:
         constraint = staged / "constraints.txt"
         constraint.write_text(_torch_pin(requirements) + "\n")
         say("  pip install -r probes/requirements-cpu.txt (torch pinned to the CPU wheel) ...")
-        _run_step(_pip_install(env_python(staged), constraint, REQUIREMENTS), tmpdir, "pip install", say, started)
+        _run_step(
+            _pip_install(env_python(staged), constraint, REQUIREMENTS), tmpdir, "pip install", say, started
+        )
         shutil.rmtree(tmpdir, ignore_errors=True)
         (staged / "READY").write_text(requirements)
         say(f"  probe environment ready in {time.monotonic() - started:.0f} s")

@@ -65,7 +65,9 @@ def read_document(text: str, stderr: str, returncode: int, package_root: Path) -
         document = json.loads(text)
     except json.JSONDecodeError:
         tail = "\n".join(stderr.strip().splitlines()[-8:])
-        raise Finding(f"probe harness on {package_root} exited {returncode} without a JSON result:\n{tail}") from None
+        raise Finding(
+            f"probe harness on {package_root} exited {returncode} without a JSON result:\n{tail}"
+        ) from None
     if returncode == 2:
         raise BadInput(f"{package_root}: {document.get('error', 'the probe harness refused the tree')}")
     return document
@@ -91,6 +93,8 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
                          stdout=Path(tmp) / "out.json", stderr=Path(tmp) / "err.log", tick=beat)
         # The link's temporary name is this module's business: tracebacks in case details
         # name it, so it is replaced here by a stable one before anyone records the document.
-        stdout = (Path(tmp) / "out.json").read_text(errors="replace").replace(str(Path(tmp) / "probes"), "probes")
+        stdout = (
+            (Path(tmp) / "out.json").read_text(errors="replace").replace(str(Path(tmp) / "probes"), "probes")
+        )
         stderr = (Path(tmp) / "err.log").read_text(errors="replace")
     return read_document(stdout, stderr, code, package_root)

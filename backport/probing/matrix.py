@@ -55,14 +55,18 @@ class _Watch:
             if index not in self.done and self._finished(index):
                 self.done.add(index)
                 self.last = self.seconds
-                log.info("      probed %s (%d of %d trees) at %.0f s", label, len(self.done), total, self.seconds)
+                log.info(
+                    "      probed %s (%d of %d trees) at %.0f s", label, len(self.done), total, self.seconds
+                )
         if seconds is not None and seconds - self.last >= self.every:
             self.last = seconds
             started = [label for i, label in enumerate(self.labels)
                        if i not in self.done and (self.out / f"{i}.json").exists()]
             doing = (f"running: {', '.join(started)}" if started
                      else "importing the shared third-party modules once")
-            log.info("      probe matrix: %d of %d trees done, %.0f s; %s", len(self.done), total, seconds, doing)
+            log.info(
+                "      probe matrix: %d of %d trees done, %.0f s; %s", len(self.done), total, seconds, doing
+            )
 
 
 def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None = None, *,
@@ -100,8 +104,14 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         for root, label in zip(roots, labels or [str(r) for r in roots]):
             names.setdefault(root, label)
         watch = _Watch(out, [names[root] for root in unique])
-        code = supervise(cmd, env=probe_environ(python, None, Path(tmp)), cwd=tmp, stdout=Path(tmp) / "matrix.out",
-                         stderr=Path(tmp) / "matrix.err", tick=watch)
+        code = supervise(
+            cmd,
+            env=probe_environ(python, None, Path(tmp)),
+            cwd=tmp,
+            stdout=Path(tmp) / "matrix.out",
+            stderr=Path(tmp) / "matrix.err",
+            tick=watch,
+        )
         watch(None)
         if code != 0:
             tail = "\n".join((Path(tmp) / "matrix.err").read_text(errors="replace").strip().splitlines()[-8:])
@@ -111,8 +121,12 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         documents = {}
         for index, root in enumerate(unique):
             text = (out / f"{index}.json").read_text() if (out / f"{index}.json").exists() else ""
-            stderr = (out / f"{index}.log").read_text(errors="replace") if (out / f"{index}.log").exists() else ""
-            documents[root] = read_document(text.replace(link, "probes"), stderr, summary["exit_codes"][index], root)
+            stderr = (
+                (out / f"{index}.log").read_text(errors="replace") if (out / f"{index}.log").exists() else ""
+            )
+            documents[root] = read_document(
+                text.replace(link, "probes"), stderr, summary["exit_codes"][index], root
+            )
     log.info("      shared imports once: %.1f s", summary["preload_seconds"])
     slowest = sorted(zip(summary["seconds"], (names[r] for r in unique)), reverse=True)[:3]
     log.info("      trees took %.1f s in all; slowest: %s", sum(summary["seconds"]),

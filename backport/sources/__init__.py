@@ -76,7 +76,9 @@ def parse_spec(spec: str, *, allow_unpinned: bool = False, python: str | None = 
         raise BadInput(f"{spec}: only sglang==VERSION is a package target")
     if not Path(spec).expanduser().exists():
         raise BadInput(f"{spec}: not a target spec (sglang==X, git+URL@SHA, installed) and no such path")
-    package_root_of(Path(spec).expanduser())  # a path without an SGLang package is refused here, before any build
+    package_root_of(
+        Path(spec).expanduser()
+    )  # a path without an SGLang package is refused here, before any build
     return PathSource(spec, Path(spec))
 
 
@@ -119,8 +121,9 @@ def _remove_made(made: Path | None) -> None:
 
 def source_kind(source: Source) -> str:
     """wheel | git | path | installed: which form a parsed spec has."""
-    return {WheelSource: "wheel", GitSource: "git", PathSource: "path", InstalledSource: "installed"}[type(source)]
-
+    return {WheelSource: "wheel", GitSource: "git", PathSource: "path", InstalledSource: "installed"}[
+        type(source)
+    ]
 
 
 def materialise(spec: str, *, allow_unpinned: bool = False, python: str | None = None,

@@ -34,7 +34,9 @@ class GitSource:
                 try:
                     full = repo.git.rev_parse("--verify", "--quiet", f"{self.commit}^{{commit}}")
                 except git.GitCommandError:
-                    raise BadInput(f"{self.spec}: commit {self.commit} does not exist in {self.url}") from None
+                    raise BadInput(
+                        f"{self.spec}: commit {self.commit} does not exist in {self.url}"
+                    ) from None
                 repo.git.checkout("-q", "--detach", full)
                 prefix = find_package_prefix(work)
                 if prefix is None:

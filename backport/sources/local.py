@@ -46,18 +46,24 @@ def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -
                 None, tree.tree_digest, tree.base_commit)
     dirty = uncommitted_paths(tree.path, f"{tree.package_prefix}sglang")
     if dirty:
-        raise BadInput(f"{tree.path}: uncommitted changes under {tree.package_prefix}sglang/ ({min(dirty)}); `run` "
-                       f"proves the committed HEAD on a clone: commit or stash them first")
+        raise BadInput(
+            f"{tree.path}: uncommitted changes under {tree.package_prefix}sglang/ ({min(dirty)}); `run` "
+            f"proves the committed HEAD on a clone: commit or stash them first"
+        )
     with git.Repo(tree.path) as repo:
         head = repo.head.commit.hexsha
         # the engine's commits carry these trailers (engine/write.py); any one in HEAD's history
         # means the checkout is (partly) patched, wherever the user committed on top of it
         marked = repo.git.log("--format=%H", "-E", "--grep=^(Backport-Of|Vendor-Fix): ", "HEAD").split()
-        base = repo.commit(marked[-1]).parents[0].hexsha if marked and repo.commit(marked[-1]).parents else None
+        base = (
+            repo.commit(marked[-1]).parents[0].hexsha if marked and repo.commit(marked[-1]).parents else None
+        )
     if marked:
-        raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (commit {marked[0][:12]} carries this "
-                       f"pack's Backport-Of/Vendor-Fix trailer); `run` proves the release as shipped: run it on "
-                       f"the base commit {base or '(none)'}, e.g. sglang-backport run git+file://{tree.path}@{base}")
+        raise BadInput(
+            f"{path}: HEAD {head[:12]} is not a pristine release (commit {marked[0][:12]} carries this "
+            f"pack's Backport-Of/Vendor-Fix trailer); `run` proves the release as shipped: run it on "
+            f"the base commit {base or '(none)'}, e.g. sglang-backport run git+file://{tree.path}@{base}"
+        )
     # Without trailers (squashed, or copied in by hand) the fixes' fingerprints tell: this pack's own
     # fixes are in no release at all, and at a release tag the release's content is known, so an
     # upstream fix it does not ship (fixed_in) was put there after it.
@@ -69,9 +75,11 @@ def pristine_checkout(path: Path, spec: str, pack, version: str | None = None) -
              if d.present and d.how.startswith("fingerprint")
              and (pack.fixes[d.fix].is_vendor or (at_tag and not pack.fixes[d.fix].is_fixed_in(release)))]
     if found:
-        raise BadInput(f"{path}: HEAD {head[:12]} is not a pristine release (it has {', '.join(found)} by "
-                       f"fingerprint, which sglang {tree.version} does not ship); `run` proves the release as "
-                       f"shipped: run it on upstream's commit of the release or on sglang=={release.base_version}")
+        raise BadInput(
+            f"{path}: HEAD {head[:12]} is not a pristine release (it has {', '.join(found)} by "
+            f"fingerprint, which sglang {tree.version} does not ship); `run` proves the release as "
+            f"shipped: run it on upstream's commit of the release or on sglang=={release.base_version}"
+        )
     return tree
 
 

@@ -119,10 +119,14 @@ class WheelSource:
             wheel = found[0]
             if self.pin is not None:
                 if wheel.name != self.pin.filename:
-                    raise BadInput(f"{self.spec}: pip returned {wheel.name}, the pin names {self.pin.filename}")
+                    raise BadInput(
+                        f"{self.spec}: pip returned {wheel.name}, the pin names {self.pin.filename}"
+                    )
                 digest = sha256_file(wheel)
                 if digest != self.pin.sha256:
-                    raise BadInput(f"{self.spec}: wheel sha256 {digest} does not match the pin {self.pin.sha256}")
+                    raise BadInput(
+                        f"{self.spec}: wheel sha256 {digest} does not match the pin {self.pin.sha256}"
+                    )
             kept = wheels / wheel.name
             cache.write_file_atomic(kept, wheel.read_bytes())
             return kept
@@ -144,7 +148,9 @@ def extract_wheel_package(wheel: Path, dest: Path, label: str) -> None:
                 raise BadInput(f"{label}: {wheel.name}: RECORD check failed: {issues[0]}") from None
             listed = {row[0] for row in parse_record_file(source.read_dist_info("RECORD").splitlines())}
     except (zipfile.BadZipFile, OSError, EOFError, zlib.error, KeyError) as exc:
-        raise BadInput(f"{label}: {wheel.name} is not a readable wheel ({type(exc).__name__}: {exc})") from None
+        raise BadInput(
+            f"{label}: {wheel.name} is not a readable wheel ({type(exc).__name__}: {exc})"
+        ) from None
     with zipfile.ZipFile(wheel) as archive:
         names = [n for n in archive.namelist() if not n.endswith("/")]
         missing = sorted(n for n in listed if n.startswith("sglang/") and n not in set(names))

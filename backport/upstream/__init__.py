@@ -30,7 +30,20 @@ from backport.upstream.refs import (
 from backport.upstream.run import run_upstream_tests
 
 __all__ = [
-    "BASE_URL_ENV", "DEFAULT_BASE_URL", "DEFAULT_SERIES", "OUTCOMES", "Fetched", "Fetcher", "TestRef",
-    "ad_hoc_refs", "check_ref", "fetch_refs", "load_refs", "measure_pins", "resolve_base_url", "run_upstream_tests",
-    "series_added_names", "with_rev",
+    "BASE_URL_ENV",
+    "DEFAULT_BASE_URL",
+    "DEFAULT_SERIES",
+    "OUTCOMES",
+    "Fetched",
+    "Fetcher",
+    "TestRef",
+    "ad_hoc_refs",
+    "check_ref",
+    "fetch_refs",
+    "load_refs",
+    "measure_pins",
+    "resolve_base_url",
+    "run_upstream_tests",
+    "series_added_names",
+    "with_rev",
 ]

@@ -29,7 +29,9 @@ from backport.upstream.names import Missing, TreeNames, missing_name
 
 REASON_LIMIT = 400
 
-_EXC_LINE_RE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): (.*)$")
+_EXC_LINE_RE = re.compile(
+    r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)): (.*)$"
+)
 _NAME_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
 _LOCATION_RE = re.compile(r"^(\S+\.py):(\d+): ?\w*$")
 _UNITTEST_HOOKS = ("setUp", "tearDown", "setUpClass", "tearDownClass", "setUpModule", "tearDownModule",
@@ -150,7 +152,10 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
             # tree should have set there is a behaviour failure.
             if match and match.group(1) in standins and in_tree:
                 owner, name = match.groups()
-                return "stale-test", f"the test's stand-in {owner} has no {name}, which this release reads{at}"
+                return (
+                    "stale-test",
+                    f"the test's stand-in {owner} has no {name}, which this release reads{at}",
+                )
             # The test's hand-made doubles, judged only where the tree has the file's fix: on a tree
             # without it, the release's other path reaching past a double is the missing fix.
             if not (match and in_tree) or has_fix is False:
@@ -166,7 +171,10 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
                 return "stale-test", (f"the test's double {described} has no {name}, which only this pack's "
                                       f"own fix adds (no upstream release has it){at}")
             if described and name not in fix_names:
-                return "stale-test", f"the test's double {described} has no {name}, which this release reads{at}"
+                return (
+                    "stale-test",
+                    f"the test's double {described} has no {name}, which this release reads{at}",
+                )
     return None
 
 

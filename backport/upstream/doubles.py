@@ -74,7 +74,11 @@ def namespace_double(source: str, package_root: Path, site: str | None) -> Doubl
     # The helper whose namespace gives the most of what that method reads on `self` is the one
     # passed as `self` (a queue double shares the queue's attributes, a scheduler double does not).
     scored = sorted(((len(kw & reads), name) for name, kw in builders.items()), reverse=True)
-    helper = scored[0][1] if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[0][0] > scored[1][0]) else None
+    helper = (
+        scored[0][1]
+        if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[0][0] > scored[1][0])
+        else None
+    )
     return Double(helper, stands_for)
 
 

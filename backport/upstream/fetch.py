@@ -221,7 +221,9 @@ class Fetcher:
             self.unreachable = f"{self.base_url} is unreachable ({_short_network_reason(exc)})"
             raise _Unreachable(self.unreachable) from None
         except requests.RequestException as exc:
-            raise _NotFound(f"{ref.path}@{ref.rev}: cannot download {url} ({exc.__class__.__name__})") from None
+            raise _NotFound(
+                f"{ref.path}@{ref.rev}: cannot download {url} ({exc.__class__.__name__})"
+            ) from None
 
     def fetch(self, ref: TestRef) -> Fetched:
         problem = check_ref(ref)
@@ -232,7 +234,9 @@ class Fetcher:
         refused = None  # a pinned cache entry that does not match its pin: never run
         if ref.sha256:
             if cached is not None and recorded == ref.sha256:
-                return Fetched(ref, cached, recorded, "cache")  # checked against the pin, not the record alone
+                return Fetched(
+                    ref, cached, recorded, "cache"
+                )  # checked against the pin, not the record alone
             if recorded is not None:
                 file, _ = self.cache_paths(ref)
                 got = recorded if cached is not None else "unreadable or not its recorded sha256"
@@ -324,7 +328,9 @@ def fetch_refs(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: 
     return [fetcher.fetch(ref) for ref in refs]
 
 
-def measure_pins(trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: str | None = None) -> list[Fetched]:
+def measure_pins(
+    trees: list[tuple[str, Path]], refs: list[TestRef], *, base_url: str | None = None
+) -> list[Fetched]:
     """Every ref as the server (or an upstream checkout among `trees`) serves it now, never from the
     cache: what `--print-pins` prints. A ref already pinned is checked against its pin."""
     return [_fetcher(trees, base_url).measure(ref) for ref in refs]

@@ -48,9 +48,25 @@ def _executed_lines(python: str, work: Path, env: dict, package_root: Path, incl
                     timeout: float) -> dict[str, list[int]] | None:
     """Per measured file (relative to the package root), the lines the run executed (None: no data)."""
     report = work / "coverage.json"
-    proc = subprocess.run([python, "-m", "coverage", "json", f"--data-file={work / '.coverage'}", "-o", str(report),
-                           f"--include={','.join(include)}", "--rcfile=" + str(work / "empty.coveragerc")],
-                          cwd=work, env=env, capture_output=True, text=True, check=False, timeout=timeout)
+    proc = subprocess.run(
+        [
+            python,
+            "-m",
+            "coverage",
+            "json",
+            f"--data-file={work / '.coverage'}",
+            "-o",
+            str(report),
+            f"--include={','.join(include)}",
+            "--rcfile=" + str(work / "empty.coveragerc"),
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
     if proc.returncode != 0 or not report.is_file():
         return None  # nothing measured (e.g. no measured file was imported): `coverage json` says so
     executed: dict[str, list[int]] = {}
@@ -101,14 +117,24 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
         if include:
             # An empty rc file: no configuration of the caller's (or the tree's) reaches the measurement.
             (work / "empty.coveragerc").write_text("")
-            cmd[1:3] = ["-m", "coverage", "run", f"--data-file={work / '.coverage'}",
-                        f"--rcfile={work / 'empty.coveragerc'}", f"--include={','.join(include)}", "-m", "pytest"]
+            cmd[1:3] = [
+                "-m",
+                "coverage",
+                "run",
+                f"--data-file={work / '.coverage'}",
+                f"--rcfile={work / 'empty.coveragerc'}",
+                f"--include={','.join(include)}",
+                "-m",
+                "pytest",
+            ]
         env = probe_environ(python, package_root, path_dir)
         try:
             proc = subprocess.run(cmd, check=False, cwd=work, env=env, capture_output=True, text=True,
                                   timeout=timeout)
             if include and executed is not None:
-                for rel, lines in (_executed_lines(python, work, env, package_root, include, timeout) or {}).items():
+                for rel, lines in (
+                    _executed_lines(python, work, env, package_root, include, timeout) or {}
+                ).items():
                     executed.setdefault(rel, set()).update(lines)
         except subprocess.TimeoutExpired:
             return [entry(fetched, fetched.ref.path, "error",

@@ -133,18 +133,24 @@ def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
             rig.queue.pop_transferred()
             snap = rig.snapshot(req)
             held = snap["pages_held"] > 0
-            fates[req.rid] = "held" if held else ("released once" if snap["release_calls"] == 1 else "neither")
+            fates[req.rid] = (
+                "held" if held else ("released once" if snap["release_calls"] == 1 else "neither")
+            )
     warnings = [m for m in recorder.messages if DEFERRED_ENV in m]
     # in the transfers' order: a set's order follows the string hash, which differs per interpreter,
     # and this dict is printed in the observed text (the same run must give the same bytes)
-    per_backend = {name: sum(1 for m in warnings if name in m) for name in dict.fromkeys(b for b, _ in transfers)}
+    per_backend = {
+        name: sum(1 for m in warnings if name in m) for name in dict.fromkeys(b for b, _ in transfers)
+    }
     details = {
         "fates": fates,
         "warnings_per_backend": per_backend,
         "warnings_naming_the_variable": warnings,
         "double_releases": rig.ledger.count("pages_double_release"),
     }
-    problems = [f"{rid}: pages neither held nor released exactly once" for rid, f in fates.items() if f == "neither"]
+    problems = [
+        f"{rid}: pages neither held nor released exactly once" for rid, f in fates.items() if f == "neither"
+    ]
     if details["double_releases"]:
         problems.append("pages released twice")
     if per_backend.get(type(capable).__name__):

@@ -20,7 +20,8 @@ from probes.standins_scheduler import InertCollaborator
 
 
 @case(
-    proves=("pr35049", "pr41404"), needs=(">=0.5.13",),
+    proves=("pr35049", "pr41404"),
+    needs=(">=0.5.13",),
     must_preserve=False,
     expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one ABORT at "
     "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and releases "
@@ -62,12 +63,19 @@ def waiting_timeout_holds_pages_until_drain(ctx) -> Outcome:
     }
     problems = []
     if polled != KVPoll.Failed or aborts_at_timeout != [0, 1]:
-        problems.append(f"the timeout did not send one ABORT to each prefill rank (sent to {aborts_at_timeout})")
+        problems.append(
+            f"the timeout did not send one ABORT to each prefill rank (sent to {aborts_at_timeout})"
+        )
     if details["aborts_in_all"] != [0, 1]:
         problems.append(f"ABORTs sent in all: {details['aborts_in_all']}")
     if held_after_pop["pages_held"] == 0:
         problems.append("pages released before any drain ACK")
-    if final["pages_held"] or final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
+    if (
+        final["pages_held"]
+        or final["release_calls"] != 1
+        or final["metadata_frees"] != 1
+        or details["double_releases"]
+    ):
         problems.append("pages not released exactly once after both drain ACKs")
     return judged(problems, (
         "One ABORT per prefill rank at the timeout; pages held until both ACKs, released once."), details)
@@ -89,7 +97,8 @@ class _QuiescentPrefillSocket(PrefillPeerSocket):
 
 
 @case(
-    proves=("pr40645",), needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
+    proves=("pr40645",),
+    needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
     "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "
@@ -147,7 +156,9 @@ def scheduler_abort_keeps_raced_ack(ctx) -> Outcome:
     if after_pop["pages_held"] == 0:
         problems.append("pages released before rank 1 ACKed")
     elif final["pages_held"]:
-        problems.append("rank 0's raced ACK was lost: pages still held after every rank ACKed (until the timeout)")
+        problems.append(
+            "rank 0's raced ACK was lost: pages still held after every rank ACKed (until the timeout)"
+        )
     elif final["release_calls"] != 1 or final["metadata_frees"] != 1 or details["double_releases"]:
         problems.append("pages not released exactly once")
     return judged(problems, "The raced ACK counted: pages held until both ranks ACKed, then released once.",

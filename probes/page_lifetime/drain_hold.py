@@ -13,7 +13,8 @@ from probes.standins import Ledger, pin_runtime
 
 @case(
     # disaggregation.common (the receiver this case drives) arrives in 0.4.7
-    proves=("pr35049", "pr41023", "pr41404"), needs=(">=0.4.7",),
+    proves=("pr35049", "pr41023", "pr41404"),
+    needs=(">=0.4.7",),
     must_preserve=False,
     expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
 )
@@ -57,11 +58,17 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     final = steps[-1]
     released_once = final["pages_held"] == 0 and final["release_calls"] == 1 and final["metadata_frees"] == 1
     # The held count operators see must say what is held: one request while its pages are, none after.
-    miscounted = [s["step"] for s in steps
-                  if s["held_count_reported"] is not None and s["held_count_reported"] != int(s["pages_held"] > 0)]
+    miscounted = [
+        s["step"]
+        for s in steps
+        if s["held_count_reported"] is not None and s["held_count_reported"] != int(s["pages_held"] > 0)
+    ]
     if miscounted:
-        return Outcome(UNSAFE, f"num_pending_deferred_releases() disagrees with the pages held (at: {miscounted[0]}).",
-                       details)
+        return Outcome(
+            UNSAFE,
+            f"num_pending_deferred_releases() disagrees with the pages held (at: {miscounted[0]}).",
+            details,
+        )
     if not freed_early and released_once and not details["double_releases"]:
         return Outcome(
             SAFE,

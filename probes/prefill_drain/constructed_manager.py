@@ -30,7 +30,8 @@ def constructed_details(rig) -> dict[str, Any]:
 
 
 @case(
-    proves=("pr40645",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
+    proves=("pr40645",),
+    needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a chunk "
     "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets its ACK "
@@ -43,7 +44,10 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
     ACK out to the room's registered decode ranks, so the second run lets rank 1 ABORT before its transfer info
     arrived (it is known to this rank only by its ABORT)."""
     runs: dict[str, Any] = {}
-    for label, known in (("both_ranks_registered", DECODE_PEERS), ("rank_1_not_yet_registered", DECODE_PEERS[:1])):
+    for label, known in (
+        ("both_ranks_registered", DECODE_PEERS),
+        ("rank_1_not_yet_registered", DECODE_PEERS[:1]),
+    ):
         rig = constructed(ctx, counts_outstanding=True)
         try:
             mgr = rig.mgr
@@ -65,15 +69,18 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
     for label, details in runs.items():
         missing = [p for p in peers if p not in details["acks_to"]]
         if details["acks_before_drain"] or missing:
-            problems.append(f"{label}: held {details['targets_held_while_outstanding']}, ACKed before the drain "
-                            f"{details['acks_before_drain']}, never ACKed {missing}")
+            problems.append(
+                f"{label}: held {details['targets_held_while_outstanding']}, ACKed before the drain "
+                f"{details['acks_before_drain']}, never ACKed {missing}"
+            )
     return judged(problems, (
         "No ACK left before the chunk drained and each rank got its ACK when it did, with and without"
         " rank 1's transfer info."), runs)
 
 
 @case(
-    proves=("pr41402",), needs=("pr41402", ">=0.4.7"),  # disaggregation.common: 0.4.7
+    proves=("pr41402",),
+    needs=("pr41402", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held ACK "
     "targets, a later ABORT for it is neither held nor ACKed, and the room's next request clears the poison "
@@ -132,7 +139,8 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
 
 
 @case(
-    proves=("pr35049-ack",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
+    proves=("pr35049-ack",),
+    needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor (no transfer backend's write count added), clearing an "
     "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where the "
@@ -157,14 +165,23 @@ def cleared_sender_drops_target_without_drain_accounting(ctx) -> Outcome:
         rig.clear_sender(CONSTRUCTED_ROOM)
         left = rig.targets_of(CONSTRUCTED_ROOM)
         details = constructed_details(rig)
-        details.update(manager_counts_outstanding=counted, targets_before_clear=held, targets_after_clear=left)
+        details.update(
+            manager_counts_outstanding=counted, targets_before_clear=held, targets_after_clear=left
+        )
     finally:
         rig.close()
     if not held:
         raise RuntimeError("the ACK target was not registered as planned")
     unproven_acks = [] if counted else details["acks_to"]
     if not left and not unproven_acks:
-        how = f"ACKed {details['acks_to']} on a drained count" if counted else "sent no ACK (no count to prove a drain)"
+        how = (
+            f"ACKed {details['acks_to']} on a drained count"
+            if counted
+            else "sent no ACK (no count to prove a drain)"
+        )
         return Outcome(SAFE, f"clear() dropped the held target ({held[0]}) and {how}.", details)
-    return Outcome(UNSAFE, f"After clear() the room still holds {left}; ACKs without a drain count: {unproven_acks}.",
-                   details)
+    return Outcome(
+        UNSAFE,
+        f"After clear() the room still holds {left}; ACKs without a drain count: {unproven_acks}.",
+        details,
+    )

@@ -25,7 +25,8 @@ def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Out
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-ack",),
+    proves=("pr41402",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="After a send that timed out with its write still running, no drain ACK leaves (during the transfer, "
     "after the failure, after clear(), or for a late ABORT) while the write is still running.",
@@ -59,7 +60,8 @@ def failed_send_withholds_ack_while_writes_in_flight(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr40645",), needs=("pr35049-ack",),
+    proves=("pr40645",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="When ABORTs from both decode peers arrive while a write is in flight and the write then completes, "
     "each peer gets its drain ACK, after the write landed.",
@@ -73,7 +75,9 @@ def abort_during_transfer_acks_each_peer_once_after_drain(ctx) -> Outcome:
     counts = outcome.details["acks_per_peer"]
     outcome.details["worker"] = ended
     if outcome.verdict == SAFE and all(n >= 1 for n in counts.values()):
-        return Outcome(SAFE, f"Each decode peer got its drain ACK after the write landed ({counts}).", outcome.details)
+        return Outcome(
+            SAFE, f"Each decode peer got its drain ACK after the write landed ({counts}).", outcome.details
+        )
     if outcome.verdict == SAFE:
         return Outcome(UNSAFE, f"A decode peer that asked got no drain ACK: {counts}.", outcome.details)
     return outcome
@@ -103,7 +107,8 @@ def abort_before_transfer_acks_each_peer_once(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr35049-ack",), needs=("pr35049-ack",),
+    proves=("pr35049-ack",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="ABORTs for a room whose transfer already succeeded are ACKed to each decode peer, with nothing in flight.",
 )
@@ -117,14 +122,19 @@ def abort_after_transfer_acks_each_peer_once(ctx) -> Outcome:
     counts = outcome.details["acks_per_peer"]
     outcome.details.update(worker=ended, status_after_transfer=getattr(status, "name", str(status)))
     if outcome.verdict == SAFE and all(n >= 1 for n in counts.values()):
-        return Outcome(SAFE, f"Each decode peer got its ACK for the concluded room ({counts}).", outcome.details)
+        return Outcome(
+            SAFE, f"Each decode peer got its ACK for the concluded room ({counts}).", outcome.details
+        )
     if outcome.verdict == SAFE:
-        return Outcome(UNSAFE, f"A decode peer that asked got no ACK for the concluded room: {counts}.", outcome.details)
+        return Outcome(
+            UNSAFE, f"A decode peer that asked got no ACK for the concluded room: {counts}.", outcome.details
+        )
     return outcome
 
 
 @case(
-    proves=("pr35049-ack",), needs=("pr35049-ack",),
+    proves=("pr35049-ack",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="When the transfer worker dies with a write posted, no drain ACK leaves for the room while it runs "
     "(ABORTs, clear()).",
@@ -139,7 +149,9 @@ def worker_crash_withholds_ack(ctx) -> Outcome:
     rig.abort_from(1)
     rig.engine.settle()
     outcome = _verdict_no_ack_in_flight(
-        rig, "No drain ACK left for the dead worker's room while its write was in flight.", "of the dead worker"
+        rig,
+        "No drain ACK left for the dead worker's room while its write was in flight.",
+        "of the dead worker",
     )
     outcome.details["worker"] = ended
     return outcome
@@ -169,7 +181,9 @@ def successful_transfer_untouched(ctx) -> Outcome:
         and not poisoned
     )
     if ok:
-        return Outcome(SAFE, "Success, one status message per decode peer, no ACK, room not poisoned.", details)
+        return Outcome(
+            SAFE, "Success, one status message per decode peer, no ACK, room not poisoned.", details
+        )
     return Outcome(UNSAFE, "The successful transfer did not conclude as before.", details)
 
 
@@ -193,7 +207,8 @@ def without_capability_keeps_immediate_ack(ctx) -> Outcome:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-ack",),
+    proves=("pr41402",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="After a Mooncake aux (metadata slot) or state write fails with the write still running, no drain ACK "
     "leaves for the room while it runs (ABORTs from both decode peers, clear(), a late ABORT).",
@@ -225,7 +240,9 @@ def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
     if early == 0:
         return Outcome(SAFE, "No drain ACK left while a timed-out aux or state write was in flight.", runs)
     failed = [w for w, d in runs.items() if d["acks_while_writes_in_flight"]]
-    return Outcome(UNSAFE, f"Drain ACK(s) sent while the failed {' and '.join(failed)} write was in flight.", runs)
+    return Outcome(
+        UNSAFE, f"Drain ACK(s) sent while the failed {' and '.join(failed)} write was in flight.", runs
+    )
 
 
 def _nixl_failed_batch(ctx, plan: list[str]) -> dict:
@@ -249,7 +266,8 @@ def _nixl_failed_batch(ctx, plan: list[str]) -> dict:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
+    proves=("pr41402",),
+    needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes, or whose "
     "handle's state cannot be read while its write still runs, holds decode's pages (the backend defers release) "
@@ -267,10 +285,14 @@ def nixl_failed_handle_withholds_ack(ctx) -> Outcome:
     details = {**runs["err_with_running_sibling"], "unreadable_state": runs["unreadable_state"]}
     problems = []
     if not details["deferred_release"]:
-        problems.append("NIXL has no drain-ACK capability here, so decode releases the failed transfer's pages at once")
+        problems.append(
+            "NIXL has no drain-ACK capability here, so decode releases the failed transfer's pages at once"
+        )
     for name, run in runs.items():
         if run["acks_while_writes_in_flight"]:
-            problems.append(f"{run['acks_while_writes_in_flight']} drain ACK(s) sent while the write ran ({name})")
+            problems.append(
+                f"{run['acks_while_writes_in_flight']} drain ACK(s) sent while the write ran ({name})"
+            )
     return judged(problems, (
         "NIXL defers, and no drain ACK left while the sibling of the failed handle, or the write whose state "
         "could not be read, was still writing (decode releases on its timeout)."), details)

@@ -22,7 +22,8 @@ DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
 @case(
     # the per-layer writes run on a thread pool from 0.4.6 (0.4.5.x writes the layers one after another);
     # send_kvcache takes the pool as an argument from 0.4.7 (before: the manager's own self.executor)
-    proves=("pr35049-inflight",), needs=(">=0.4.6",),
+    proves=("pr35049-inflight",),
+    needs=(">=0.4.6",),
     must_preserve=False,
     expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's write is "
     "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write finished.",
@@ -45,8 +46,10 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     cls = module.MooncakeKVManager
     pool_is_argument = "executor" in inspect.signature(cls.send_kvcache).parameters
     if not pool_is_argument and "executor" not in inspect.getsource(cls.send_kvcache):
-        raise NotApplicable("send_kvcache writes a chunk's layers one after another, synchronously (no per-layer "
-                            "futures before 0.4.6): no layer's write is still running when a failed one returns")
+        raise NotApplicable(
+            "send_kvcache writes a chunk's layers one after another, synchronously (no per-layer "
+            "futures before 0.4.6): no layer's write is still running when a failed one returns"
+        )
     # 0.5.19+ check the unified-memory layout first; this rank does not use unified memory.
     ctx.patch_if_present(module, "get_memory", lambda: SimpleNamespace(enable_unified_memory=False))
     ledger = Ledger()
@@ -54,8 +57,14 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     mgr = object.__new__(cls)
     mgr.__dict__.update(
         kv_args=SimpleNamespace(
-            kv_data_ptrs=list(LAYER_PTRS), kv_item_lens=[64, 64], kv_layer_ids=None, mla_compression_ratios=None,
-            prefill_start_layer=0, prefill_end_layer=len(LAYER_PTRS), num_draft_entries=0, page_size=1,
+            kv_data_ptrs=list(LAYER_PTRS),
+            kv_item_lens=[64, 64],
+            kv_layer_ids=None,
+            mla_compression_ratios=None,
+            prefill_start_layer=0,
+            prefill_end_layer=len(LAYER_PTRS),
+            num_draft_entries=0,
+            page_size=1,
         ),
         is_mla_backend=True,
         is_hybrid_mla_backend=False,
@@ -94,9 +103,13 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
         # that the send waits, untimed, on the still-writing layer's future; 2 s for any other wait.
         settled.wait(2.0)
         returned_while_writing = returned.is_set()
-        waited = ("returned" if returned_while_writing else
-                  "an untimed wait only the writing layer's future can end" if wait_proof.pending_at_proof else
-                  "2 s without a return")
+        waited = (
+            "returned"
+            if returned_while_writing
+            else "an untimed wait only the writing layer's future can end"
+            if wait_proof.pending_at_proof
+            else "2 s without a return"
+        )
         engine.land()
         caller.join(10)
     # A raise is the tree's own failure handling only when it ended the send after the planned failure and
@@ -113,12 +126,19 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     }
     if "raised" in outcome:
         details["raised"] = outcome["raised"]
-        return Outcome(UNSAFE, f"send_kvcache gave up on the failed layer by raising {outcome['raised']} while "
-                       "another layer's write was still landing in decode's pages.", details)
+        return Outcome(
+            UNSAFE,
+            f"send_kvcache gave up on the failed layer by raising {outcome['raised']} while "
+            "another layer's write was still landing in decode's pages.",
+            details,
+        )
     if returned_while_writing:
         return Outcome(UNSAFE, "send_kvcache reported the failed layer while another layer's write was still "
                        "landing in decode's pages.", details)
     if not outcome.get("ret"):
         return Outcome(UNSAFE, "send_kvcache lost the failed layer's status (returned 0).", details)
-    return Outcome(SAFE, f"send_kvcache reported the failure ({outcome['ret']}) only after every per-layer write "
-                   "finished.", details)
+    return Outcome(
+        SAFE,
+        f"send_kvcache reported the failure ({outcome['ret']}) only after every per-layer write finished.",
+        details,
+    )

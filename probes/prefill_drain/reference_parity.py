@@ -20,7 +20,8 @@ def _nixl_targets_left(rig, room: int) -> list[str]:
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
+    proves=("pr41402",),
+    needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when a chunk's handle fails (ERR) and every other handle of the batch has settled, the chunk "
     "is uncounted and the decode peers' ABORTs for the failed room are each ACKed, with no count or target left.",
@@ -105,12 +106,15 @@ def _nixl_cleared_room_skip(ctx, *, at_metadata_read: bool) -> dict:
     details.update(seen, targets_left=_nixl_targets_left(rig, NIXL_ROOM),
                    chunks_counted_at_end=rig.mgr._staging_outstanding.get(NIXL_ROOM, 0))
     if seen["targets_before_clear"] != [f"{NIXL_PEERS[0][0]}:{NIXL_PEERS[0][1]}"]:
-        raise RuntimeError(f"decode rank 0's ABORT was not held on the counted chunk ({seen['targets_before_clear']})")
+        raise RuntimeError(
+            f"decode rank 0's ABORT was not held on the counted chunk ({seen['targets_before_clear']})"
+        )
     return details
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
+    proves=("pr41402",),
+    needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT it "
     "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded, also "
@@ -139,7 +143,9 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     problems = []
     for name, run in runs.items():
         if run["acks_before_skip"]:
-            problems.append(f"{run['acks_before_skip']} ACK(s) left while the chunk was still counted ({name})")
+            problems.append(
+                f"{run['acks_before_skip']} ACK(s) left while the chunk was still counted ({name})"
+            )
         missing = [peer for peer, n in run["acks_per_peer"].items() if n < 1]
         if missing:
             problems.append(f"no drain ACK reached {missing} after the chunk was skipped ({name})")
@@ -147,13 +153,19 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
             problems.append(f"targets {run['targets_left']} stranded on prefill ({name})")
         if run["writes_posted"]:
             problems.append(f"the cleared room's chunk was written ({run['writes_posted']}, {name})")
-    return judged(problems, (
-        f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), also when the clear "
-        "landed at the worker's metadata read; nothing written, nothing stranded."), details)
+    return judged(
+        problems,
+        (
+            f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), also when the clear "
+            "landed at the worker's metadata read; nothing written, nothing stranded."
+        ),
+        details,
+    )
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
+    proves=("pr41402",),
+    needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
     expect="On a prefill manager built by its constructor, a room reopened by its next request starts without the "
     "previous request's in-flight count and ACK targets: an ABORT with nothing in flight is ACKed at once.",
@@ -194,20 +206,28 @@ def constructed_manager_reopened_room_starts_clean(ctx) -> Outcome:
         rig.close()
     first = f"{DECODE_PEERS[0][0]}:{DECODE_PEERS[0][1]}"
     if not held or acks_before_reopen:
-        raise RuntimeError(f"the old request's ABORT was not held on its count as planned ({held}, {acks_before_reopen})")
+        raise RuntimeError(
+            f"the old request's ABORT was not held on its count as planned ({held}, {acks_before_reopen})"
+        )
     problems = []
     if count_after_reopen:
         problems.append(f"the reopened room kept the old request's in-flight count ({count_after_reopen})")
     if targets_after_reopen:
         problems.append(f"the reopened room kept the old request's ACK targets {targets_after_reopen}")
     if first not in acks_after_reopen:
-        problems.append(f"the new request's ABORT with nothing in flight got no ACK (ACKs: {acks_after_reopen})")
-    return judged(problems, (
-        f"The reopened room started with no count and no targets, and {first}'s ABORT was ACKed at once."), details)
+        problems.append(
+            f"the new request's ABORT with nothing in flight got no ACK (ACKs: {acks_after_reopen})"
+        )
+    return judged(
+        problems,
+        (f"The reopened room started with no count and no targets, and {first}'s ABORT was ACKed at once."),
+        details,
+    )
 
 
 @case(
-    proves=("pr41402",), needs=("pr35049-ack",),
+    proves=("pr41402",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="When both decode ranks ABORT a Mooncake room while its last chunk's state write is in flight, the "
     "worker writes nothing more for the room (no aux into decode's metadata slot, no next rank's KV) and each "

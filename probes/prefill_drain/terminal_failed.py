@@ -14,7 +14,10 @@ from probes.standins import sg
 
 def _status_name(KVPoll, value) -> str:
     """A room's KVPoll status by name (``KVPoll`` is a class of ints); ``None``: the room is cleared."""
-    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    names = {
+        getattr(KVPoll, n): n
+        for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+    }
     return names.get(value, str(value))
 
 
@@ -47,7 +50,8 @@ def _nixl_healthy_room(ctx) -> dict:
 
 
 @case(
-    proves=("pr35049-nixl",), needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
+    proves=("pr35049-nixl",),
+    needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room stays Failed "
     "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
@@ -80,20 +84,31 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
     )
     details["healthy_room"] = healthy = _nixl_healthy_room(ctx)
     if healthy["status_at_end"] != "Success" or healthy["metadata_kept"] or healthy["late_abort_acks"] != 1:
-        raise RuntimeError(f"the control (a room no decode rank aborts) did not conclude as before: {healthy}")
+        raise RuntimeError(
+            f"the control (a room no decode rank aborts) did not conclude as before: {healthy}"
+        )
     still_failed = status_after_first == rig.KVPoll.Failed and status in (rig.KVPoll.Failed, None)
     if written_after == 0 and still_failed:
-        return Outcome(SAFE, "The aborted room stayed Failed after its in-flight chunk landed; its next chunk "
-                       "wrote nothing after the drain ACK (the control room concluded Success).", details)
-    return Outcome(UNSAFE, f"The aborted room went {details['status_after_inflight_chunk']} after its in-flight "
-                   f"chunk landed, and {written_after} write(s) of its next chunk were posted after the drain ACK "
-                   "(into pages decode may have freed).", details)
+        return Outcome(
+            SAFE,
+            "The aborted room stayed Failed after its in-flight chunk landed; its next chunk "
+            "wrote nothing after the drain ACK (the control room concluded Success).",
+            details,
+        )
+    return Outcome(
+        UNSAFE,
+        f"The aborted room went {details['status_after_inflight_chunk']} after its in-flight "
+        f"chunk landed, and {written_after} write(s) of its next chunk were posted after the drain ACK "
+        "(into pages decode may have freed).",
+        details,
+    )
 
 
 # 0.5.20 shipped the sticky-Failed rule without a fix record; the pack carries it in #41402's
 # variants for 0.5.17 - 0.5.19, so that is what the case proves (0.5.20/0.5.21: exceptions).
 @case(
-    proves=("pr41402",), needs=("pr35049-ack",),
+    proves=("pr41402",),
+    needs=("pr35049-ack",),
     must_preserve=False,
     expect="When one decode rank ABORTs a room before the other rank's transfer info arrived, the room stays Failed "
     "when that info arrives: the scheduler's next chunk is refused and nothing is written after the drain ACK.",
@@ -135,8 +150,16 @@ def aborted_room_stays_failed_on_late_bootstrap(ctx) -> Outcome:
         writes_after_drain_ack=written_after,
     )
     if written_after == 0 and status_after_info == KVPoll.Failed:
-        return Outcome(SAFE, "The aborted room stayed Failed when the late transfer info arrived; its chunk was "
-                       "refused and nothing was written after the drain ACK.", details)
-    return Outcome(UNSAFE, f"The late transfer info lifted the aborted room to {details['status_after_late_info']}; "
-                   f"{len(queued)} chunk(s) queued, {written_after} write(s) posted after the drain ACK (into pages "
-                   "decode may have freed).", details)
+        return Outcome(
+            SAFE,
+            "The aborted room stayed Failed when the late transfer info arrived; its chunk was "
+            "refused and nothing was written after the drain ACK.",
+            details,
+        )
+    return Outcome(
+        UNSAFE,
+        f"The late transfer info lifted the aborted room to {details['status_after_late_info']}; "
+        f"{len(queued)} chunk(s) queued, {written_after} write(s) posted after the drain ACK (into pages "
+        "decode may have freed).",
+        details,
+    )

@@ -107,7 +107,9 @@ class IOEngine:
     def get_engine_desc(self) -> EngineDesc:
         return self._desc
 
-    def register_memory(self, address: int, size: int, device_id: int, location: MemoryLocationType) -> MemoryDesc:
+    def register_memory(
+        self, address: int, size: int, device_id: int, location: MemoryLocationType
+    ) -> MemoryDesc:
         desc = MemoryDesc(self.key, int(address), int(size), int(device_id), location.name)
         self.registered.append(desc)
         return desc

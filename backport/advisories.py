@@ -399,8 +399,10 @@ def render(section: Mapping[str, list[dict]] | None, roles: Iterable[str] = ()) 
         "## What else is open on this release",
         "",
         (
-            "Known advisories beyond this pack's classes (patches/advisories.toml), judged on each tree's code. "
-            "No deployment was read: `exposed-if` is open when its condition holds (audit a deployment to see "
+            "Known advisories beyond this pack's classes (patches/advisories.toml), judged on each tree's "
+            "code. "
+            "No deployment was read: `exposed-if` is open when its condition holds (audit a deployment to "
+            "see "
             "it). Information, not a verdict."
         ),
         "",

@@ -115,7 +115,8 @@ def make_pack(tree: Path, work: Path, n_fixes: int, n_files: int) -> Path:
         git(scratch, "commit", "-qm", fid)
         (pack / fid).mkdir()
         (pack / fid / f"{fid}-0.5.17.patch").write_text(
-            f"Description: bench fix {k}\nOrigin: upstream, https://github.com/sgl-project/sglang/pull/{90000 + k}\nApplies-To: >=0\nDepends-On: none\n"
+            f"Description: bench fix {k}\nOrigin: upstream, "
+            f"https://github.com/sgl-project/sglang/pull/{90000 + k}\nApplies-To: >=0\nDepends-On: none\n"
             f"Last-Update: 2026-11-30\n---\n" + diff
         )
     (pack / "series").write_text("\n".join(series) + "\n")

@@ -182,7 +182,8 @@ def main() -> int:
     print(f"total {total:.1f} s = {total / floor:.2f} x floor; goal: under {2 * len(rows)} x floor")
     for r in races:
         print(
-            f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario {r['scenario_seconds']:.1f} s, "
+            f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario "
+            f"{r['scenario_seconds']:.1f} s, "
             f"peak {r['peak_rss_gib']:.2f} GiB: {r['verdict']} ({r['observed']})"
         )
     return 0

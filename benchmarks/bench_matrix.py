@@ -98,7 +98,8 @@ def main() -> int:
 
     print(f"  singles (one harness run per tree): {singles_s:7.1f} s")
     print(
-        f"  floor (one bare import per tree):   {floor_s:7.1f} s   (matrix: {matrix_s / singles_s:.2f}x singles, "
+        f"  floor (one bare import per tree):   {floor_s:7.1f} s   (matrix: {matrix_s / singles_s:.2f}x "
+        "singles, "
         f"{matrix_s / floor_s:.2f}x floor)"
     )
     report(len(roots), len(args.versions), matrix_s, one_s, paired, args.repeat)
@@ -107,7 +108,8 @@ def main() -> int:
 
 def report(trees: int, releases: int, matrix_s: float, one_s: float, paired: float, repeat: int) -> None:
     print(
-        f"{trees} trees ({releases} releases x pristine/patched + the reference); median of {repeat} paired runs"
+        f"{trees} trees ({releases} releases x pristine/patched + the reference); median of {repeat} paired "
+        "runs"
     )
     print(f"  matrix (all trees):                 {matrix_s:7.1f} s")
     print(f"  one run (3 trees, matrix):          {one_s:7.1f} s")

@@ -237,7 +237,8 @@ def _finish_abort(message: str):
 @case(
     proves=("pr38935",),
     must_preserve=False,
-    expect='A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: no KV sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.',
+    expect='A request rejected through set_finish_with_abort is retired at PrefillBootstrapQueue.add: no KV '
+           'sender, no bootstrap queue entry, no metadata buffer, its 400 streamed once.',
 )
 def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
     """#38935 prefill door: a request rejected by ``set_finish_with_abort``
@@ -257,7 +258,8 @@ def prefill_door_rejected_not_enqueued(ctx) -> Outcome:
 @case(
     proves=("pr38935",),
     must_preserve=False,
-    expect='A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: no KV receiver, no prealloc queue entry, its 400 streamed once.',
+    expect='A request rejected through set_finish_with_abort is retired at DecodePreallocQueue.add: no KV '
+           'receiver, no prealloc queue entry, its 400 streamed once.',
 )
 def decode_door_rejected_not_enqueued(ctx) -> Outcome:
     """#38935 decode door: a rejected request gets no KV receiver and no
@@ -294,7 +296,10 @@ class _ClientStream:
     proves=("pr38935",),
     needs=(">=0.4.6.post4",),
     must_preserve=False,
-    expect="A request whose intake abort was already promoted into finished_reason and streamed is retired at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly once.",
+    expect="A request whose intake abort was already promoted into finished_reason and streamed is retired "
+           "at PrefillBootstrapQueue.add and at DecodePreallocQueue.add: no KV sender or receiver, no queue "
+           "entry, no metadata buffer, its cache-side state released, and the client gets the 400 exactly "
+           "once.",
 )
 def finished_abort_retired_at_doors(ctx) -> Outcome:
     """#38935 (as upstream's predicate, ``is_aborted``): an abort already
@@ -370,9 +375,11 @@ def _streaming_session():
     proves=("pr38935",),
     needs=(">=0.5.11",),
     must_preserve=False,
-    expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no handoff, its "
+    expect="A rejected request of a streaming session is retired at PrefillBootstrapQueue.add with no "
+           "handoff, its "
     "400 streamed once, its session no longer in flight (the session's next request is accepted), and the "
-    "cache-side state it took before the door (a HiCache storage prefetch) released once through the tree cache.",
+    "cache-side state it took before the door (a HiCache storage prefetch) released once through the tree "
+    "cache.",
 )
 def rejected_session_request_releases_session_and_cache(ctx) -> Outcome:
     """#38935's retirement undoes what was taken before the door: ``create_req`` marked the streaming
@@ -479,7 +486,8 @@ def prefill_door_metadata_owner_not_retired(ctx) -> Outcome:
 @case(
     needs=(">=0.5.18",),
     must_preserve=True,
-    expect='A re-entering request with a pending abort that holds a retraction backup is admitted, not retired.',
+    expect='A re-entering request with a pending abort that holds a retraction backup is admitted, not '
+           'retired.',
 )
 def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
     """A re-entering request with a pending abort that holds a host
@@ -498,7 +506,8 @@ def prefill_door_retraction_backup_not_retired(ctx) -> Outcome:
 
 @case(
     must_preserve=True,
-    expect='A preempted re-entry (is_retracted, no resources) carrying to_finish is admitted at the prefill door, not retired.',
+    expect='A preempted re-entry (is_retracted, no resources) carrying to_finish is admitted at the prefill '
+           'door, not retired.',
 )
 def prefill_door_preempted_reentry_not_retired(ctx) -> Outcome:
     """A preempted request (``is_retracted``, seqlen <= 1, no backup) that
@@ -532,7 +541,8 @@ def decode_door_retracted_not_retired(ctx) -> Outcome:
 @case(
     needs=(">=0.5.16",),
     must_preserve=True,
-    expect='A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not retirement.',
+    expect='A rebootstrapping request with a pending abort gets its receiver and prealloc entry, not '
+           'retirement.',
 )
 def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
     """A PD rebootstrap (``is_rebootstrap=True``) carrying ``to_finish`` goes
@@ -554,7 +564,8 @@ def decode_door_rebootstrap_not_retired(ctx) -> Outcome:
 
 @case(
     must_preserve=True,
-    expect='A preempted re-entry (req.is_retracted) carrying to_finish is admitted at the decode door, not retired.',
+    expect='A preempted re-entry (req.is_retracted) carrying to_finish is admitted at the decode door, not '
+           'retired.',
 )
 def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
     """A preempted request (``req.is_retracted`` set, no door flag) carrying
@@ -569,7 +580,8 @@ def decode_door_preempted_reentry_not_retired(ctx) -> Outcome:
 
 @case(
     must_preserve=True,
-    expect='In non-PD mode _add_request_to_queue only dispatches: the rejected request reaches the waiting queue and is not retired there.',
+    expect='In non-PD mode _add_request_to_queue only dispatches: the rejected request reaches the waiting '
+           'queue and is not retired there.',
 )
 def null_mode_dispatch_untouched(ctx) -> Outcome:
     """Non-PD mode: ``Scheduler._add_request_to_queue`` stays a pure

@@ -75,7 +75,8 @@ def flush_cache(shell) -> bool:
     needs=("pr35049",),
     beyond_upstream=True,
     must_preserve=False,
-    expect="/flush_cache while a deferred KV release holds a failed transfer's pages is refused: after both drain "
+    expect="/flush_cache while a deferred KV release holds a failed transfer's pages is refused: after both "
+           "drain "
     "ACKs the pages are released once, no page is on the free list twice, and a flush after the release "
     "is accepted.",
 )

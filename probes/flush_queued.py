@@ -65,7 +65,8 @@ def _queued_decode_shell(ledger, pages, transfer_queue: list):
     proves=("pr12107",),
     needs=("<0.5.13",),
     must_preserve=False,
-    expect="/flush_cache on a decode whose transfer queue holds a request's reserved pages is refused: when the "
+    expect="/flush_cache on a decode whose transfer queue holds a request's reserved pages is refused: when "
+           "the "
     "request ends its pages go back once, no page is on the free list twice, and a flush after that is "
     "accepted; a prefill with a request in flight refuses too, a scheduler outside PD flushes.",
 )

@@ -273,7 +273,8 @@ class HandoffRig(DoorRig):
 @case(
     proves=("pr36988",),
     must_preserve=False,
-    expect='A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is signalled complete with fewer tokens than decode reserved.',
+    expect='A prompt longer than the prefill pool is rejected and never handed off: no KV transfer is '
+           'signalled complete with fewer tokens than decode reserved.',
 )
 def oversized_prompt_handoff_not_started(ctx) -> Outcome:
     """The incident: a 640-token prompt against a 256-token prefill pool. On an
@@ -285,7 +286,8 @@ def oversized_prompt_handoff_not_started(ctx) -> Outcome:
     if short and obs["decode_refused"]:
         return Outcome(
             SAFE,
-            f"Prefill handed over {obs['tokens_handed_over']} token(s) for {obs['decode_reserved_tokens']} reserved; "
+            f"Prefill handed over {obs['tokens_handed_over']} token(s) for {obs['decode_reserved_tokens']} "
+            "reserved; "
             "decode refused the short handoff (5xx, pages released, never committed).",
             obs,
         )
@@ -293,7 +295,8 @@ def oversized_prompt_handoff_not_started(ctx) -> Outcome:
         return Outcome(
             UNSAFE,
             f"Transfer signalled complete with {obs['tokens_handed_over']} token(s) handed over for "
-            f"{obs['decode_reserved_tokens']} reserved; {obs['reserved_pages_never_written']} reserved page(s) never written.",
+            f"{obs['decode_reserved_tokens']} reserved; {obs['reserved_pages_never_written']} reserved "
+            "page(s) never written.",
             obs,
         )
     if not obs["prefill_admitted_to_bootstrap"]:
@@ -305,7 +308,8 @@ def oversized_prompt_handoff_not_started(ctx) -> Outcome:
 
 @case(
     must_preserve=True,
-    expect='A prompt that fits is admitted and its handoff covers exactly the tokens and pages decode reserved.',
+    expect='A prompt that fits is admitted and its handoff covers exactly the tokens and pages decode '
+           'reserved.',
 )
 def fitting_prompt_covers_reservation(ctx) -> Outcome:
     """Must-preserve: a 200-token prompt that fits the prefill pool is

@@ -92,7 +92,8 @@ def _details(rig: TransferRig, built: ConstructedMoriDecodeManager) -> dict[str,
     proves=("sbp-mori-hold",),
     needs=(">=0.5.9",),
     must_preserve=False,
-    expect="With the default environment, a Mori transfer that decode aborts mid-transfer keeps its pages and "
+    expect="With the default environment, a Mori transfer that decode aborts mid-transfer keeps its pages "
+           "and "
     "metadata slot while the transfer may still write (until the drain ACK or the deferred-release "
     "timeout), then releases them exactly once.",
 )
@@ -129,7 +130,8 @@ def _judge_hold(
 @case(
     needs=(">=0.5.9",),
     must_preserve=True,
-    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 (the off switch), a Mori transfer that decode "
+    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 (the off switch), a Mori transfer that "
+           "decode "
     "aborts releases its pages and metadata slot at once, exactly once, and holds nothing.",
 )
 def mori_off_switch_releases_at_once(ctx) -> Outcome:

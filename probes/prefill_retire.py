@@ -160,7 +160,9 @@ def _verdict(problems: list[str], safe_text: str, obs: dict[str, Any]) -> Outcom
 @case(
     proves=("pr36988",),
     must_preserve=False,
-    expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender aborted, metadata buffer freed, its HiCache storage state released once, release_kv_cache without insert once, abort streamed once.",
+    expect="An aborted request's final prefill result is retired: not cached, no KV chunk sent, sender "
+           "aborted, metadata buffer freed, its HiCache storage state released once, release_kv_cache "
+           "without insert once, abort streamed once.",
 )
 def final_aborted_result_retired(ctx) -> Outcome:
     """#36988 final result: an aborted request (here the incident's intake
@@ -193,7 +195,8 @@ def final_aborted_result_retired(ctx) -> Outcome:
         )
     return _verdict(
         problems,
-        "Retired once: no cache, no send, metadata freed, HiCache storage state released, KV released without insert, abort streamed once.",
+        "Retired once: no cache, no send, metadata freed, HiCache storage state released, KV released "
+        "without insert, abort streamed once.",
         obs,
     )
 
@@ -259,7 +262,8 @@ def sender_abort_failure_does_not_skip_cleanup(ctx) -> Outcome:
 @case(
     proves=("pr36988",),
     must_preserve=False,
-    expect='An aborted middle-chunk result waits for the in-flight later chunk; the final result retires once.',
+    expect='An aborted middle-chunk result waits for the in-flight later chunk; the final result retires '
+           'once.',
 )
 def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
     """#36988 chunked prefill: while a later overlapped chunk is still running,
@@ -297,7 +301,9 @@ def middle_chunk_inflight_delays_retirement(ctx) -> Outcome:
 @case(
     proves=("pr36988",),
     must_preserve=False,
-    expect="An aborted request's middle-chunk result, with no later chunk of it launched, retires the request once: no KV chunk sent, not requeued, metadata buffer freed, KV released without insert once, abort streamed once.",
+    expect="An aborted request's middle-chunk result, with no later chunk of it launched, retires the "
+           "request once: no KV chunk sent, not requeued, metadata buffer freed, KV released without insert "
+           "once, abort streamed once.",
 )
 def aborted_middle_chunk_without_later_chunk_retired(ctx) -> Outcome:
     """#36988 chunked prefill: the request was aborted while a middle chunk ran and no later chunk of it
@@ -338,7 +344,9 @@ class _RejectingGrammar:
     proves=("pr36988",),
     needs=(">=0.4.9.post5",),
     must_preserve=False,
-    expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without insert, the abort streamed once.",
+    expect="A final prefill result whose sampled token the grammar rejects is retired before any KV chunk is "
+           "sent: not cached, not queued, sender aborted, metadata buffer freed, KV released once without "
+           "insert, the abort streamed once.",
 )
 def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
     """#36988 as 0.5.20 orders it: the grammar check runs before the final
@@ -360,7 +368,8 @@ def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
         ) from None
     if not grammar.accept_calls:
         raise NotApplicable(
-            "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this release"
+            "process_batch_result_disagg_prefill does not check the sampled token against a grammar in this "
+            "release"
         )
     obs = rig.observe(req)
     # The sampled token is appended before the check in 0.5.20 as well.
@@ -369,14 +378,16 @@ def grammar_rejected_result_sends_no_kv(ctx) -> Outcome:
         problems.append("sender not aborted")
     return _verdict(
         problems,
-        "The grammar rejection retired the request before any KV chunk: not cached, not queued, released once, abort streamed once.",
+        "The grammar rejection retired the request before any KV chunk: not cached, not queued, released "
+        "once, abort streamed once.",
         obs,
     )
 
 
 @case(
     must_preserve=True,
-    expect='A valid finished request is cached, queued for transfer and sends its last KV chunk; nothing is released or streamed.',
+    expect='A valid finished request is cached, queued for transfer and sends its last KV chunk; nothing is '
+           'released or streamed.',
 )
 def valid_finished_request_sends_kv(ctx) -> Outcome:
     """Must-preserve: a valid finished prefill keeps its token, is cached,
@@ -404,7 +415,9 @@ def valid_finished_request_sends_kv(ctx) -> Outcome:
 @case(
     needs=(">=0.5.13",),
     must_preserve=True,
-    expect="A valid request whose optimistic bootstrap is still pending, whose middle-chunk result comes back with no later chunk launched, is released and requeued for a retry: no KV chunk sent, nothing retired or streamed.",
+    expect="A valid request whose optimistic bootstrap is still pending, whose middle-chunk result comes "
+           "back with no later chunk launched, is released and requeued for a retry: no KV chunk sent, "
+           "nothing retired or streamed.",
 )
 def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
     """Must-preserve (optimistic prefill, 0.5.13+): #36988 moves the abort check ahead of the optimistic
@@ -450,7 +463,8 @@ def pending_bootstrap_middle_chunk_requeued(ctx) -> Outcome:
     proves=("pr36988",),
     needs=(">=0.5.4,<0.5.9",),
     must_preserve=False,
-    expect="Where the release's own KV release leaves req.req_pool_idx set (0.5.4 - 0.5.8.post1), retiring the same "
+    expect="Where the release's own KV release leaves req.req_pool_idx set (0.5.4 - 0.5.8.post1), retiring "
+           "the same "
     "aborted request twice releases it once: the second call finds nothing owned, returns False and "
     "releases, frees and raises nothing.",
 )

@@ -204,7 +204,8 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
     proves=("sbp-refused-room",),
     needs=(">=0.4.5.post1,<0.4.7",),
     must_preserve=False,
-    expect="A request prefill's door refuses is reported to every decode rank registered for its room, whether "
+    expect="A request prefill's door refuses is reported to every decode rank registered for its room, "
+           "whether "
     "decode registered before or after the refusal; prefill keeps nothing for the room.",
 )
 def prefill_reports_refused_room(ctx) -> Outcome:
@@ -228,7 +229,8 @@ def prefill_reports_refused_room(ctx) -> Outcome:
     proves=("sbp-refused-room",),
     needs=(">=0.4.5.post1,<0.4.7",),
     must_preserve=False,
-    expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and metadata "
+    expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and "
+           "metadata "
     "slot returned, the request aborted once), and the next valid request is still served.",
 )
 def decode_releases_refused_room(ctx) -> Outcome:

@@ -83,7 +83,8 @@ def _commit(obs: dict[str, Any], what: str) -> Outcome:
     needs=(">=0.5.3",),
     beyond_upstream=True,
     must_preserve=False,
-    expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP 500, never committed, pages released once, counted.",
+    expect="A handoff whose recorded KV coverage is short of decode's reservation is refused at decode: HTTP "
+           "500, never committed, pages released once, counted.",
 )
 def short_coverage_refused(ctx) -> Outcome:
     """The incident's handoff: decode reserved 640 tokens, prefill wrote a
@@ -97,7 +98,8 @@ def short_coverage_refused(ctx) -> Outcome:
     needs=(">=0.5.3",),
     beyond_upstream=True,
     must_preserve=False,
-    expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported as such, never silently committed.",
+    expect="A handoff from a prefill that recorded no coverage (an unpatched peer) is refused and reported "
+           "as such, never silently committed.",
 )
 def unpatched_peer_refused(ctx) -> Outcome:
     """The metadata row as an unpatched prefill writes it: slot 7 never set."""
@@ -112,7 +114,8 @@ def unpatched_peer_refused(ctx) -> Outcome:
     needs=(">=0.5.3",),
     beyond_upstream=True,
     must_preserve=False,
-    expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none commits it alone.",
+    expect="When one attention-TP rank sees a short coverage, every rank refuses the request together; none "
+           "commits it alone.",
 )
 def tp_ranks_refuse_together(ctx) -> Outcome:
     """Two decode ranks: rank 0's metadata shows full coverage, rank 1's a short one."""
@@ -134,7 +137,8 @@ def full_coverage_committed(ctx) -> Outcome:
     needs=(">=0.5.3",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, so prefill sends only the rest) is committed.",
+    expect="A handoff with a cached prefix (prefill's prefix cache hit, and a prefix decode already holds, "
+           "so prefill sends only the rest) is committed.",
 )
 def cached_prefix_committed(ctx) -> Outcome:
     obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="prefix", room=612,
@@ -167,7 +171,8 @@ def _rebootstrap_or_skip():
     needs=(">=0.5.16",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="A rebootstrap with output tokens (decode reserves prompt + emitted tokens, prefill recomputes them all) is committed.",
+    expect="A rebootstrap with output tokens (decode reserves prompt + emitted tokens, prefill recomputes "
+           "them all) is committed.",
 )
 def rebootstrap_output_tokens_committed(ctx) -> Outcome:
     _rebootstrap_or_skip()
@@ -180,7 +185,8 @@ def rebootstrap_output_tokens_committed(ctx) -> Outcome:
     needs=(">=0.5.16",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="A request that was retracted (its KV state reset by reset_for_retract) and handed off again is committed.",
+    expect="A request that was retracted (its KV state reset by reset_for_retract) and handed off again is "
+           "committed.",
 )
 def retracted_request_committed(ctx) -> Outcome:
     _rebootstrap_or_skip()
@@ -202,7 +208,8 @@ def retracted_request_committed(ctx) -> Outcome:
     needs=(">=0.5.3",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, is committed.",
+    expect="A speculative (EAGLE) handoff, whose metadata carries the draft model's hidden states and top-k, "
+           "is committed.",
 )
 def speculative_transfer_committed(ctx) -> Outcome:
     obs = one_handoff(ctx, decode_tokens=200, prefill_tokens=200, rid="spec", room=616, spec=True)
@@ -264,7 +271,9 @@ def _two_ranks(ctx, *, short_on_rank1: bool) -> Outcome:
     needs=(">=0.5.21",),
     beyond_upstream=True,
     must_preserve=False,
-    expect="With decode host receive, a host-staged handoff whose recorded coverage is short of the prompt decode will reserve for it is refused (500, never committed, no device pages reserved, host pages held for the drain), not compared with the still-unset kv_committed_len.",
+    expect="With decode host receive, a host-staged handoff whose recorded coverage is short of the prompt "
+           "decode will reserve for it is refused (500, never committed, no device pages reserved, host "
+           "pages held for the drain), not compared with the still-unset kv_committed_len.",
 )
 def host_staged_short_coverage_refused(ctx) -> Outcome:
     """The incident's 1-token handoff into host pages staged for a 640-token prompt."""
@@ -300,7 +309,8 @@ def host_staged_short_coverage_refused(ctx) -> Outcome:
     needs=(">=0.5.21",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="With decode host receive, a complete host-staged handoff is committed with the device pages allocate_host_staged reserves.",
+    expect="With decode host receive, a complete host-staged handoff is committed with the device pages "
+           "allocate_host_staged reserves.",
 )
 def host_staged_full_coverage_committed(ctx) -> Outcome:
     obs = host_staged_handoff(ctx, prompt_tokens=200, prefill_tokens=200, rid="host-full", room=632)
@@ -338,7 +348,10 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
     needs=("sbp-transfer-coverage", ">=0.5.16,<0.5.20"),
     beyond_upstream=True,
     must_preserve=False,
-    expect="When the coverage check on one attention-TP rank refuses a request while another rank's HiCache load-back for it is still copying, that rank's Failed path (_clean_hicache_prefetch_resources) releases only decode's own lock: the tree's in-flight lock keeps the copy's device pages from eviction and reuse until the copy finishes, then they are reclaimed.",
+    expect="When the coverage check on one attention-TP rank refuses a request while another rank's HiCache "
+           "load-back for it is still copying, that rank's Failed path (_clean_hicache_prefetch_resources) "
+           "releases only decode's own lock: the tree's in-flight lock keeps the copy's device pages from "
+           "eviction and reuse until the copy finishes, then they are reclaimed.",
 )
 def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     """Rank 0 sees 16 of 200 tokens (refused); rank 1's restore is PENDING with
@@ -403,7 +416,8 @@ def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     needs=(">=0.5.16,<0.5.20",),
     beyond_upstream=True,
     must_preserve=True,
-    expect="A complete handoff whose decode HiCache restore is pending is held until the load-back finishes and then committed with the restored prefix.",
+    expect="A complete handoff whose decode HiCache restore is pending is held until the load-back finishes "
+           "and then committed with the restored prefix.",
 )
 def restored_handoff_committed(ctx) -> Outcome:
     _restore_rig_or_skip(refusal=False)

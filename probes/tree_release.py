@@ -136,7 +136,9 @@ def _retired(obs: dict[str, Any]) -> list[str]:
     proves=("pr36988",),
     needs=("<0.5.5.post1",),
     must_preserve=False,
-    expect="An aborted request whose last in-flight result is a middle chunk is released by the tree's own code: exactly the slots its forwards wrote go back (none past fill_ids, none of the tree's prefix), nothing is inserted, the abort is streamed once.",
+    expect="An aborted request whose last in-flight result is a middle chunk is released by the tree's own "
+           "code: exactly the slots its forwards wrote go back (none past fill_ids, none of the tree's "
+           "prefix), nothing is inserted, the abort is streamed once.",
 )
 def aborted_middle_chunk_frees_only_written_slots(ctx) -> Outcome:
     """A 64-token prompt chunked by 16: the tree holds the first chunk (``prefix_indices``), the
@@ -182,7 +184,9 @@ def aborted_middle_chunk_frees_only_written_slots(ctx) -> Outcome:
     proves=("pr36988",),
     needs=(">=0.5.3.post2,<0.5.5.post1",),
     must_preserve=False,
-    expect="A hybrid (Mamba) model's aborted final prefill result is retired: no KV chunk sent, nothing inserted into the Mamba radix tree, the request's own KV slots and Mamba state freed once, the abort streamed once.",
+    expect="A hybrid (Mamba) model's aborted final prefill result is retired: no KV chunk sent, nothing "
+           "inserted into the Mamba radix tree, the request's own KV slots and Mamba state freed once, the "
+           "abort streamed once.",
 )
 def hybrid_aborted_result_not_inserted(ctx) -> Outcome:
     """#36988 with ``MambaRadixCache``: an aborted request's final prefill result arrives; the

@@ -278,7 +278,8 @@ def test_capability_is_inherited_and_absent_attribute_means_none(tmp_path):
     disagg = tmp_path / "sglang" / "srt" / "disaggregation"
     for backend, body in {
         "base": "class BaseKVManager:\n    supports_deferred_decode_kv_release: bool = False\n",
-        "mooncake": "class MooncakeKVManager(CommonKVManager):\n    supports_deferred_decode_kv_release = True\n",
+        "mooncake": "class MooncakeKVManager(CommonKVManager):\n    supports_deferred_decode_kv_release = "
+                    "True\n",
         "common": "class CommonKVManager(BaseKVManager):\n    pass\n",
         "ascend": "class AscendKVManager(MooncakeKVManager):\n    pass\n",
         "mori": "class MoriKVManager(CommonKVManager):\n    pass\n",

@@ -146,7 +146,8 @@ NEWER = ".".join(NEWEST.split(".")[:2] + [str(int(NEWEST.split(".")[2]) + 1)])
         (
             NEWER,
             (
-                f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this pack "
+                f"newer than the release matrix (newest pinned: {NEWEST}): it ships every upstream fix this "
+                "pack "
                 "carries, so only this pack's own check (sbp-transfer-coverage) applies"
             ),
         ),

@@ -173,7 +173,8 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     }
     markdown = (out / "summary.md").read_text()
     assert (
-        "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | SBP-2026-0004 "
+        "| release | product | pr36988 | pr38935 | SBP-2026-0001 | SBP-2026-0002 | SBP-2026-0003 | "
+        "SBP-2026-0004 "
         "| SBP-2026-0006 | live tier | upstream tests | signed | result | why |"
     ) in markdown
     assert (

@@ -180,7 +180,8 @@ def test_sigkill_during_the_scenarios_leaves_nothing(serving, release_tree, tmp_
         cli.stop()
         taken.close()
     print(
-        f"during scenarios: nothing left {seconds:.1f} s after SIGKILL; listeners not chosen by the tier: {others}"
+        f"during scenarios: nothing left {seconds:.1f} s after SIGKILL; listeners not chosen by the tier: "
+        f"{others}"
     )
 
 

@@ -50,7 +50,8 @@ def checkout(root: Path, version: str, *, tag: str | None = None, upstream_layou
     if upstream_layout:
         (package_root / "sglang" / "_version.py").unlink()
         (package_root / "sglang" / "version.py").write_text(
-            "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = \"0.0.0.dev0\"\n"
+            "try:\n    from sglang._version import __version__\nexcept ImportError:\n    __version__ = "
+            "\"0.0.0.dev0\"\n"
         )
         (root / ".gitignore").write_text("python/sglang/_version.py\n")
     repo = git.Repo.init(root)

@@ -24,7 +24,8 @@ from backport.pack import Pack
 
 PASS, WARN, UNKNOWN, FAIL = "pass", "warn", "unknown", "fail"
 _RANK = {PASS: 0, WARN: 1, UNKNOWN: 2, FAIL: 3}
-NOT_PROVEN = "HTTP 200 and transfer-complete prove neither that the transferred KV covers what decode reserved nor that decode read only what it received"
+NOT_PROVEN = ("HTTP 200 and transfer-complete prove neither that the transferred KV covers what decode "
+              "reserved nor that decode read only what it received")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def _mismatch(code: CodeFacts | None, s: ServerFacts) -> str | None:
     if code is None or s.error:
         return None
     if s.version is None:
-        return f"{_label(s)} does not report its version; the audited code ({code.version}) may not be what it runs"
+        return (f"{_label(s)} does not report its version; the audited code ({code.version}) may not be what "
+                "it runs")
     if not same_build(code.version, s.version):
         return f"{_label(s)} runs sglang {s.version}, the audited code is {code.version}"
     return None

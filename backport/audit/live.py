@@ -114,7 +114,8 @@ def negative_case(url: str, servers: list[ServerFacts], count: int, limits: Limi
     length = min(context - NEW_TOKENS - 1, pool + max(1, pool // 2), max_prompt)
     if length <= pool:
         return {
-            "skipped": f"a prompt above the prefill pool ({pool:,} tokens) is longer than --max-prompt-tokens "
+            "skipped": f"a prompt above the prefill pool ({pool:,} tokens) is longer than "
+                       "--max-prompt-tokens "
             f"({max_prompt:,})",
             "remedy": f"--max-prompt-tokens {pool + 1}",
             "prefill_pool": pool,
@@ -174,7 +175,8 @@ def judge(case: dict) -> tuple[str, str, str | None]:
         return (
             PASS,
             (
-                f"live: the baseline was served; a {length}-token prompt (prefill pool {pool}) got {summary}, "
+                f"live: the baseline was served; a {length}-token prompt (prefill pool {pool}) got "
+                f"{summary}, "
                 "each naming the input length: rejected"
             ),
             None,

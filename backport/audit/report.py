@@ -73,7 +73,8 @@ def _advisory_lines(advisories: list[Row]) -> list[str]:
         f"advisories: {opened} open of {len(advisories)} rows (not a gate; every row in --json and --report)"
     ]
     lines += [
-        f"    {r.status}: {r.advisory}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''} on {r.subject}: "
+        f"    {r.status}: {r.advisory}{' (' + ', '.join(r.aliases) + ')' if r.aliases else ''} on "
+        f"{r.subject}: "
         f"{r.reason}; {r.pack}"
         for r in shown
     ]

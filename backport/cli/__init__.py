@@ -117,7 +117,8 @@ def _dispatch(argv: list[str], wants_json: bool) -> int:
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         print(
-            f"sglang-backport: interrupted by {signal.Signals(signum).name}: stopped; every process it started "
+            f"sglang-backport: interrupted by {signal.Signals(signum).name}: stopped; every process it "
+            "started "
             f"is ended and its temporary files removed",
             file=sys.stderr,
         )

@@ -53,7 +53,8 @@ def cmd_merge(args) -> int:
     elif not args.json:
         print((Path(args.out) / "summary.md").read_text(), end="")
         print(
-            f"merged {summary['bundles']} bundles into {args.out}: {summary['vex_statements']} VEX statements, "
+            f"merged {summary['bundles']} bundles into {args.out}: {summary['vex_statements']} VEX "
+            "statements, "
             f"{summary['attestations']} attestations"
         )
     if failing:

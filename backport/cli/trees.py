@@ -124,8 +124,10 @@ def installed_lines(installed, asked: bool) -> list[str]:
     else:
         lines = [
             (
-                f"installed: sglang {installed.version}, exported by sglang-backport from {record.get('spec')} "
-                f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} commits)"
+                f"installed: sglang {installed.version}, exported by sglang-backport from "
+                f"{record.get('spec')} "
+                f"(patch set {str(record.get('patch_set_sha256'))[:12]}, {len(record.get('commits') or [])} "
+                "commits)"
             ),
             "  the installed package "
             + (

@@ -185,7 +185,8 @@ def render(coverage: dict | None) -> list[str]:
             f"{t['not_executed']} lines ran under no probe case."
         ),
         (
-            "An executed line ran at least once under some case or test; it does not prove a case checked it. "
+            "An executed line ran at least once under some case or test; it does not prove a case checked "
+            "it. "
             "A line not executed is code no verdict rests on."
         ),
         "",

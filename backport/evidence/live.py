@@ -152,7 +152,8 @@ def render(predicate: dict) -> list[str]:
         "## Live tier",
         "",
         (
-            "A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, Mooncake "
+            "A real PD deployment per tree: prefill and decode `launch_server` on the CPU, the router, "
+            "Mooncake "
             "over TCP, a tiny seeded model; every request answered by the servers (details in "
             + ", ".join(f"`{live['files'][r]}`" for r in roles)
             + "). `*` marks a must-preserve scenario."
@@ -194,9 +195,12 @@ def _render_races(live: dict, roles: list[str]) -> list[str]:
         lines += [
             "",
             (
-                f"`{row['scenario']}`: {topo['name']} ({topo['prefills']} prefills, {topo['decodes']} decode, "
-                f"{topo['network']}); only prefill A's Mooncake flow to decode shaped to {shaping.get('rate')} "
-                f"(htb); decode aborts A at {shaping.get('abort_at_fraction')} of A's {topo['a_tokens']}-token KV, "
+                f"`{row['scenario']}`: {topo['name']} ({topo['prefills']} prefills, {topo['decodes']} "
+                "decode, "
+                f"{topo['network']}); only prefill A's Mooncake flow to decode shaped to "
+                f"{shaping.get('rate')} "
+                f"(htb); decode aborts A at {shaping.get('abort_at_fraction')} of A's "
+                f"{topo['a_tokens']}-token KV, "
                 f"then B ({topo['b_tokens']} tokens, {topo['b_new_tokens']} new) goes through prefill B onto "
                 f"A's freed pages (decode pool {topo['decode_pool']})."
             ),
@@ -217,8 +221,10 @@ def _render_races(live: dict, roles: list[str]) -> list[str]:
             "",
             (
                 "It shows decode releasing pages a writer may still touch, on real servers with the real "
-                "Mooncake TCP transport: an abort mid-transfer lets the next request's KV be overwritten. It does "
-                "not show RDMA (the writes are TCP on loopback, slowed by tc), GPU memory, or timings of a real "
+                "Mooncake TCP transport: an abort mid-transfer lets the next request's KV be overwritten. It "
+                "does "
+                "not show RDMA (the writes are TCP on loopback, slowed by tc), GPU memory, or timings of a "
+                "real "
                 "network; the mechanism is the same one an RDMA write after release exercises."
             ),
         ]

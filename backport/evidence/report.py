@@ -28,7 +28,8 @@ def _toolkit_line(p: dict) -> str:
     if dist.get("wheel"):
         installed += f" `{dist['wheel']}` (sha256 `{dist.get('wheel_sha256') or 'not recorded'}`)"
     return (
-        f"Toolkit sglang-backport {toolkit['version']} (commit {toolkit['git_commit'] or 'none: not a git checkout'}"
+        f"Toolkit sglang-backport {toolkit['version']} (commit "
+        f"{toolkit['git_commit'] or 'none: not a git checkout'}"
         f"; installed from {installed}; code sha256: toolkit `{code.get('backport_sha256')}`, probes "
         f"`{code.get('probes_sha256')}`, probe requirements `{code.get('probe_requirements_sha256')}`). "
         f"Probe environment: Python {env['python']}, torch {env['torch']}, {env['platform']}."

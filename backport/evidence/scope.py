@@ -76,7 +76,8 @@ def _upstream_line(up: dict) -> tuple[str, bool]:
     detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
     return (
         (
-            f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a result, "
+            f"{ran} ran, {outcomes.get('skipped', 0)} skipped by pytest, {missing} listed file(s) without a "
+            "result, "
             f"on {', '.join(trees)} ({detail})"
         ),
         ran > 0,
@@ -91,7 +92,8 @@ def covers_line(predicate: dict) -> str:
     upstream = "run" if ran else "skipped" if up.get("skipped") else "none ran"
     live_tier = f"yes ({len(live.get('scenarios') or [])} scenarios)" if live else "no"
     return (
-        f"{s['result'].upper()} covers: CPU probes ({s['cases']} cases); live tier: {live_tier}; upstream tests: "
+        f"{s['result'].upper()} covers: CPU probes ({s['cases']} cases); live tier: {live_tier}; upstream "
+        "tests: "
         f"{upstream}. A deployment's own configuration is not judged here: check it with "
         f"`sglang-backport audit`."
     )
@@ -141,12 +143,15 @@ def render(statement: dict) -> list[str]:
     lines += [
         (
             "- That writes have stopped when the deferred-release timeout fires: "
-            "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT` releases held pages without every drain ACK, "
-            "so a write still in flight can land on reused pages; treat every \"Deferred KV release ... timed out\" "
+            "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT` releases held pages without every "
+            "drain ACK, "
+            "so a write still in flight can land on reused pages; treat every \"Deferred KV release ... "
+            "timed out\" "
             "warning as a possible exposure."
         ),
         (
-            "- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no release "
+            "- Prefill-side source pages freed while a chunk is still in flight (upstream #38961, open): no "
+            "release "
             "and no patch of this pack closes it."
         ),
         "- A deployment where only one side runs the pack: both prefill and decode must run it (see Rollout).",
@@ -228,17 +233,21 @@ def rollout(statement: dict) -> list[str]:
             "transferred coverage in a spare slot, and sends drain ACKs an old decode ignores)."
         ),
         (
-            "2. Then decode. While versions are mixed, a patched decode refuses every handoff from an unpatched "
-            f"prefill (HTTP 500, `transfer_coverage/unpatched_peer_refused`): set `{COVERAGE_SWITCH}` on decode "
+            "2. Then decode. While versions are mixed, a patched decode refuses every handoff from an "
+            "unpatched "
+            f"prefill (HTTP 500, `transfer_coverage/unpatched_peer_refused`): set `{COVERAGE_SWITCH}` on "
+            "decode "
             "until every prefill runs the pack, then unset it."
         ),
         (
-            f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. Rollback: "
+            f"3. Roll back in reverse: decode first (or set `{COVERAGE_SWITCH}` on it), then prefill. "
+            "Rollback: "
             f"{rollback}; a plain `pip install sglang=={version}` keeps the `+backport` build (PEP 440: the "
             "local version satisfies `==`)."
         ),
         (
-            "4. Check each node: `sglang-backport status installed --python EXE` says which patch set it runs, "
+            "4. Check each node: `sglang-backport status installed --python EXE` says which patch set it "
+            "runs, "
             "the role order and whether its peer must be patched too."
         ),
         "",

@@ -125,7 +125,8 @@ def summary_lines(summary: dict) -> list[str]:
     pairs = ", ".join(f"{n} {p}" for p, n in evidence.get("pairs", {}).items() if n) or "none"
     lines = [
         (
-            f"- upstream test files (pair): {pairs}; upstream evidence for {len(evidence.get('with_evidence') or [])} "
+            f"- upstream test files (pair): {pairs}; upstream evidence for "
+            f"{len(evidence.get('with_evidence') or [])} "
             f"of {evidence.get('fixes', 0)} fixes"
         )
     ]

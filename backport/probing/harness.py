@@ -20,7 +20,8 @@ log = logging.getLogger("backport.probing")
 # Packages some releases import at module level that a CPU environment cannot have; each has a
 # named stand-in in probes/shims/<name>/ (every function in it raises when called).
 STAND_INS = ("torchvision", "sgl_kernel", "vllm", "decord", "mori")
-_FIND = "import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+_FIND = ("import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) "
+         "is None))")
 
 
 @memoize

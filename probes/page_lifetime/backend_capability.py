@@ -23,7 +23,8 @@ from probes.standins import sg_attr
     # up to 0.4.6.post4 decode has no failed-transfer path (pop_transferred raises "Transfer failed")
     needs=(">=0.4.6.post5",),
     must_preserve=True,
-    expect="A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly once.",
+    expect="A backend without the drain-ACK capability releases a failed transfer's pages at once, exactly "
+           "once.",
 )
 def no_capability_backend_releases_at_once(ctx) -> Outcome:
     """#37454 must-preserve: a backend without the drain-ACK capability
@@ -61,7 +62,9 @@ def no_capability_backend_releases_at_once(ctx) -> Outcome:
 @case(
     needs=("pr35049",),
     must_preserve=True,
-    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, a transfer decode aborted on a backend without the drain-ACK capability either keeps its pages held (the deferral asked for) or releases them exactly once; whether a warning named the variable is reported.",
+    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, a transfer decode aborted on a "
+           "backend without the drain-ACK capability either keeps its pages held (the deferral asked for) or "
+           "releases them exactly once; whether a warning named the variable is reported.",
 )
 def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
     """#37454/#41023 must-preserve: before the capability gate, setting the
@@ -102,8 +105,10 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
 @case(
     needs=("pr35049",),
     must_preserve=True,
-    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, two aborted transfers on a backend without "
-    "the drain-ACK capability, one on a backend with it, and one failed before any prefill rank learned its pages "
+    expect="With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 set, two aborted transfers on a backend "
+           "without "
+    "the drain-ACK capability, one on a backend with it, and one failed before any prefill rank learned its "
+    "pages "
     "are each held or released exactly once; no warning names a backend that does defer, and no backend is "
     "warned about twice (one decode scheduler).",
 )

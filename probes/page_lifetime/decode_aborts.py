@@ -23,8 +23,10 @@ from probes.standins_scheduler import InertCollaborator
     proves=("pr35049", "pr41404"),
     needs=(">=0.5.13",),
     must_preserve=False,
-    expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one ABORT at "
-    "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and releases "
+    expect="When decode's receiver times out waiting for a published room's KV, every prefill rank gets one "
+           "ABORT at "
+    "the timeout; the failed transfer then keeps its pages until every prefill rank ACKed the drain and "
+    "releases "
     "them exactly once.",
 )
 def waiting_timeout_holds_pages_until_drain(ctx) -> Outcome:
@@ -100,8 +102,10 @@ class _QuiescentPrefillSocket(PrefillPeerSocket):
     proves=("pr40645",),
     needs=("pr35049", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
-    expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's drain "
-    "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every prefill "
+    expect="When the decode scheduler aborts a request in its transfer queue (AbortReq) and a prefill rank's "
+           "drain "
+    "ACK races back before the abort handling returns, that ACK is counted: the pages are held until every "
+    "prefill "
     "rank ACKed, then released exactly once.",
 )
 def scheduler_abort_keeps_raced_ack(ctx) -> Outcome:

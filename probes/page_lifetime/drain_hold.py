@@ -16,7 +16,8 @@ from probes.standins import Ledger, pin_runtime
     proves=("pr35049", "pr41023", "pr41404"),
     needs=(">=0.4.7",),
     must_preserve=False,
-    expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
+    expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and '
+           'metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
 )
 def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     """#41404 + #41023: a failure decode did not initiate (prefill fault,

@@ -33,8 +33,10 @@ def constructed_details(rig) -> dict[str, Any]:
     proves=("pr40645",),
     needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
-    expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a chunk "
-    "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets its ACK "
+    expect="On a prefill manager built by its constructor, ABORTs from both decode ranks for a room with a "
+           "chunk "
+    "outstanding are each held per endpoint, nothing is ACKed before the chunk drains, and each rank gets "
+    "its ACK "
     "when it does (also when one rank's transfer info had not reached this prefill rank yet).",
 )
 def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
@@ -82,7 +84,8 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
     proves=("pr41402",),
     needs=("pr41402", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
-    expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held ACK "
+    expect="On a prefill manager built by its constructor, poisoning a room (a failed send) drops its held "
+           "ACK "
     "targets, a later ABORT for it is neither held nor ACKed, and the room's next request clears the poison "
     "(its ABORT is ACKed).",
 )
@@ -93,7 +96,8 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
 
     if not hasattr(registry_class(), "poison_deferred_ack_room"):
         raise NotApplicable(
-            "no failed-send rule in this release (no poisoned rooms): failed_send_withholds_ack_while_writes_in_flight "
+            "no failed-send rule in this release (no poisoned rooms): "
+            "failed_send_withholds_ack_while_writes_in_flight "
             "judges what a failed send does to the drain ACK here"
         )
     rig = constructed(ctx, counts_outstanding=True)
@@ -142,8 +146,10 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
     proves=("pr35049-ack",),
     needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
-    expect="On a prefill manager built by its constructor (no transfer backend's write count added), clearing an "
-    "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where the "
+    expect="On a prefill manager built by its constructor (no transfer backend's write count added), "
+           "clearing an "
+    "aborted room's sender leaves none of its ACK targets behind (no leak on prefill), and ACKs only where "
+    "the "
     "manager counts outstanding writes and the count shows the room drained.",
 )
 def cleared_sender_drops_target_without_drain_accounting(ctx) -> Outcome:

@@ -28,7 +28,8 @@ def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Out
     proves=("pr41402",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="After a send that timed out with its write still running, no drain ACK leaves (during the transfer, "
+    expect="After a send that timed out with its write still running, no drain ACK leaves (during the "
+           "transfer, "
     "after the failure, after clear(), or for a late ABORT) while the write is still running.",
 )
 def failed_send_withholds_ack_while_writes_in_flight(ctx) -> Outcome:
@@ -63,7 +64,8 @@ def failed_send_withholds_ack_while_writes_in_flight(ctx) -> Outcome:
     proves=("pr40645",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="When ABORTs from both decode peers arrive while a write is in flight and the write then completes, "
+    expect="When ABORTs from both decode peers arrive while a write is in flight and the write then "
+           "completes, "
     "each peer gets its drain ACK, after the write landed.",
 )
 def abort_during_transfer_acks_each_peer_once_after_drain(ctx) -> Outcome:
@@ -110,7 +112,8 @@ def abort_before_transfer_acks_each_peer_once(ctx) -> Outcome:
     proves=("pr35049-ack",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="ABORTs for a room whose transfer already succeeded are ACKed to each decode peer, with nothing in flight.",
+    expect="ABORTs for a room whose transfer already succeeded are ACKed to each decode peer, with nothing "
+           "in flight.",
 )
 def abort_after_transfer_acks_each_peer_once(ctx) -> Outcome:
     rig = PrefillRig(ctx)
@@ -136,7 +139,8 @@ def abort_after_transfer_acks_each_peer_once(ctx) -> Outcome:
     proves=("pr35049-ack",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="When the transfer worker dies with a write posted, no drain ACK leaves for the room while it runs "
+    expect="When the transfer worker dies with a write posted, no drain ACK leaves for the room while it "
+           "runs "
     "(ABORTs, clear()).",
 )
 def worker_crash_withholds_ack(ctx) -> Outcome:
@@ -160,7 +164,8 @@ def worker_crash_withholds_ack(ctx) -> Outcome:
 @case(
     needs=("pr35049-ack",),
     must_preserve=True,
-    expect="A transfer whose writes all complete reaches Success, tells each decode peer once, and sends no ACK.",
+    expect="A transfer whose writes all complete reaches Success, tells each decode peer once, and sends no "
+           "ACK.",
 )
 def successful_transfer_untouched(ctx) -> Outcome:
     rig = PrefillRig(ctx)
@@ -190,7 +195,8 @@ def successful_transfer_untouched(ctx) -> Outcome:
 @case(
     needs=("pr35049-ack",),
     must_preserve=True,
-    expect="Without the drain-ACK capability (deferred release off) an ABORT after a failed send is answered at "
+    expect="Without the drain-ACK capability (deferred release off) an ABORT after a failed send is answered "
+           "at "
     "once, as before: decode releases immediately and waits for nothing.",
 )
 def without_capability_keeps_immediate_ack(ctx) -> Outcome:
@@ -210,7 +216,8 @@ def without_capability_keeps_immediate_ack(ctx) -> Outcome:
     proves=("pr41402",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="After a Mooncake aux (metadata slot) or state write fails with the write still running, no drain ACK "
+    expect="After a Mooncake aux (metadata slot) or state write fails with the write still running, no drain "
+           "ACK "
     "leaves for the room while it runs (ABORTs from both decode peers, clear(), a late ABORT).",
 )
 def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
@@ -270,8 +277,10 @@ def _nixl_failed_batch(ctx, plan: list[str]) -> dict:
     needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
     expect="On NIXL, a chunk whose transfer handle fails (ERR) while a sibling handle still writes, or whose "
-    "handle's state cannot be read while its write still runs, holds decode's pages (the backend defers release) "
-    "and no drain ACK leaves while that write runs: not for a later chunk of the failed room, not after clear(), "
+    "handle's state cannot be read while its write still runs, holds decode's pages (the backend defers "
+    "release) "
+    "and no drain ACK leaves while that write runs: not for a later chunk of the failed room, not after "
+    "clear(), "
     "not for a late ABORT.",
 )
 def nixl_failed_handle_withholds_ack(ctx) -> Outcome:

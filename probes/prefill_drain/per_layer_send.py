@@ -25,8 +25,10 @@ DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
     proves=("pr35049-inflight",),
     needs=(">=0.4.6",),
     must_preserve=False,
-    expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's write is "
-    "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write finished.",
+    expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's "
+           "write is "
+    "still landing in decode's pages, send_kvcache reports the failure only after every per-layer write "
+    "finished.",
 )
 def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     """#35049's groundwork (``_await_transfer_futures``): the transfer worker's failure branch decrements the

@@ -23,8 +23,10 @@ def _nixl_targets_left(rig, room: int) -> list[str]:
     proves=("pr41402",),
     needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
-    expect="On NIXL, when a chunk's handle fails (ERR) and every other handle of the batch has settled, the chunk "
-    "is uncounted and the decode peers' ABORTs for the failed room are each ACKed, with no count or target left.",
+    expect="On NIXL, when a chunk's handle fails (ERR) and every other handle of the batch has settled, the "
+           "chunk "
+    "is uncounted and the decode peers' ABORTs for the failed room are each ACKed, with no count or target "
+    "left.",
 )
 def nixl_settled_error_uncounts_and_acks(ctx) -> Outcome:
     """Scenario: a NIXL prefill rank sends a room's last chunk to two decode ranks; the first KV handle fails
@@ -116,8 +118,10 @@ def _nixl_cleared_room_skip(ctx, *, at_metadata_read: bool) -> dict:
     proves=("pr41402",),
     needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
-    expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT it "
-    "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded, also "
+    expect="On NIXL, when a room is cleared while one of its chunks is still counted and decode ranks ABORT "
+           "it "
+    "before and after the clear, the worker's skip of that chunk ACKs each of them: no target is stranded, "
+    "also "
     "when the clear lands while the worker is about to read the room's transfer metadata.",
 )
 def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
@@ -156,7 +160,8 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     return judged(
         problems,
         (
-            f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), also when the clear "
+            f"The skipped chunk's count released both held ABORTs ({details['acks_per_peer']}), also when "
+            "the clear "
             "landed at the worker's metadata read; nothing written, nothing stranded."
         ),
         details,
@@ -167,7 +172,8 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     proves=("pr41402",),
     needs=("pr35049-ack", ">=0.4.7"),  # disaggregation.common: 0.4.7
     must_preserve=False,
-    expect="On a prefill manager built by its constructor, a room reopened by its next request starts without the "
+    expect="On a prefill manager built by its constructor, a room reopened by its next request starts "
+           "without the "
     "previous request's in-flight count and ACK targets: an ABORT with nothing in flight is ACKed at once.",
 )
 def constructed_manager_reopened_room_starts_clean(ctx) -> Outcome:
@@ -229,8 +235,10 @@ def constructed_manager_reopened_room_starts_clean(ctx) -> Outcome:
     proves=("pr41402",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="When both decode ranks ABORT a Mooncake room while its last chunk's state write is in flight, the "
-    "worker writes nothing more for the room (no aux into decode's metadata slot, no next rank's KV) and each "
+    expect="When both decode ranks ABORT a Mooncake room while its last chunk's state write is in flight, "
+           "the "
+    "worker writes nothing more for the room (no aux into decode's metadata slot, no next rank's KV) and "
+    "each "
     "rank gets its drain ACK after the state write landed.",
 )
 def abort_during_state_send_writes_nothing_more(ctx) -> Outcome:

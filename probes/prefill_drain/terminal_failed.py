@@ -53,7 +53,8 @@ def _nixl_healthy_room(ctx) -> dict:
     proves=("pr35049-nixl",),
     needs=("pr35049-nixl", ">=0.4.5.post3"),  # NIXL: 0.4.5.post3
     must_preserve=False,
-    expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room stays Failed "
+    expect="On NIXL, when the decode peers ABORT a room while its non-last chunk is in flight, the room "
+           "stays Failed "
     "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
 )
 def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
@@ -110,8 +111,10 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
     proves=("pr41402",),
     needs=("pr35049-ack",),
     must_preserve=False,
-    expect="When one decode rank ABORTs a room before the other rank's transfer info arrived, the room stays Failed "
-    "when that info arrives: the scheduler's next chunk is refused and nothing is written after the drain ACK.",
+    expect="When one decode rank ABORTs a room before the other rank's transfer info arrived, the room stays "
+           "Failed "
+    "when that info arrives: the scheduler's next chunk is refused and nothing is written after the drain "
+    "ACK.",
 )
 def aborted_room_stays_failed_on_late_bootstrap(ctx) -> Outcome:
     """0.5.20's terminal Failed (update_status): the bootstrap thread's WaitingForInput for a room whose last

@@ -135,7 +135,8 @@ def write_json_atomic(path: Path, document: object) -> None:
 
 
 def _installed_snapshot(entry: Path) -> bool:
-    """A tree entry snapshotted from an interpreter's installed sglang (`status installed`, `run installed`)."""
+    """A tree entry snapshotted from an interpreter's installed sglang (`status installed`, `run
+    installed`)."""
     try:
         return json.loads((entry / "target.json").read_text()).get("spec") == "installed"
     except (OSError, ValueError, AttributeError):

@@ -228,7 +228,8 @@ def batch_input(specs: Sequence[str]) -> bytes:
 
 
 def batch_objects(out: bytes, specs: Sequence[str]) -> dict[str, tuple[str, bytes] | None]:
-    """``cat-file --batch`` output for ``specs``: {spec: (type, content)}, None where git has no such object."""
+    """``cat-file --batch`` output for ``specs``: {spec: (type, content)}, None where git has no such
+    object."""
     got: dict[str, tuple[str, bytes] | None] = {}
     pos = 0
     for spec in specs:

@@ -3,9 +3,9 @@
     python benchmarks/bench_live.py TREE [TREE ...] [--race] [--json]
 
 First the floor: one plain (non-PD) `launch_server` of the tiny model on the first tree, timed from
-spawn to its /health answering 200, then stopped; started twice, the faster start counts. Then per tree, the live tier as `live` runs it:
-pair start-up (prefill and decode started together, then the router) and the scenarios' time,
-and the peak resident memory of the deployment's process groups while the scenarios run
+spawn to its /health answering 200, then stopped; started twice, the faster start counts. Then per tree, the
+live tier as `live` runs it: pair start-up (prefill and decode started together, then the router) and the
+scenarios' time, and the peak resident memory of the deployment's process groups while the scenarios run
 (sampled every second from /proc). With --race, per tree the 2P1D page-lifetime race too (its own
 deployment: ready time, scenario time, peak memory of every server it started).
 Prints the seconds and the ratios to the floor (goal: the live tier of one `run`, three trees,

@@ -57,8 +57,10 @@ for r in reqs:  # prefill wrote each row: metadata, room and coverage
     buffers.set_buf(r)
     buffers.bootstrap_room[r.metadata_buffer_index, 0] = r.bootstrap_room
     buffers.set_transferred_coverage(r.metadata_buffer_index, 200)
-decode_reqs = [SimpleNamespace(req=r, metadata_buffer_index=r.metadata_buffer_index, transfer_coverage_error=None)
-               for r in reqs]
+decode_reqs = [
+    SimpleNamespace(req=r, metadata_buffer_index=r.metadata_buffer_index, transfer_coverage_error=None)
+    for r in reqs
+]
 gate_args = inspect.signature(utils._apply_metadata_gate).parameters
 extra = ([SimpleNamespace(disaggregation_transfer_backend="mooncake")] if len(gate_args) == 4 else [])
 

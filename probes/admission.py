@@ -148,7 +148,8 @@ class DoorRig:
             metadata_buffers=MetadataBuffersStandIn(),
             tree_cache=self.shell.tree_cache,
             tp_rank=0,
-            bootstrap_port=8998,  # up to 0.4.5.post3 the decode door reads the queue's port, not the request's
+            # up to 0.4.5.post3 the decode door reads the queue's port, not the request's
+            bootstrap_port=8998,
         )
         q._check_if_req_exceed_kv_capacity = lambda req: False
         return q

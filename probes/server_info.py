@@ -13,7 +13,8 @@ published for the tokenizer process, which resolves it), its ``TpModelWorker.get
 (which derives ``max_req_input_len`` from the context and the pool), its
 ``Scheduler.get_init_info`` (the start-up report merged into the document), and its
 ``/server_info`` handler itself, compiled from ``entrypoints/http_server.py`` with the names
-that module imports, and awaited (importing the module would pull the whole web stack). Stand-ins, each named for what it replaces:
+that module imports, and awaited (importing the module would pull the whole web stack). Stand-ins,
+each named for what it replaces:
 
 - ``ModelRunnerStandIn``: the pool size that GPU memory profiling would measure at start-up
   (``POOL_TOKENS``), and a model config whose context is ``--context-length``;

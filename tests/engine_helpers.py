@@ -62,10 +62,8 @@ def write_files(root: Path, files: dict[str, str | bytes | None]) -> None:
 
 def diff_of(tmp: Path, before: dict[str, str | bytes], after: dict[str, str | bytes | None]) -> str:
     """``git diff`` text for before -> after (paths relative to the package root)."""
-    d = (
-        tmp
-        / f"scratch-{hashlib.sha1(repr((sorted(before.items()), sorted(after.items()))).encode()).hexdigest()[:10]}"
-    )
+    key = repr((sorted(before.items()), sorted(after.items()))).encode()
+    d = tmp / f"scratch-{hashlib.sha1(key).hexdigest()[:10]}"
     if d.exists():
         import shutil
         shutil.rmtree(d)

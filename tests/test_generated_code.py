@@ -1,4 +1,5 @@
-"""The probe children's cache of the code dataclasses and typing compile from text (probes/generated_code.py)."""
+"""The probe children's cache of the code dataclasses and typing compile from text
+(probes/generated_code.py)."""
 
 from __future__ import annotations
 

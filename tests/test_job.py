@@ -304,7 +304,8 @@ def test_a_second_run_into_a_signed_bundle_refuses_then_keeps_the_signature(real
     assert cli.main([*run, "--force", "--json"]) == 0
     previous = Path(json.loads(capsys.readouterr().out)["previous_bundle"])
     assert {p.relative_to(previous): p.read_bytes() for p in previous.rglob("*") if p.is_file()} == before
-    # verify names the reviewer's file as not the toolkit's; without it, the signature checks beside its receipt
+    # verify names the reviewer's file as not the toolkit's; without it, the signature checks beside its
+    # receipt
     assert evidence.verify(previous).first.file == "NOTES.txt"
     (previous / "NOTES.txt").unlink()
     assert cli.main(["verify", str(previous), "--key", str(pub)]) == 0

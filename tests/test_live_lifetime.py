@@ -62,8 +62,8 @@ DRIVER = textwrap.dedent("""
     work, stand_in, ports = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     with sigterm_raises(), Processes(work) as processes:
         for i, mode in enumerate(("stay", "escape")):
-            processes.start(f"server{i}", [sys.executable, "-c", stand_in, ports[2 * i], ports[2 * i + 1], mode],
-                            url="", env=None)
+            argv = [sys.executable, "-c", stand_in, ports[2 * i], ports[2 * i + 1], mode]
+            processes.start(f"server{i}", argv, url="", env=None)
         print(json.dumps([s.process.pid for s in processes.servers]), flush=True)
         time.sleep(300)
 """)

@@ -1,9 +1,10 @@
-"""The release matrix (`patches/releases.toml`) against the real releases, and against docs/ (reference.md, measured.md).
+"""The release matrix (`patches/releases.toml`) against the real releases, and against docs/
+(reference.md, measured.md).
 
 A row holds a pin, a note and exceptions; what it expects is derived (backport/expectations.py)
-from the pack and the cases' declarations. Every measured row is checked for real: the pinned wheel is fetched and verified, the pristine
-tree is probed, the whole pack is applied to a fresh clone by the engine, and the patched tree
-is probed; the apply outcome per fix and every case's verdict on both trees must be what the row
+from the pack and the cases' declarations. Every measured row is checked for real: the pinned wheel is fetched
+and verified, the pristine tree is probed, the whole pack is applied to a fresh clone by the engine, and the
+patched tree is probed; the apply outcome per fix and every case's verdict on both trees must be what the row
 says. Adding a release is its row (and its variants): these tests pick it up with no change here.
 """
 

@@ -441,7 +441,8 @@ def test_corpus_cli_exits_2_with_one_json_document(tmp_path, capsys, name, defec
 
 RELEASES = load_releases()
 MEASURED = [v for v, r in RELEASES.items() if r.measured]
-# an exposed release (a fix with no variant for it) gets no patched tree; tests/test_matrix.py checks its refusal
+# an exposed release (a fix with no variant for it) gets no patched tree; tests/test_matrix.py checks its
+# refusal
 SERVED = [v for v in MEASURED if not RELEASES[v].exposed]
 IMPORTS = ("sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode",
            "sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.mooncake.conn",

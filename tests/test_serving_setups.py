@@ -150,7 +150,8 @@ def _lookups(tmp_path: Path, extra_env: dict[str, str], utils_source: str = _UTI
 def test_the_configured_route_answers_sglang_host_ip_only_when_asked(tmp_path):
     asked = {"SGLANG_BACKPORT_CONFIGURED_ROUTE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
     assert _lookups(tmp_path, {"SGLANG_HOST_IP": "127.0.0.1"}) == ["routed", "routed", "get_ip"]
-    # the lookup, and get_local_ip_auto through it (0.4.8 - 0.5.2), answer the configured address; get_ip stays
+    # the lookup, and get_local_ip_auto through it (0.4.8 - 0.5.2), answer the configured address; get_ip
+    # stays
     assert _lookups(tmp_path, asked) == ["127.0.0.1", "127.0.0.1", "get_ip"]
     # no configured address: the release's own lookup stays
     assert _lookups(tmp_path, {"SGLANG_BACKPORT_CONFIGURED_ROUTE": "1"}) == ["routed", "routed", "get_ip"]

@@ -142,7 +142,8 @@ def test_run_export_from_the_installed_toolkit_deploys_and_verifies(installed, p
     probed = _run([cli, "probe", str(site), "--python", python, "--json"], cwd=tmp_path, **cache)
     assert probed.returncode in (0, 1), probed.stderr[-2000:]
     (doc,) = json.loads(probed.stdout)["trees"]
-    # the incident's cases whose code is 0.5.19's (a case scoped to other releases by `needs` says not-applicable)
+    # the incident's cases whose code is 0.5.19's (a case scoped to other releases by `needs` says
+    # not-applicable)
     from backport.expectations import outside_release
     incident = [c for c in doc["cases"] if c["probe"] in ("admission", "prefill_retire", "handoff")
                 and not outside_release(f"{c['probe']}/{c['case']}", "0.5.19")]

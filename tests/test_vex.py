@@ -63,7 +63,8 @@ def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
     pack = load_pack(resources.pack_dir())
     fixes = [f for c in classes for f in c["fixes"]]
     assert sorted(fixes) == sorted(pack.fixes)
-    # a probe is a module of probes/ or a package of scenario modules (probes/prefill_drain/): its top-level name
+    # a probe is a module of probes/ or a package of scenario modules (probes/prefill_drain/): its top-level
+    # name
     probe_modules = sorted({p.relative_to(REPO / "probes").parts[0].removesuffix(".py")
                             for p in (REPO / "probes").rglob("*.py") if "\n@case(" in p.read_text()})
     assert sorted(p for c in classes for p in c["probes"]) == probe_modules

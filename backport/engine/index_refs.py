@@ -62,7 +62,8 @@ class _FedGit:
         )
 
     def _end(self, data: bytes | None = None) -> bool:
-        """Close its input (after ``data``) and wait; True when a signal killed it, GitError when it failed."""
+        """Close its input (after ``data``) and wait; True when a signal killed it, GitError when it
+        failed."""
         _, err = self.p.communicate(data)  # a stdin already broken is closed quietly
         if self.p.returncode < 0:
             return True

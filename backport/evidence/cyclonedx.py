@@ -14,8 +14,8 @@ offline with cyclonedx-python-lib.
   -> `not_affected` (justification `code_not_present`).
 
 The serial number is a UUID5 of the OpenVEX document's id and the timestamp the VEX document's
-(the pack's date, vulnerabilities.issued), so the document is a function of the inputs; the tools entry that the library adds (its own
-version) is left out of the comparison in `verify`.
+(the pack's date, vulnerabilities.issued), so the document is a function of the inputs; the tools entry that
+the library adds (its own version) is left out of the comparison in `verify`.
 """
 
 from __future__ import annotations

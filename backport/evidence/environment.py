@@ -19,7 +19,8 @@ TOOLKIT_PACKAGES = ("gitpython", "unidiff", "packaging", "requests")
 
 
 def directory_digest(root: Path) -> str:
-    """sha256 of the `sha256sum` manifest of every file under `root` (`__pycache__` excluded), as a tree digest."""
+    """sha256 of the `sha256sum` manifest of every file under `root` (`__pycache__` excluded), as a tree
+    digest."""
     from backport.tree import manifest_digest
 
     return manifest_digest((path.relative_to(root).as_posix(), sha256_file(path))
@@ -28,7 +29,8 @@ def directory_digest(root: Path) -> str:
 
 
 def code_digests() -> dict:
-    """The code that judged: the toolkit's package, the probes package, the probe environment's requirements."""
+    """The code that judged: the toolkit's package, the probes package, the probe environment's
+    requirements."""
     return {"backport_sha256": directory_digest(Path(__file__).resolve().parent.parent),
             "probes_sha256": directory_digest(resources.probes_dir()),
             "probe_requirements_sha256": sha256_file(resources.probes_dir() / "requirements-cpu.txt")}

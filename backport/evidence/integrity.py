@@ -101,7 +101,8 @@ def sums_problems(bundle: Path, present: dict[str, Path], actual: dict[str, str]
 
 
 def file_problems(actual: dict[str, str], files: dict[str, str]) -> list[Problem]:
-    """The files against the receipt's predicate.files: every file but the receipt is listed, with its digest."""
+    """The files against the receipt's predicate.files: every file but the receipt is listed, with its
+    digest."""
     problems = []
     for name in sorted((set(actual) - {RECEIPT}) | set(files)):
         if name not in files:

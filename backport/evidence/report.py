@@ -69,7 +69,8 @@ def render_report(statement: dict) -> str:
     elif p["apply"] is not None:
         lines += [
             "",
-            f"Apply status: {p['apply'].get('status')}; head commit `{_cell(p['apply'].get('head_commit'))}`.",
+            f"Apply status: {p['apply'].get('status')}; "
+            f"head commit `{_cell(p['apply'].get('head_commit'))}`.",
         ]
     lines += [""] + artifacts.render(statement)[:-1]
     own_mark = "own check" if REFERENCE in roles else "-"

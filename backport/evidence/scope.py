@@ -154,8 +154,8 @@ def render(statement: dict) -> list[str]:
             "release "
             "and no patch of this pack closes it."
         ),
-        "- A deployment where only one side runs the pack: both prefill and decode must run it (see Rollout).",
-        "",
+        "- A deployment where only one side runs the pack: both prefill and decode must run it (see
+        Rollout).", "",
         f"Result: **{summary['result'].upper()}** ({summary['cases']} cases; "
         + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n)
         + "); "
@@ -191,7 +191,8 @@ def unserved_reason(apply: dict | None) -> str:
 
 
 def exposure_line(version: str, apply: dict | None) -> str:
-    """The one line an exposure run prints: the release, why the pack cannot serve it, that it stays exposed."""
+    """The one line an exposure run prints: the release, why the pack cannot serve it, that it stays
+    exposed."""
     return (f"sglang {version} stays exposed: the pack cannot serve it ({unserved_reason(apply)}); "
             f"its pristine tree was probed to show the exposure, no patched tree was built")
 

@@ -183,8 +183,8 @@ def _envelope_line(name: str, number: int, raw: bytes, key):
 
 
 def attestation_problems(bundle: Path, key=None) -> list[Problem]:
-    """Every `*.intoto.jsonl` envelope: signed by `key` (when given), carrying exactly the statements the bundle
-    gives, each a valid in-toto statement whose subjects' digests match (subject_problems)."""
+    """Every `*.intoto.jsonl` envelope: signed by `key` (when given), carrying exactly the statements the
+    bundle gives, each a valid in-toto statement whose subjects' digests match (subject_problems)."""
     from backport.evidence import attestations as att
     from backport.evidence.layout import ATTESTATION_SUFFIX
 

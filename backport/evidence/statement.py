@@ -86,8 +86,9 @@ def build_statement(
     live: dict | None = None,
     advisories: dict | None = None,
 ) -> dict:
-    """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file but the receipt and SHA256SUMS, with its sha256. The subjects are
-    the artifacts (artifacts.py): the patched tree and, with `export`, the exported files."""
+    """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file
+    but the receipt and SHA256SUMS, with its sha256. The subjects are the artifacts (artifacts.py): the
+    patched tree and, with `export`, the exported files."""
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
     predicate = {

@@ -11,8 +11,8 @@ function of that file and the receipt, so `verify` rebuilds them and compares.
 The status of a class on the patched tree, from the pair verdicts of the class's cases:
 
 - ``under_investigation``: no case shows the exposure and a case errored (the probe could not
-  judge the tree), or only a must-preserve case regressed (the exposure is closed, something the fix must keep broke),
-  or no case of the class ran at all (every one `not-applicable`);
+  judge the tree), or only a must-preserve case regressed (the exposure is closed, something the fix must keep
+  broke), or no case of the class ran at all (every one `not-applicable`);
 - ``affected``: a case outside the must-preserve set is unsafe on the patched tree, whatever else
   errored (in an exposure
   run, where the pack has no variant for the release, on the pristine tree: the one that runs);

@@ -44,7 +44,8 @@ POLL_SECONDS = 1.0
 PROGRESS_SECONDS = 10.0
 PORT_ATTEMPTS = 3              # starts of one server, each on fresh ports, before a taken port is an error
 # uvicorn and aiohttp: "[Errno 98] error while attempting to bind on address ('127.0.0.1', 5): address
-# already in use"; smg: "Failed to bind the HTTP listener on 127.0.0.1:5: Address already in use (os error 98)"
+# already in use"; smg: "Failed to bind the HTTP listener on 127.0.0.1:5: Address already in use (os error
+# 98)"
 BIND_FAILED = re.compile(r"address already in use|errno 98|os error 98", re.IGNORECASE)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # smg colours its log
 

@@ -1,8 +1,8 @@
 """The live tier for a list of trees: per tree one PD deployment, every scenario, everything stopped.
 
 Trees run one after another (each pair is ~4 GB and two busy cores); after a tree's pair, its
-2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. The document of one tree:
-`{"tree", "version", "server": {version, setup, flags, backend, router}, "startup_seconds", "scenarios":
+2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. The document of one
+tree: `{"tree", "version", "server": {version, setup, flags, backend, router}, "startup_seconds", "scenarios":
 [{"scenario", "must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
 """
 

@@ -113,9 +113,9 @@ def explicit_deferral_on_incapable_backend_is_reported(ctx) -> Outcome:
     "warned about twice (one decode scheduler).",
 )
 def explicit_deferral_warnings_not_repeated(ctx) -> Outcome:
-    """Must-preserve beside ``explicit_deferral_on_incapable_backend_is_reported``: the pack's warning (patched
-    0.5.19/0.5.20) is said once per backend and never for a backend that holds the pages; upstream says
-    nothing, which also keeps this."""
+    """Must-preserve beside ``explicit_deferral_on_incapable_backend_is_reported``: the pack's warning
+    (patched 0.5.19/0.5.20) is said once per backend and never for a backend that holds the pages; upstream
+    says nothing, which also keeps this."""
     envs = sg_attr("environ", "envs")
     if envs is None or not hasattr(envs, DEFERRED_ENV):
         raise NotApplicable(f"no {DEFERRED_ENV} in this release (no #35049): there is no deferral to ask for")

@@ -40,11 +40,11 @@ def constructed_details(rig) -> dict[str, Any]:
     "when it does (also when one rank's transfer info had not reached this prefill rank yet).",
 )
 def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
-    """#41402's fan-out on the registry ``CommonKVManager.__init__`` creates (the per-endpoint target dict): the
-    other cases fill that registry in by hand. The outstanding count stands for one queued chunk, as the transfer
-    worker counts it; its drain is the worker's decrement and ``_maybe_ack_drained_abort``. 0.5.21 also fans the
-    ACK out to the room's registered decode ranks, so the second run lets rank 1 ABORT before its transfer info
-    arrived (it is known to this rank only by its ABORT)."""
+    """#41402's fan-out on the registry ``CommonKVManager.__init__`` creates (the per-endpoint target dict):
+    the other cases fill that registry in by hand. The outstanding count stands for one queued chunk, as the
+    transfer worker counts it; its drain is the worker's decrement and ``_maybe_ack_drained_abort``. 0.5.21
+    also fans the ACK out to the room's registered decode ranks, so the second run lets rank 1 ABORT before
+    its transfer info arrived (it is known to this rank only by its ABORT)."""
     runs: dict[str, Any] = {}
     for label, known in (
         ("both_ranks_registered", DECODE_PEERS),
@@ -90,8 +90,9 @@ def constructed_manager_holds_an_ack_per_aborting_peer(ctx) -> Outcome:
     "(its ABORT is ACKed).",
 )
 def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outcome:
-    """0.5.22's failed-send rule (#41402 backport) on the poisoned-room set ``CommonKVManager.__init__`` creates:
-    ``poison_deferred_ack_room`` is what the transfer worker calls after a send that may still be writing."""
+    """0.5.22's failed-send rule (#41402 backport) on the poisoned-room set ``CommonKVManager.__init__``
+    creates: ``poison_deferred_ack_room`` is what the transfer worker calls after a send that may still be
+    writing."""
     from probes.manager_rig import registry_class
 
     if not hasattr(registry_class(), "poison_deferred_ack_room"):
@@ -155,8 +156,8 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
 def cleared_sender_drops_target_without_drain_accounting(ctx) -> Outcome:
     """#40645's ``CommonKVSender.clear``: a manager without ``_staging_outstanding`` cannot tell when a room
     drained, so clear() drops the target rather than ACK (no shipped backend registers targets without the
-    count, but the common API allows it). From 0.5.22 ``CommonKVManager.__init__`` sets the count up itself, so
-    clear() ACKs the quiescent room instead; both leave nothing behind."""
+    count, but the common API allows it). From 0.5.22 ``CommonKVManager.__init__`` sets the count up itself,
+    so clear() ACKs the quiescent room instead; both leave nothing behind."""
     from sglang.srt.disaggregation.base import KVPoll
 
     rig = constructed(ctx, counts_outstanding=False)

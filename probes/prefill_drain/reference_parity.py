@@ -133,13 +133,13 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     of a live room and reading its transfer metadata (the scheduler and bootstrap threads run beside the
     worker): the worker finds no metadata and takes the "transfer metadata cleared" skip.
 
-    Upstream behaviour (0.5.22; the gap named on upstream #37077): the ABORT for a cleared room registers while
-    a chunk is counted, and the worker's skip branches pop the count and then try the drain ACK, so the targets
-    the count held are answered.
+    Upstream behaviour (0.5.22; the gap named on upstream #37077): the ABORT for a cleared room registers
+    while a chunk is counted, and the worker's skip branches pop the count and then try the drain ACK, so the
+    targets the count held are answered.
 
     Proves: the #41402 backport's NIXL skip-path ACK (patches/pr41402, 0.5.17 - 0.5.21): without it the skip
-    pops the count and the held targets are stranded (decode waits its full release timeout), and on 0.5.21 the
-    ABORT for the cleared room is neither registered nor answered. 0.5.18's worker asserts the metadata is
+    pops the count and the held targets are stranded (decode waits its full release timeout), and on 0.5.21
+    the ABORT for the cleared room is neither registered nor answered. 0.5.18's worker asserts the metadata is
     there; its catch-all then settles the empty batch and ACKs."""
     runs = {"cleared_before_dequeue": _nixl_cleared_room_skip(ctx, at_metadata_read=False),
             "cleared_at_metadata_read": _nixl_cleared_room_skip(ctx, at_metadata_read=True)}
@@ -177,10 +177,10 @@ def nixl_skipped_chunk_acks_cleared_room(ctx) -> Outcome:
     "previous request's in-flight count and ACK targets: an ABORT with nothing in flight is ACKed at once.",
 )
 def constructed_manager_reopened_room_starts_clean(ctx) -> Outcome:
-    """Scenario: a request's room keeps one chunk counted (a send the worker gave up on while it may still have
-    been writing, as the failed-send path leaves it) and decode rank 1's ABORT held on it; the scheduler clears
-    the room. The next request reuses the bootstrap room (opening status), and decode rank 0 ABORTs it with
-    nothing of the new request queued or in flight.
+    """Scenario: a request's room keeps one chunk counted (a send the worker gave up on while it may still
+    have been writing, as the failed-send path leaves it) and decode rank 1's ABORT held on it; the scheduler
+    clears the room. The next request reuses the bootstrap room (opening status), and decode rank 0 ABORTs it
+    with nothing of the new request queued or in flight.
 
     Upstream behaviour (0.5.22's ``CommonKVManager.update_status``): an opening status for an absent room also
     drops the room's deferred ACK targets and in-flight count (with the poison), so the new request's ABORT is

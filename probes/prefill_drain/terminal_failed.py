@@ -58,12 +58,13 @@ def _nixl_healthy_room(ctx) -> dict:
     "after that chunk lands: no write of the room's next chunk reaches decode after the drain ACK went out.",
 )
 def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
-    """Terminal Failed on NIXL: the worker's Transferring update for a finished non-last chunk must not lift an
-    ABORTed room back (Failed sorts lowest), or the next chunk writes into pages decode freed (and may have given
-    to another request) on the ACK. 0.5.17-0.5.19 keep Failed sticky in ``NixlKVManager.update_status`` (0.5.20
-    moved the rule into ``CommonKVManager``), so this holds wherever NIXL has a drain ACK; with the common rule
-    of 0.5.19 alone the same run posts the next chunk's writes after the ACK. Control (an error when it fails):
-    a room no decode rank aborts concludes Success, drops its metadata and ACKs a late ABORT at once."""
+    """Terminal Failed on NIXL: the worker's Transferring update for a finished non-last chunk must not lift
+    an ABORTed room back (Failed sorts lowest), or the next chunk writes into pages decode freed (and may have
+    given to another request) on the ACK. 0.5.17-0.5.19 keep Failed sticky in ``NixlKVManager.update_status``
+    (0.5.20 moved the rule into ``CommonKVManager``), so this holds wherever NIXL has a drain ACK; with the
+    common rule of 0.5.19 alone the same run posts the next chunk's writes after the ACK. Control (an error
+    when it fails): a room no decode rank aborts concludes Success, drops its metadata and ACKs a late ABORT
+    at once."""
     from probes.nixl_rig import ROOM as NIXL_ROOM
     from probes.nixl_rig import NixlPrefillRig
 
@@ -118,8 +119,8 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
 )
 def aborted_room_stays_failed_on_late_bootstrap(ctx) -> Outcome:
     """0.5.20's terminal Failed (update_status): the bootstrap thread's WaitingForInput for a room whose last
-    decode rank registered late must not lift an ABORTed room back (Failed sorts lowest), or its chunks are sent
-    into pages the ABORTing rank freed (and may have reused) on its drain ACK."""
+    decode rank registered late must not lift an ABORTed room back (Failed sorts lowest), or its chunks are
+    sent into pages the ABORTing rank freed (and may have reused) on its drain ACK."""
     rig = PrefillRig(ctx)
     mgr, KVPoll = rig.mgr, rig.KVPoll
     # The room as it stands before decode rank 1 registered: rank 0's info only, still Bootstrapping.

@@ -154,8 +154,9 @@ def render(statement: dict) -> list[str]:
             "release "
             "and no patch of this pack closes it."
         ),
-        "- A deployment where only one side runs the pack: both prefill and decode must run it (see
-        Rollout).", "",
+        "- A deployment where only one side runs the pack: both prefill and decode must run it "
+        "(see Rollout).",
+        "",
         f"Result: **{summary['result'].upper()}** ({summary['cases']} cases; "
         + ", ".join(f"{n} {v}" for v, n in pair_counts(summary) if n)
         + "); "

@@ -95,7 +95,7 @@ def test_the_3fs_client_is_stood_in_for_only_where_its_cpp_source_is_missing(tmp
     assert spec is not None and spec.loader is finder
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with pytest.raises(RuntimeError, match="lacks hf3fs_utils.cpp"):
+    with pytest.raises(RuntimeError, match=r"lacks hf3fs_utils.cpp"):
         module.Hf3fsClient()
     (tmp_path / "hf3fs_utils.cpp").write_text("// the source the module compiles\n")
     assert finder.find_spec(HF3FS_CLIENT, [str(tmp_path)]) is None

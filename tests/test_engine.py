@@ -695,7 +695,7 @@ def test_bad_patch_in_pack_fails_load_before_any_change(tmp_path, repo):
     f = root / "pr300" / "pr300-0.5.17.patch"
     lines = f.read_text().splitlines(keepends=True)
     f.write_text("".join(lines[:-2]))  # truncate the last hunk
-    with pytest.raises(BadInput, match="pr300-0.5.17.patch.*truncated"):
+    with pytest.raises(BadInput, match=r"pr300-0.5.17.patch.*truncated"):
         load_pack(root)
 
 
@@ -974,6 +974,6 @@ def test_the_next_index_never_writes_through_its_link_to_the_index(repo):
 def test_stale_index_lock_is_refused_before_any_write(tmp_path, repo):
     pack = one_fix_pack(tmp_path, fix_patch(tmp_path, FIX10))
     (repo / ".git" / "index.lock").write_bytes(b"")
-    with pytest.raises(BadInput, match="index.lock"):
+    with pytest.raises(BadInput, match=r"index.lock"):
         apply_series(repo, pack, "0.5.19")
     assert head(repo) == run_git(repo, "rev-parse", "main").strip() and read(repo) == BASE.encode()

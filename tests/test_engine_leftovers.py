@@ -97,7 +97,7 @@ def test_recovery_leaves_a_lock_its_journal_names_but_another_git_made(crash_kit
     said = recover_checkout(repo)
     assert "rolled back" in said and branch_lock.exists()
     assert tree_state(repo, crash_kit[3], crash_kit[4]) == "pristine"
-    with pytest.raises(BadInput, match="main.lock: exists and no journal"):
+    with pytest.raises(BadInput, match=r"main.lock: exists and no journal"):
         apply_series(repo, load_pack(crash_kit[2]), "0.5.19")
     branch_lock.unlink()  # that git finished
     assert apply_series(repo, load_pack(crash_kit[2]), "0.5.19").head_commit == crash_kit[4]["head"]

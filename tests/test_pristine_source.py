@@ -84,7 +84,8 @@ def test_apply_out_refused_before_any_work(case, tmp_path, cache_dir, capsys):
     assert elapsed < 2, f"{elapsed:.1f} s before the refusal"
     assert not cache_dir.exists(), "nothing fetched, no cache entry built or blamed"
     assert (
-        sorted(p.name for p in tmp_path.iterdir()) == before and not Path(out).exists() or case == "not-empty"
+        (sorted(p.name for p in tmp_path.iterdir()) == before and not Path(out).exists())
+        or case == "not-empty"
     )
     assert (tmp_path / "full" / "mine.txt").read_text() == "keep"
     code, out_text, _ = run_cli(capsys, "apply", "sglang==0.5.19", "--out", out, *extra, "--json")

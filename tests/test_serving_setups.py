@@ -167,7 +167,7 @@ def test_a_fresh_cache_has_a_work_root(tmp_path, monkeypatch):
 RDMA_REQUESTED = """W1206 07:26:44.569913  5829 transfer_engine_py.cpp:120] Using default malloc/free for protocol: rdma
 W1206 07:26:44.570116  5829 topology.cpp:201] No RDMA devices found, check your device installation
 I1206 07:26:44.570163  5829 tcp_transport.cpp:391] TcpTransport: listen on port 16803
-"""
+"""  # noqa: E501 - a log line as the server prints it
 
 
 def test_backend_is_what_the_servers_logs_show(tmp_path):

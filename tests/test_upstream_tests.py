@@ -101,7 +101,7 @@ diff --git a/sglang/srt/disaggregation/utils.py b/sglang/srt/disaggregation/util
 +        return False
      queue.append(req)
      return True
-'''
+'''  # noqa: W293 - a diff's blank context line is one space
 
 
 def make_tree(root: Path, utils: str) -> Path:
@@ -583,7 +583,7 @@ def test_cli_bad_input(trees, series, tmp_path, server):
         run_cli(["upstream-tests", str(trees["patched"]), "--series", str(series), "--fix", "pr99999"])
     with pytest.raises(BadInput, match="not an SGLang tree"):
         run_cli(["upstream-tests", str(tmp_path), "--series", str(series)])
-    with pytest.raises(BadInput, match="fixes.toml"):
+    with pytest.raises(BadInput, match=r"fixes.toml"):
         run_cli(["upstream-tests", str(trees["patched"]), "--series", str(tmp_path / "nowhere")])
     with pytest.raises(BadInput, match="needs --rev"):
         run_cli(["upstream-tests", str(trees["patched"]), "--test", f"{UNIT}/test_x.py"])
@@ -666,7 +666,7 @@ diff --git a/sglang/srt/disaggregation/base/conn.py b/sglang/srt/disaggregation/
 +    def ensure_abort_notified(self, *, force_arm: bool = False):
          return True
  
-'''
+'''  # noqa: W293 - a diff's blank context line is one space
 
 
 def make_kv_tree(root: Path, patched: bool) -> Path:
@@ -714,7 +714,7 @@ def kv_pack(tmp_path):
         pr = 41023
         upstream_commit = "cd1103700941a11901f12536a9a29bf1bd4417cd"
         upstream_tests = [{{ path = "{UNIT}/test_capability.py", rev = "{REV}" }}]
-        ''')
+        ''')  # noqa: E501 - a TOML row as a pack writes it
     )
     return root
 

@@ -298,7 +298,7 @@ def test_introduced_with_must_name_a_fix(tmp_path):
     (tmp_path / "vulnerabilities.toml").write_text(text.replace('introduced_with = "pr35049"',
                                                                 'introduced_with = "pr99999"'))
     fixes = list(load_pack(resources.pack_dir()).fixes)
-    with pytest.raises(BadInput, match="introduced_with 'pr99999' is not in fixes.toml"):
+    with pytest.raises(BadInput, match=r"introduced_with 'pr99999' is not in fixes.toml"):
         load_classes(tmp_path, fixes)
 
 
@@ -363,7 +363,7 @@ def test_a_status_the_cases_do_not_support_is_named(bundle):
     receipt["predicate"]["files"]["vex.openvex.json"] = evidence.sha256_file(path)
     _reseal(bundle, receipt)
     result = evidence.verify(bundle)
-    assert not result.ok and "vex.openvex.json" in {p.file for p in result.problems} | {result.first.file} \
+    assert (not result.ok and "vex.openvex.json" in {p.file for p in result.problems} | {result.first.file}) \
         or "vex.openvex.json" in result.first.detail
 
 

@@ -85,7 +85,9 @@ def _pack(series: str | None):
         try:
             from backport.resources import pack_dir
         except ImportError:  # older layout
-            pack_dir = lambda: Path(__file__).resolve().parents[2] / "patches"
+
+            def pack_dir() -> Path:
+                return Path(__file__).resolve().parents[2] / "patches"
         root = pack_dir()
     if not root.is_dir():
         raise BadInput(f"{root}: no such patch series directory")

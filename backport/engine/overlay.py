@@ -119,7 +119,7 @@ def patch_file(
     if creation:
         if ov.exists(path):
             return fail("file to create already exists")
-        new = [l for h in hunks for l in h.new_lines]
+        new = [line for h in hunks for line in h.new_lines]
         no_eol = bool(hunks) and hunks[-1].new_no_eol
         return [HunkResult(path, EXACT, line=1) for _ in hunks] or [HunkResult(path, EXACT, line=1)], \
             _lines_bytes(new, no_eol), True
@@ -127,7 +127,7 @@ def patch_file(
         return fail("file to patch does not exist" if not ov.exists(path) else "not a regular file")
     img = ov.image(path, cur)
     if deletion:
-        old = [l for h in hunks for l in h.old_lines]
+        old = [line for h in hunks for line in h.old_lines]
         if img.lines != old:
             return fail("file to delete differs from the patch's old content", old, img.lines[: len(old) + 3])
         return (

@@ -83,7 +83,7 @@ class FileImage:
         if n and (lf == n or (lf == n - 1 and eols[-1] == "")):  # fast path: plain LF
             text = "\n".join(self.lines) + ("\n" if lf == n else "")
         else:
-            text = "".join(l + e for l, e in zip(self.lines, eols))
+            text = "".join(line + e for line, e in zip(self.lines, eols))
         return text.encode("utf-8", "surrogateescape")
 
     @property
@@ -125,10 +125,7 @@ class _Index:
         lines = self.lines
         if p < 0 or p + len(pat) > len(lines):
             return False
-        for i, l in enumerate(pat):
-            if lines[p + i] != l:
-                return False
-        return True
+        return all(lines[p + i] == want for i, want in enumerate(pat))
 
     def candidates(self, pat: Sequence[str], lo: int, hi: int) -> list[int]:
         """All p in [lo, hi] where pat matches."""

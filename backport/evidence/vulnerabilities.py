@@ -271,10 +271,8 @@ def action_statement(row: dict, status: ClassStatus, version: str, apply_report:
         for p in (apply_report or {}).get("patches", [])
         if p.get("fix") in row["fixes"]
         and (
-            p.get("status") == "not-applicable"
-            and "fixed_in" not in (p.get("reason") or "")
-            or p.get("status") == "failed"
-            and not p.get("variant")
+            (p.get("status") == "not-applicable" and "fixed_in" not in (p.get("reason") or ""))
+            or (p.get("status") == "failed" and not p.get("variant"))
         )
     ]
     parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]

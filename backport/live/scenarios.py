@@ -279,4 +279,4 @@ def _count_lines(path, offset: int, needle: str) -> int:
 
 # Registered last, so it runs after every other scenario of the pair: a route it poisons on a pristine
 # tree is put back, and decode has cached the real entry by then (bootstrap.py says why both matter).
-from backport.live import bootstrap  # noqa: F401 - registers bootstrap_route_poisoning_refused
+from backport.live import bootstrap  # noqa: E402, F401 - registers bootstrap_route_poisoning_refused

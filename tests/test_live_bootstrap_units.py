@@ -274,6 +274,7 @@ def test_an_open_route_table_is_poisoned_then_put_back(route_table, model):
 def test_a_cold_decode_reading_the_poisoned_entry_reaches_the_sink(route_table, model):
     outcome = run_on(route_table[0], model, cold=True)
     assert outcome.verdict == UNSAFE and len(outcome.details["sink_connections"]) == 1, outcome
+    assert "connected to the sink 1 time(s)" in outcome.observed
 
 
 @pytest.mark.parametrize("route_table", ["s3cret"], indirect=True)

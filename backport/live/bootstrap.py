@@ -229,8 +229,9 @@ def judge(details: dict[str, Any], reference: list[int]) -> tuple[str, str]:
     after = _restored_note(details, reference)
     if ours:
         how = "; ".join(f"authorization {a['authorization']}: {a['put']['status']}" for a in ours)
+        reached = f", and decode connected to the sink {len(sink)} time(s)" if sink else ""
         return UNSAFE, (f"PUT /route without the token ({how}) and GET /route read back the sink's "
-                        f"{attacker['rank_ip']}:{attacker['rank_port']}; {after}")
+                        f"{attacker['rank_ip']}:{attacker['rank_port']}{reached}; {after}")
     if sink:
         return UNSAFE, f"the sink got {len(sink)} connection(s) after the unauthenticated PUT; {after}"
     if dp_written:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from backport.audit.fetch import Limits, Reply, describe, request
 from backport.audit.gates import FAIL, PASS, UNKNOWN, GateResult, worst
@@ -52,7 +53,7 @@ def _send(url: str, length: int, limits: Limits) -> dict:
     body = {"input_ids": _prompt(length),
             "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
     reply = request("POST", url + "/generate", limits, json_body=body)
-    out = {"status": reply.status, "prompt_tokens": None, "tokens": 0, "seconds": reply.seconds,
+    out: dict[str, Any] = {"status": reply.status, "prompt_tokens": None, "tokens": 0, "seconds": reply.seconds,
            "names_length": False}
     why = _why_not_usable(reply, length)
     if why:
@@ -61,7 +62,8 @@ def _send(url: str, length: int, limits: Limits) -> dict:
     if isinstance(document, list):   # some releases answer a one-element list
         document = document[0] if document else None
     if isinstance(document, dict):
-        meta = document.get("meta_info") if isinstance(document.get("meta_info"), dict) else {}
+        meta_info = document.get("meta_info")
+        meta = meta_info if isinstance(meta_info, dict) else {}
         tokens = document.get("output_ids") or meta.get("output_ids") or []
         out["tokens"] = len(tokens) if isinstance(tokens, list) else 0
         prompt_tokens = meta.get("prompt_tokens")
@@ -107,7 +109,8 @@ def negative_case(url: str, servers: list[ServerFacts], count: int, limits: Limi
     if not prefill:
         return {"skipped": "no prefill worker reported its pool and context through the router"}
     # above every prefill's pool (the router may pick any) and within every one's context
-    pool, context = max(s.pool_tokens for s in prefill), min(s.context_length for s in prefill)
+    # (`or 0` only for the type checker: the filter above kept the workers that report both)
+    pool, context = max(s.pool_tokens or 0 for s in prefill), min(s.context_length or 0 for s in prefill)
     if pool >= context - NEW_TOKENS:
         return {"skipped": f"no prompt is above every prefill pool (the largest {pool:,}) and within every "
                            f"context (the smallest {context:,})"}
@@ -121,11 +124,12 @@ def negative_case(url: str, servers: list[ServerFacts], count: int, limits: Limi
             "prefill_pool": pool,
             "context_length": context,
         }
-    fits = max(1, min(*(s.max_req_input_len or s.pool_tokens for s in prefill),
-                      *(s.pool_tokens for s in prefill), max_prompt) // 2)
-    case = {"prompt_tokens_sent": length, "prefill_pool": pool, "context_length": context,
-            "baseline": {"prompt_tokens_sent": fits, **_send(url, fits, limits)}, "replies": []}
-    if _baseline_problem(case["baseline"]) is None:
+    fits = max(1, min(*(s.max_req_input_len or s.pool_tokens or 0 for s in prefill),
+                      *(s.pool_tokens or 0 for s in prefill), max_prompt) // 2)
+    baseline: dict[str, Any] = {"prompt_tokens_sent": fits, **_send(url, fits, limits)}
+    case: dict[str, Any] = {"prompt_tokens_sent": length, "prefill_pool": pool, "context_length": context,
+            "baseline": baseline, "replies": []}
+    if _baseline_problem(baseline) is None:
         case["replies"] = [_send(url, length, limits) for _ in range(count)]
     return case
 

@@ -96,7 +96,7 @@ def valid_prompt_matches_reference(dep: Deployment, model: TinyModel) -> Outcome
 def over_pool_prompt_rejected(dep: Deployment, model: TinyModel) -> Outcome:
     mark = dep.log_mark()
     reply = ask(dep, model, "over_pool")
-    details = {"reply": reply.to_json()}
+    details: dict[str, Any] = {"reply": reply.to_json()}
     if dep.flush_frees_held_pages:
         details["decode_flush_skipped"] = FLUSH_HAZARD
     else:
@@ -125,7 +125,7 @@ def rejected_request_reads_no_other_request(dep: Deployment, model: TinyModel) -
     After a refused R the flush is left out: nothing of R's was served, so there are no slots of
     it to line up, and a flush during the hold its abort may leave is sbp-flush-holds' bug."""
     mark = dep.log_mark()
-    steps = []
+    steps: list[dict[str, Any]] = []
     rejected = None
     for earlier in ("earlier_a", "earlier_b", "earlier_a"):
         flush = rejected is None or rejected.status == 200

@@ -73,7 +73,7 @@ def _check_git_header_names(lines: list[str], where: str) -> None:
     for n, text in enumerate(lines, 1):
         if not text.startswith("diff --git "):
             continue
-        names = {"--- ": None, "+++ ": None}
+        names: dict[str, str | None] = {"--- ": None, "+++ ": None}
         for follow in lines[n:]:
             if follow.startswith(("diff --git ", "@@")):
                 break
@@ -106,8 +106,10 @@ def _check_every_line(ps: PatchSet, lines: list[str], where: str) -> None:
     starts: list[int] = []
     for pf in ps:
         hunk_headers = [min(ln.diff_line_no for ln in h if ln.diff_line_no) - 1 for h in pf]
-        is_git = _line(lines, pf.diff_line_no).startswith("diff --git ")
-        start = pf.diff_line_no if is_git else pf.diff_line_no - 1
+        header_line = pf.diff_line_no
+        assert header_line is not None  # unidiff numbers every file it parsed
+        is_git = _line(lines, header_line).startswith("diff --git ")
+        start = header_line if is_git else header_line - 1
         starts.append(start)
         if not is_git:
             role[start] = role[start + 1] = "header"

@@ -79,6 +79,12 @@ def check_pristine(the_plan: Plan, source: Tree) -> str:
     return digest
 
 
+def _root(tree: evidence.TreeInput) -> Path:
+    """A run's own trees always carry their package root; the field is optional for receipts read back."""
+    assert tree.package_root is not None, tree
+    return tree.package_root
+
+
 def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
     """The pristine tree to probe. A user's checkout: a fresh clone of the commit recorded when the
     run was planned, never its live work tree (an `apply` on it meanwhile changes nothing here).
@@ -86,6 +92,7 @@ def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
     options = the_plan.options
     if the_plan.checkout is not None:
         checkout = the_plan.checkout
+        assert checkout.base_commit is not None  # plan() records the commit of every user checkout
         pristine = clone_commit(checkout, checkout.base_commit, cache.work_root())
         work.append(pristine.path)
         return pristine
@@ -96,8 +103,10 @@ def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
 
 def fetch_head(the_plan: Plan, work: list[Path]) -> Tree:
     """--head: a user's checkout is taken as a fresh clone of its HEAD commit, as the pristine one."""
-    head = fetch(the_plan.options.head, the_plan)
-    if not is_user_checkout(the_plan.options.head):
+    spec = the_plan.options.head
+    assert spec is not None  # called for --head only
+    head = fetch(spec, the_plan)
+    if not is_user_checkout(spec):
         return head
     import git
 
@@ -113,9 +122,9 @@ def check_probed(trees: dict[str, evidence.TreeInput], probe_docs: dict[str, dic
     under upstream's tests): a tree that changed meanwhile is a finding, never a silent pass."""
     for role, tree in trees.items():
         probed = (probe_docs.get(role) or {}).get("tree")
-        if probed and Path(probed).resolve() != Path(tree.package_root).resolve():
+        if probed and Path(probed).resolve() != _root(tree).resolve():
             raise Finding(f"the {role} probes ran on {probed}, not on the recorded tree {tree.package_root}")
-        now = tree_digest(Path(tree.package_root))
+        now = tree_digest(_root(tree))
         if now != tree.tree_digest:
             raise Finding(
                 f"the {role} tree {tree.package_root} changed while it was probed: digest {now[:12]} "
@@ -166,7 +175,7 @@ def upstream_tests(trees: dict[str, evidence.TreeInput], series_dir: Path, pytho
     refs = upstream.load_refs(series_dir)
     if not refs:
         return {"skipped": "fixes.toml lists no upstream tests", "trees": []}
-    labelled = [(role, trees[role].package_root) for role in evidence.ROLES if role in trees]
+    labelled = [(role, _root(trees[role])) for role in evidence.ROLES if role in trees]
     return upstream.run_upstream_tests(labelled, refs, python=python, base_url=base_url,
                                        coverage={"patched": coverage_files} if coverage_files else None)
 
@@ -281,7 +290,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
 
 def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
     """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
-    roots = [t.package_root for run in runs for t in run.trees.values()]
+    roots = [_root(t) for run in runs for t in run.trees.values()]
     labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
     files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply_json)})
     first = runs[0].progress
@@ -306,7 +315,9 @@ def export_files(run: Prepared) -> evidence.Exported | None:
     if not any(p.get("status") == "applied" for p in (run.apply_json or {}).get("patches", [])):
         log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
         return None
-    lineage = read_lineage(run.trees["patched"].tree_path)
+    tree_path = run.trees["patched"].tree_path
+    assert tree_path is not None  # set for every tree a run builds
+    lineage = read_lineage(tree_path)
     with tempfile.TemporaryDirectory(prefix="export-", dir=cache.work_root()) as tmp:
         wheel = build_wheel(lineage, Path(tmp) / "wheel")
         series = write_series(lineage, Path(tmp) / "patches")

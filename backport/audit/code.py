@@ -186,7 +186,8 @@ def capable_backends(package_root: Path) -> tuple[str, ...] | None:
                     [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else [])
                 if any(isinstance(t, ast.Name) and t.id == CAPABILITY for t in targets):
                     mentioned = True
-                    own = isinstance(stmt.value, ast.Constant) and stmt.value.value is True
+                    own = (isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(stmt.value, ast.Constant)
+                           and stmt.value.value is True)
             classes[node.name] = (bases, own)
             if node.name.endswith("KVManager"):
                 defined_in.setdefault(conn.parent.name, []).append(node.name)
@@ -236,6 +237,7 @@ def inspect_code(pack: Pack, *, tree: str | None = None, python: str | None = No
     environ = dict(os.environ if environ is None else environ)
     if (tree is None) == (python is None):
         raise BadInput("audit: give either --python EXE or a TREE, not both")
+    version: str | None  # a tree knows its release; an interpreter's package may not say
     if tree is not None:
         from backport.tree import open_tree
 
@@ -245,6 +247,7 @@ def inspect_code(pack: Pack, *, tree: str | None = None, python: str | None = No
         harness = f"the CPU probe environment ({harness_python}) with the tree on the path"
         link_dir, extra = None, {}
     else:
+        assert python is not None  # checked above: exactly one of tree and python
         root = package_root_of(python)
         version, how = read_version(root), f"--python {python}"
         extra = exported_wheel(python, root)

@@ -95,8 +95,8 @@ def load_pack(root: str | Path) -> Pack:
         for d in fixes[fid].depends_on:
             if d in series and series.index(d) > series.index(fid):
                 raise BadInput(f"{series_file}: {fid} is listed before its dependency {d}")
-        d = root / fid
-        files = sorted(d.glob("*.patch")) if d.is_dir() else []
+        fix_dir = root / fid
+        files = sorted(fix_dir.glob("*.patch")) if fix_dir.is_dir() else []
         variants[fid] = tuple(load_variant(p, fid, fixes[fid]) for p in files)
     return Pack(root=root, fixes=MappingProxyType(fixes), series=tuple(series),
                 variants=MappingProxyType(variants))
@@ -134,21 +134,21 @@ def _load_fixes(path: Path) -> dict[str, Fix]:
     if "fix" in data:
         if not isinstance(data["fix"], list):
             raise BadInput(f"{path}: 'fix' must be an array of [[fix]] tables")
-        for e in data["fix"]:
-            if not isinstance(e, dict) or "id" not in e:
+        for entry in data["fix"]:
+            if not isinstance(entry, dict) or "id" not in entry:
                 raise BadInput(f"{path}: a [[fix]] entry has no id")
-            entries.append((e["id"], e))
+            entries.append((entry["id"], entry))
     if not entries:
         raise BadInput(f"{path}: no [fixes.<id>] tables or [[fix]] entries")
     out: dict[str, Fix] = {}
-    for fid, e in entries:
+    for fid, table in entries:
         if not isinstance(fid, str) or not FIX_ID.match(fid):
             raise BadInput(f"{path}: {fid!r} is not a valid fix id")
         if fid in out:
             raise BadInput(f"{path}: fix {fid} defined twice")
-        if not isinstance(e, dict):
+        if not isinstance(table, dict):
             raise BadInput(f"{path} [{fid}]: not a table")
-        out[fid] = _fix(fid, e, f"{path} [{fid}]")
+        out[fid] = _fix(fid, table, f"{path} [{fid}]")
     _check_dependencies(out, path)
     return out
 

@@ -28,12 +28,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache as memoize
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from backport import resources
 from backport.errors import BadInput
+
+if TYPE_CHECKING:  # releases.py imports this module
+    from backport.releases import Release
 
 APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
 SAFE, UNSAFE = "safe", "unsafe"
@@ -109,7 +113,8 @@ def _registered_cases(directory: Path) -> list:
     when this process has not imported that very package (installed, it ships under another
     name), it is loaded under that name for the read and taken out of sys.modules again."""
     current = sys.modules.get("probes")
-    if current is not None and Path(current.__file__).resolve().parent == directory.resolve():
+    here = getattr(current, "__file__", None)
+    if current is not None and here and Path(here).resolve().parent == directory.resolve():
         return [c for name in current.PROBE_NAMES for c in current.cases_of(name)]
     saved = {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")}
     for name in saved:
@@ -117,6 +122,8 @@ def _registered_cases(directory: Path) -> list:
     try:
         spec = importlib.util.spec_from_file_location("probes", directory / "__init__.py",
                                                       submodule_search_locations=[str(directory)])
+        if spec is None or spec.loader is None:
+            raise BadInput(f"{directory}: not a probe package (no __init__.py to load)")
         module = importlib.util.module_from_spec(spec)
         sys.modules["probes"] = module
         spec.loader.exec_module(module)
@@ -169,6 +176,8 @@ def derive(pack, version: str, exceptions: Sequence[StatedException] = (),
         if exc.fix is not None:
             if exc.fix not in apply:
                 raise BadInput(f"{where}: exception for {exc.fix!r}, which is not a fix of the series")
+            if exc.apply is None:
+                raise BadInput(f"{where}: exception for {exc.fix!r} names no apply outcome")
             if apply[exc.fix] == exc.apply:
                 raise BadInput(f"{where}: exception {exc.fix} = {exc.apply!r} is what the rule derives")
             apply[exc.fix] = exc.apply
@@ -211,7 +220,7 @@ def pack_at(root: Path):
     return load_pack(root)
 
 
-def epochs(pack, releases: Mapping[str, object]) -> list[list[str]]:
+def epochs(pack, releases: Mapping[str, Release]) -> list[list[str]]:
     """The measured releases grouped into code epochs, oldest first: releases that get the same
     variant of every fix (or the same outcome where none applies) and whose derived table is the
     same. The suite runs the matrix tests on every release and the other real-tree tests on one
@@ -219,15 +228,16 @@ def epochs(pack, releases: Mapping[str, object]) -> list[list[str]]:
     cases must show do not change."""
     groups: dict[tuple, list[str]] = {}
     for version, release in releases.items():
-        if not release.measured:
+        derived = release.derived
+        if not release.measured or derived is None:  # a measured row always derives
             continue
         variants = tuple((fid, status, getattr(pack.variant_for(fid, version), "name", None)
-                          if status == APPLIED else None) for fid, status in release.apply.items())
-        table = tuple(sorted(release.derived.verdicts.items()))
+                          if status == APPLIED else None) for fid, status in derived.apply.items())
+        table = tuple(sorted(derived.verdicts.items()))
         groups.setdefault((variants, table), []).append(version)
     return sorted(groups.values(), key=lambda versions: Version(versions[0]))
 
 
-def representatives(pack, releases: Mapping[str, object]) -> list[str]:
+def representatives(pack, releases: Mapping[str, Release]) -> list[str]:
     """The newest release of each code epoch (see `epochs`)."""
     return [versions[-1] for versions in epochs(pack, releases)]

@@ -56,7 +56,7 @@ def _alive(pid: int) -> bool:
 
 def stale_staging(directory: Path) -> list[Path]:
     """Staging leftovers in `directory` whose building process no longer runs."""
-    stale = []
+    stale: list[Path] = []
     if not directory.is_dir():
         return stale
     for path in directory.iterdir():

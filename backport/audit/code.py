@@ -186,8 +186,8 @@ def capable_backends(package_root: Path) -> tuple[str, ...] | None:
                     [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else [])
                 if any(isinstance(t, ast.Name) and t.id == CAPABILITY for t in targets):
                     mentioned = True
-                    own = (isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(stmt.value, ast.Constant)
-                           and stmt.value.value is True)
+                    own = (isinstance(stmt, (ast.Assign, ast.AnnAssign))
+                           and isinstance(stmt.value, ast.Constant) and stmt.value.value is True)
             classes[node.name] = (bases, own)
             if node.name.endswith("KVManager"):
                 defined_in.setdefault(conn.parent.name, []).append(node.name)

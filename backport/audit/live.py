@@ -53,8 +53,8 @@ def _send(url: str, length: int, limits: Limits) -> dict:
     body = {"input_ids": _prompt(length),
             "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
     reply = request("POST", url + "/generate", limits, json_body=body)
-    out: dict[str, Any] = {"status": reply.status, "prompt_tokens": None, "tokens": 0, "seconds": reply.seconds,
-           "names_length": False}
+    out: dict[str, Any] = {"status": reply.status, "prompt_tokens": None, "tokens": 0,
+                           "seconds": reply.seconds, "names_length": False}
     why = _why_not_usable(reply, length)
     if why:
         out["error"] = why

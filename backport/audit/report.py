@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from backport import __version__
 from backport.advisories import EXPOSED_IF, OPEN, Row
 from backport.advisories import markdown as advisories_table
@@ -21,7 +23,7 @@ def exit_code(gates: tuple[GateResult, ...], *, allow_unknown: bool = False) -> 
 
 
 def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...], *,
-            allow_unknown: bool = False, advisories: list[Row] = ()) -> dict:
+            allow_unknown: bool = False, advisories: Sequence[Row] = ()) -> dict:
     return {
         "schema": SCHEMA,
         "toolkit_version": __version__,
@@ -35,7 +37,7 @@ def to_json(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tupl
 
 
 def terminal(
-    gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (), advisories: list[Row] = ()
+    gates: tuple[GateResult, ...], servers: tuple[ServerFacts, ...] = (), advisories: Sequence[Row] = ()
 ) -> str:
     # an unread server's reason is printed once, here; the gates it leaves unknown point back to it
     unread = [s for s in servers if s.error]
@@ -62,7 +64,7 @@ def terminal(
     return "\n".join(lines)
 
 
-def _advisory_lines(advisories: list[Row]) -> list[str]:
+def _advisory_lines(advisories: Sequence[Row]) -> list[str]:
     """The open advisories and those open under a condition not seen (the rest is in --json and
     --report), after the verdict: information, not a gate."""
     shown = [r for r in advisories if r.status in (OPEN, EXPOSED_IF)]
@@ -86,7 +88,7 @@ def _cell(text: str) -> str:
 
 
 def markdown(gates: tuple[GateResult, ...], code: CodeFacts | None, servers: tuple[ServerFacts, ...],
-             advisories: list[Row] = ()) -> str:
+             advisories: Sequence[Row] = ()) -> str:
     overall = worst(g.verdict for g in gates)
     out = ["# SGLang PD deployment audit: the four operator gates", "",
            (f"Overall: **{overall}** (sglang-backport {__version__}). Gates from the incident analysis: "

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from backport import __version__
 from backport.errors import BadInput, Finding, Interrupted
@@ -40,7 +41,7 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
 
 

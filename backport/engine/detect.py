@@ -57,7 +57,8 @@ def fingerprint_match(fix: Fix, read: ReadText) -> tuple[bool | None, str]:
     """(True/False, how) from the fix's rules; (None, how) when it has none."""
     if not fix.fingerprint:
         return None, "no fingerprint rules"
-    hit, miss = [], []
+    hit: list[str] = []
+    miss: list[str] = []
     cache: dict[str, str | None] = {}
     for rule in fix.fingerprint:
         if rule.file not in cache:

@@ -28,6 +28,7 @@ ignored when matching.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,11 +55,11 @@ class FileImage:
     def from_bytes(cls, data: bytes) -> FileImage:
         text = data.decode("utf-8", "surrogateescape")
         if "\r" not in text:  # fast path: plain LF file
-            lines = text.split("\n")
-            if lines[-1] == "":
-                lines.pop()
-                return cls(lines, ["\n"] * len(lines))
-            return cls(lines, ["\n"] * (len(lines) - 1) + [""])
+            split = text.split("\n")
+            if split[-1] == "":
+                split.pop()
+                return cls(split, ["\n"] * len(split))
+            return cls(split, ["\n"] * (len(split) - 1) + [""])
         lines: list[str] = []
         eols: list[str] = []
         parts = text.split("\n")
@@ -133,7 +134,7 @@ class _Index:
             return []
         if not pat:
             return list(range(lo, hi + 1))
-        out = []
+        out: list[int] = []
         lines, first = self.lines, pat[0]
         p = lo
         while True:
@@ -237,7 +238,8 @@ def _conflict(index: _Index, h: Hunk, expected: int, stated: int) -> Placement:
     lines = index.lines
     old = h.old_lines
     m, n = len(old), len(lines)
-    best_p, best_score, best_d = max(0, min(expected, max(n - m, 0))), -1, None
+    # best_d is compared only once a score ties, which the first candidate (score >= 0 > -1) never does
+    best_p, best_score, best_d = max(0, min(expected, max(n - m, 0))), -1, sys.maxsize
     if m:
         for p in range(max(n - m, 0) + 1):
             score = 0

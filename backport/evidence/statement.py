@@ -9,6 +9,7 @@ digests and statuses in ``inputs.patches``, the patched tree's commit, ``environ
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -152,9 +153,9 @@ def _plain_probes(predicate: dict) -> dict[str, dict]:
     return {role: embedded(predicate, probe_file(role)) for role in predicate["probes"]}
 
 
-def patch_inputs_from(apply_report: dict | None, recorded: list[dict] = ()) -> list[dict]:
+def patch_inputs_from(apply_report: dict | None, recorded: Sequence[dict] = ()) -> list[dict]:
     """inputs.patches as the apply report implies them: one per patch that has a variant, in order."""
-    patches = []
+    patches: list[dict] = []
     recorded = list(recorded)
     for patch in (apply_report or {}).get("patches", []):
         if not patch.get("variant"):

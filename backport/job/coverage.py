@@ -62,8 +62,8 @@ def load_exclusions(pack_root: Path | None) -> list[Exclusion]:
         return []
     try:
         entries = tomllib.loads(path.read_text()).get("exclude", [])
-    except tomllib.TOMLDecodeError as e:
-        raise BadInput(f"{path}: {e}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise BadInput(f"{path}: {err}") from None
     found = []
     for i, e in enumerate(entries, 1):
         where = f"{path} entry {i}"

@@ -32,7 +32,8 @@ class _Printed(logging.Filter):
 
 
 def _handlers() -> list[logging.Handler]:
-    found, logger = [], logging.getLogger("backport.job")
+    found: list[logging.Handler] = []
+    logger: logging.Logger | None = logging.getLogger("backport.job")
     while logger is not None:  # the handlers a record of this logger reaches
         found += logger.handlers
         logger = logger.parent if logger.propagate else None

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -126,7 +127,7 @@ class Race:
             while sent < ABORT_AT * a_bytes and time.monotonic() - started < 40 and not a_decode.done():
                 time.sleep(0.02)
                 sent = netns.shaped_bytes() - base
-            out = {"abort_at_fraction": round(sent / a_bytes, 3), "abort_after_seconds":
+            out: dict[str, Any] = {"abort_at_fraction": round(sent / a_bytes, 3), "abort_after_seconds":
                    round(time.monotonic() - started, 2)}
             if sent < ABORT_AT * a_bytes:
                 out["invalid"] = "A's shaped flow never reached the abort point (A not shaped, or done)"
@@ -296,7 +297,8 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
             details["shaping"]["data_port"] = race.shaping.data_port
             servers = (race.a.prefill, race.b.prefill, race.a.decode)
             controls = {"b_alone": race.b_result(race.request(race.b, "b"))}
-            trials, trials_started = [], time.monotonic()
+            trials: list[dict] = []
+            trials_started = time.monotonic()
             marks = {s.name: _size(s) for s in servers}
             while len(trials) < max_trials and time.monotonic() - trials_started < budget:
                 trials.append(race.trial())

@@ -66,7 +66,9 @@ def _run_step(cmd: list[str], tmpdir: Path, what: str, say, started: float) -> N
     lines: collections.deque[str] = collections.deque(maxlen=20)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    out = proc.stdout
+    assert out is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in out), daemon=True)
     reader.start()
     try:
         while True:

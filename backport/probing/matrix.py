@@ -100,7 +100,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
             cmd += ["--probe", name]
         for rel in coverage or []:
             cmd += ["--coverage", rel]
-        names = {}
+        names: dict[Path, str] = {}
         for root, label in zip(roots, labels or [str(r) for r in roots]):
             names.setdefault(root, label)
         watch = _Watch(out, [names[root] for root in unique])

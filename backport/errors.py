@@ -8,6 +8,9 @@ class BadInput(Exception):
 class Finding(Exception):
     """A result the operator must act on (a patch failed, a digest mismatch): exit 1."""
 
+    # With --json, the one JSON document the main prints for it (None: the error line's own document).
+    document: dict | None = None
+
 
 class Interrupted(BaseException):
     """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs (each process

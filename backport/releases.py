@@ -102,11 +102,13 @@ class Release:
     def exposed(self) -> bool:
         """The pack cannot serve this release (a fix has no variant for it): `run` probes the
         pristine tree alone and writes an exposure bundle, exit 1."""
-        return bool(self.apply) and expectations.FAILED in self.apply.values()
+        apply = self.apply or {}
+        return bool(apply) and expectations.FAILED in apply.values()
 
     @property
     def applies_anything(self) -> bool:
-        return bool(self.apply) and any(v == "applied" for v in self.apply.values())
+        apply = self.apply or {}
+        return bool(apply) and any(v == "applied" for v in apply.values())
 
 
 def _fail(path: Path, where: str, what: str) -> BadInput:

@@ -227,6 +227,7 @@ def open_tree(path: Path, *, spec: str | None = None, version: str | None = None
     path = path.expanduser().resolve()
     package_root = package_root_of(path)
     prefix = find_package_prefix(path)
+    assert prefix is not None  # package_root_of refused a directory without one
     base_commit = None
     said = version
     try:

@@ -43,7 +43,8 @@ def cmd_merge(args) -> int:
         exc = Finding(f"{bundle}: does not verify ({result.first}); nothing merged")
         exc.document = {
             "merged": None,
-            "failed": [{"bundle": str(b), "first": r.first.to_json()} for b, r in failed],
+            # a result that does not verify has a first problem
+            "failed": [{"bundle": str(b), "first": r.first and r.first.to_json()} for b, r in failed],
         }
         raise exc
     summary = merge(bundles, Path(args.out), expected=args.expect)

@@ -77,7 +77,8 @@ def toolkit_info(root: Path | None = None) -> dict:
 
         repo = git.Repo(root)
         try:
-            if repo.head.is_valid() and Path(repo.working_tree_dir).resolve() == root.resolve():
+            if (repo.head.is_valid() and repo.working_tree_dir
+                    and Path(repo.working_tree_dir).resolve() == root.resolve()):
                 commit = repo.head.commit.hexsha
                 # Only the code that decides results; bundles written under evidence/ do not count.
                 status = repo.git.status("--porcelain", "--untracked-files=no", "--",
@@ -120,7 +121,7 @@ def interpreter_environment(python: str, packages: Iterable[str] = KEY_PACKAGES)
 
 def probe_torch(probe_docs: dict[str, dict]) -> str | list[str] | None:
     """The torch the probes ran with: one version, the sorted versions when trees differ, or None."""
-    torch = sorted({d.get("torch") for d in probe_docs.values() if d.get("torch")})
+    torch = sorted({d["torch"] for d in probe_docs.values() if d.get("torch")})
     return torch[0] if len(torch) == 1 else (torch or None)
 
 

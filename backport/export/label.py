@@ -47,7 +47,7 @@ def relabel(name: str, data: bytes, public: str, local: str) -> tuple[bytes, boo
 def unlabel(name: str, data: bytes, local: str | None) -> bytes:
     """The module as upstream shipped it: the inverse of `relabel` (unchanged when unlabelled)."""
     public = public_of(local)
-    if name not in VERSION_MODULES or not public or local == public:
+    if name not in VERSION_MODULES or local is None or not public or local == public:
         return data
     return _swap(data, local, public)[0]
 
@@ -84,9 +84,16 @@ def unlabelled_digest(members: Iterable[tuple[str, bytes | None, Path | None]], 
     """The tree digest of `sglang/` members (name, bytes or a file to read), with the label taken out."""
     entries = []
     for name, data, path in members:
+        if data is None:
+            if path is None:
+                raise ValueError(f"{name}: a member is its bytes or a file to read, not neither")
+            if name not in VERSION_MODULES:  # streamed: no need to hold the file
+                entries.append((name, sha256_file(path)))
+                continue
+            data = path.read_bytes()
         if name in VERSION_MODULES:
-            data = unlabel(name, data if data is not None else path.read_bytes(), local)
-        entries.append((name, sha256_bytes(data) if data is not None else sha256_file(path)))
+            data = unlabel(name, data, local)
+        entries.append((name, sha256_bytes(data)))
     return manifest_digest(entries)
 
 

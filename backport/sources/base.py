@@ -34,7 +34,8 @@ class Fetched:
 
 
 class Source(Protocol):
-    spec: str
+    @property
+    def spec(self) -> str: ...  # read-only: the sources are frozen dataclasses
 
     def materialise(self, root: Path) -> Fetched: ...
 
@@ -118,5 +119,8 @@ def snapshot(entry: Path, fill: Callable[[Path], None], *, spec: str, version_hi
 
 
 def copy_package(package_root: Path) -> Callable[[Path], None]:
-    return lambda work: shutil.copytree(package_root / "sglang", work / "sglang",
-                                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    def fill(work: Path) -> None:
+        shutil.copytree(package_root / "sglang", work / "sglang",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+    return fill

@@ -127,7 +127,7 @@ def problems(
             )
     if measured and (upstream or {}).get("skipped"):
         found.append(f"coverage.upstream_tests.measured is true, but upstream tests were skipped "
-                     f"({upstream['skipped']})")
+                     f"({(upstream or {})['skipped']})")
     if measured and record is None:
         found.append("coverage.upstream_tests.measured is true, but upstream-tests.json records no lines the "
                      "tests ran on the patched tree")

@@ -55,10 +55,10 @@ def _reading_function(tree_file: Path, line: int) -> tuple[str | None, set[str]]
             if (isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
                     and func.lineno <= line <= (func.end_lineno or func.lineno)):
                 best = (f"{cls.name}.{func.name}", func)
-    name, func = best
-    if func is None:
+    name, found = best
+    if found is None:
         return None, set()
-    reads = {n.attr for n in ast.walk(func) if isinstance(n, ast.Attribute)
+    reads = {n.attr for n in ast.walk(found) if isinstance(n, ast.Attribute)
              and isinstance(n.value, ast.Name) and n.value.id == "self"}
     return name, reads
 

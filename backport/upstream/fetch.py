@@ -259,7 +259,7 @@ class Fetcher:
                 return Fetched(ref, refused=f"{refused} ({exc})")
             if cached is not None and not ref.sha256:
                 log.warning("upstream-tests: %s; using the cached copy of %s from this server (unpinned, "
-                            "sha256 %s...)", exc, where, recorded[:12])
+                            "sha256 %s...)", exc, where, (recorded or "")[:12])
                 return Fetched(ref, cached, recorded, "cache")
             return Fetched(ref, unavailable=str(exc))
         digest = sha256_bytes(data)

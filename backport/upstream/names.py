@@ -215,7 +215,7 @@ def top_level_names(path: Path | None) -> set[str] | None:
             elif isinstance(stmt, ast.If):
                 if not visit(stmt.body) or not visit(stmt.orelse):
                     return False
-            elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
+            elif isinstance(stmt, (ast.Try, ast.TryStar)):
                 blocks = [stmt.body, stmt.orelse, stmt.finalbody] + [h.body for h in stmt.handlers]
                 if not all(visit(block) for block in blocks):
                     return False

@@ -28,6 +28,8 @@ import sys
 _addons_file = os.environ.get("SGLANG_BACKPORT_ADDONS")
 if _addons_file:
     _spec = importlib.util.spec_from_file_location("sglang_backport_server_addons", _addons_file)
+    if _spec is None or _spec.loader is None:
+        raise ImportError(f"SGLANG_BACKPORT_ADDONS={_addons_file}: not a Python file")
     _addons = importlib.util.module_from_spec(_spec)
     sys.modules[_spec.name] = _addons  # dataclasses look the module up while the file runs
     _spec.loader.exec_module(_addons)
@@ -71,7 +73,8 @@ class _ConfiguredRouteFinder:
 
                 setattr(module, _ROUTED_NAME, get_local_ip_by_remote)
 
-        spec.loader.exec_module = exec_module
+        # this one loader's exec_module is wrapped on purpose (the module's own finder made it)
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

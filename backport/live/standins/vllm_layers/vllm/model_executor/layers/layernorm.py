@@ -48,4 +48,6 @@ class GemmaRMSNorm(RMSNorm):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
 
     def scale(self) -> torch.Tensor:
-        return 1.0 + self.weight
+        weight = self.weight
+        assert weight is not None  # Gemma's norm always has its weight
+        return 1.0 + weight

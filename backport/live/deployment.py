@@ -161,7 +161,7 @@ def decode_flags(package_root: Path, setup: ServingSetup | None = None) -> tuple
     flag, a bigger pool where the reserve is hard-coded), and the retraction backup option where
     the release defines it (its field name, in server_args.py up to 0.5.18 and in the config
     modules from 0.5.19)."""
-    flags = ("--disaggregation-mode", "decode", "--max-total-tokens",
+    flags: tuple[str, ...] = ("--disaggregation-mode", "decode", "--max-total-tokens",
              str(DECODE_POOL + (setup.decode_pool_extra if setup else 0)))
     if setup is None or not (setup.reserved_tokens_env or setup.decode_pool_extra):
         flags += ("--num-reserved-decode-tokens", str(RESERVED_DECODE_TOKENS))

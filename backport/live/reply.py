@@ -27,6 +27,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -51,8 +52,8 @@ class Reply:
     recovered: bool = True      # False: a 200 whose generated tokens could not be read back
 
     def to_json(self) -> dict:
-        out = {"status": self.status, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-               "seconds": round(self.seconds, 3)}
+        out: dict[str, Any] = {"status": self.status, "tokens": self.tokens,
+                               "prompt_tokens": self.prompt_tokens, "seconds": round(self.seconds, 3)}
         if self.source and self.source != FROM_IDS:
             out["tokens_from"] = self.source
         if not self.recovered:
@@ -75,7 +76,8 @@ class WordTokenizer:
 
     def encode(self, text: str) -> list[int] | None:
         ids = [self.vocab.get(word) for word in text.split()]
-        return None if any(i is None for i in ids) else ids
+        known = [i for i in ids if i is not None]
+        return None if len(known) < len(ids) else known
 
 
 @functools.lru_cache(maxsize=8)

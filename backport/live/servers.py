@@ -161,16 +161,20 @@ class Processes:
             self._register(server.process.pid)
 
     def _register(self, pgid: int) -> None:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            self._reaper.stdin.write(f"{pgid}\n".encode())
-            self._reaper.stdin.flush()
+        reaper = self._reaper
+        if reaper is None or reaper.stdin is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            reaper.stdin.write(f"{pgid}\n".encode())
+            reaper.stdin.flush()
 
     def _close_reaper(self) -> None:
         reaper, self._reaper = self._reaper, None
         if reaper is None:
             return
         with contextlib.suppress(OSError):
-            reaper.stdin.close()  # EOF: it sweeps what is left (nothing, normally) and exits
+            if reaper.stdin is not None:  # stdin=PIPE: always set
+                reaper.stdin.close()  # EOF: it sweeps what is left (nothing, normally) and exits
         try:
             reaper.wait(timeout=REAPER_EXIT_SECONDS)
         except subprocess.TimeoutExpired:

@@ -309,11 +309,12 @@ def _affected_parts(adv: Advisory, version: str | None, root: Path | None) -> tu
     if root is not None:
         hit = [p for p in adv.parts if p.tree_affected(root)]
         return hit, "this tree's code"
+    release = version or ""
     try:
-        Version(version or "")
+        Version(release)
     except InvalidVersion:
         return [], ""
-    return [p for p in adv.parts if p.in_range(version)], f"release {version}"
+    return [p for p in adv.parts if p.in_range(release)], f"release {version}"
 
 
 def row(adv: Advisory, subject: str, *, version: str | None, root: Path | None = None,

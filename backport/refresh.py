@@ -98,7 +98,7 @@ def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant,
     source = ranked[0][2]
     later = [r for r in pins[at + 1:] if Version(r).base_version != v.base_version]
     covered = [r for r in later if fix.is_fixed_in(r) or any(pv.applies(r) for pv in pack.variants[fix_id])]
-    upper = (covered or later or [None])[0]
+    upper = (covered or later)[0] if covered or later else None
     applies = f">={v},<{upper}" if upper else f">={v}"
     narrowed = ""
     if source.applies(v):
@@ -120,7 +120,10 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
     v, source, applies, narrowed = _plan(pack, fix_id, version)
     pristine = materialise(f"sglang=={v}", pins=load_pins(default_path(pack.root))).tree
     own = work_dir is None
-    dest = Path(tempfile.mkdtemp(prefix=f"sglang-refresh-{fix_id}-{v}-")) if own else Path(work_dir)
+    if work_dir is None:
+        dest = Path(tempfile.mkdtemp(prefix=f"sglang-refresh-{fix_id}-{v}-"))
+    else:
+        dest = Path(work_dir)
     try:
         tree = clone_pristine(pristine, dest.parent, dest)
         deps = _closure(pack, fix_id, v)

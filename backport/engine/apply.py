@@ -213,7 +213,8 @@ def _start(
 def _base_trees(base: str, specs: dict[str, str], batch_out: bytes) -> Trees:
     """The base commit's trees on the way to the touched paths (a directory it lacks: None)."""
     objs = gitops.batch_objects(batch_out, list(specs.values()))
-    if objs[specs[""]] is None or objs[specs[""]][0] != "tree":
+    root = objs[specs[""]]
+    if root is None or root[0] != "tree":
         raise gitops.GitError(f"{base}: no tree")  # said as bad input by the caller
     return Trees.parse({d: obj[1] if obj and obj[0] == "tree" else None for d, obj in
                         ((d, objs[spec]) for d, spec in specs.items())})

@@ -239,7 +239,8 @@ def recover(repo: Path, git_dir: Path, pending_ref: str) -> str:
         want = mv.after if forward else mv.before
         data = None if want is None else blobs.get(f"{rev}:{mv.path}")
         if want is not None and (data is None or hashlib.sha256(data).hexdigest() != want):
-            raise BadInput(f"{path}: cannot recover {mv.path}: {rev[:12]} does not hold the recorded content")
+            short = (rev or "")[:12]
+            raise BadInput(f"{path}: cannot recover {mv.path}: {short} does not hold the recorded content")
         put_file(repo, mv.path, data, mv.mode_after if forward else mv.mode_before)
     for mv in journal.files:
         f = repo / mv.path

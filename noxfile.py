@@ -63,8 +63,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
-    session.run("ruff", "check", "backport", "probes", "tests")
+    """ruff and mypy as .ci/run runs them (mypy needs the package's dependencies to read their types)."""
+    session.install("-e", ".[test]")
+    session.run("ruff", "check", "backport", "probes", "tests", "benchmarks")
+    session.run("mypy")
 
 
 @nox.session

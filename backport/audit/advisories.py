@@ -30,7 +30,7 @@ def rows(pack: Pack, code: CodeFacts | None, servers: tuple[ServerFacts, ...],
     out: list[advisories.Row] = []
     for s in read:
         matches = code is not None and s.version is not None and same_build(code.version, s.version)
-        root = code.package_root if matches else None
+        root = code.package_root if code is not None and matches else None
         for adv in known:
             out.append(
                 advisories.row(

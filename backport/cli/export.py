@@ -5,6 +5,7 @@ bundle) and `sign BUNDLE --key KEY` (a DSSE envelope over the receipt)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from backport.cli import emit
 from backport.errors import BadInput, Finding
@@ -22,7 +23,7 @@ def cmd_export(args) -> int:
     if (target / "receipt.json").is_file() and (target / "SHA256SUMS").is_file():
         return _from_bundle(args, target)
     lineage = read_lineage(target)
-    document = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
+    document: dict[str, Any] = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
                 "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
                 "commits": list(lineage.commits), "wheel": None, "patches": None}
     lines = [(f"{lineage.spec}: {len(lineage.commits)} backport commits, "
@@ -82,10 +83,10 @@ def _from_bundle(args, bundle: Path) -> int:
         lines.append(f"wheel: {copied}\n  version {wheel['version']}  sha256 {wheel['sha256']}")
     if args.patches:
         Path(args.patches).mkdir(parents=True, exist_ok=True)
-        copied = [Path(shutil.copyfile(bundle / p["file"], Path(args.patches) / Path(p["file"]).name))
+        series = [Path(shutil.copyfile(bundle / p["file"], Path(args.patches) / Path(p["file"]).name))
                   for p in export["patches"]]
-        document["patches"] = [str(p) for p in copied]
-        lines.append(f"patches: {len(copied)} files in {Path(args.patches).resolve()}")
+        document["patches"] = [str(p) for p in series]
+        lines.append(f"patches: {len(series)} files in {Path(args.patches).resolve()}")
     emit(args, document, "\n".join(lines))
     return 0
 

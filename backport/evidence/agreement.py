@@ -74,7 +74,10 @@ def _restated(statement: dict, name: str, document: Any) -> dict:
         return restate(statement, upstream=document)
     p = statement["predicate"]
     probes = {role: embedded(p, probe_file(role)) for role in p["probes"]}
-    return restate(statement, probes={**probes, role_of(name): document})
+    role = role_of(name)
+    if role is None:  # one of _RESTATE_ERRORS: the caller says the file cannot be restated
+        raise ValueError(f"{name}: not a file the receipt restates")
+    return restate(statement, probes={**probes, role: document})
 
 
 def _recorded_digest(predicate: dict, name: str) -> str | None:

@@ -171,8 +171,9 @@ def model_problems(document: dict) -> list[str]:
         Statement.copy_from_pb(pb).validate()
     except (json_format.ParseError, ValueError) as exc:
         problems.append(f"not an in-toto Statement v1: {exc}")
-    message = {SLSA_PROVENANCE: provenance_pb2.Provenance, TEST_RESULT: test_result_pb2.TestResult}.get(
-        document.get("predicateType"))
+    predicate_type = document.get("predicateType")
+    messages = {SLSA_PROVENANCE: provenance_pb2.Provenance, TEST_RESULT: test_result_pb2.TestResult}
+    message = messages.get(predicate_type) if isinstance(predicate_type, str) else None
     if message is not None:
         try:
             json_format.ParseDict(document.get("predicate"), message())

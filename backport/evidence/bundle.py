@@ -107,16 +107,16 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
             continue
         tree = trees[role]
         root = tree.package_root or Path(probe_docs[role].get("tree", "/"))
-        doc, volatile = normalise_probe(probe_docs[role], role, root, extra_paths + tree_paths)
+        doc, volatile = normalise_probe(probe_docs[role], role, root, [*extra_paths, *tree_paths])
         probes[role] = doc
         if "import_seconds" in volatile:
             import_seconds[role] = volatile["import_seconds"]
         paths.setdefault(role, str(root))
     timestamps["import_seconds"] = import_seconds
     timestamps["paths"] = paths
-    replacements = (
-        [(t.package_root, role) for role, t in trees.items() if t.package_root] + tree_paths + extra_paths
-    )
+    replacements: list[tuple[str | Path, str]] = [
+        *((t.package_root, role) for role, t in trees.items() if t.package_root), *tree_paths, *extra_paths
+    ]
     apply_doc = normalise_document(apply_report, replacements)
     upstream = normalise_document(upstream_tests or {"skipped": "not run", "trees": []}, replacements)
     upstream.setdefault("skipped", None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from backport import resources
 
@@ -79,6 +79,14 @@ def normalise_probe(document: dict, role: str, package_root: Path | str,
                 doc["sglang_file"] = Path(os.path.relpath(sglang_file, root)).as_posix()
                 break
     return scrub(doc), volatile
+
+
+@overload
+def normalise_document(document: dict, replacements: Replacements) -> dict: ...
+@overload
+def normalise_document(document: None, replacements: Replacements) -> None: ...
+@overload
+def normalise_document(document: dict | None, replacements: Replacements) -> dict | None: ...
 
 
 def normalise_document(document: dict | None, replacements: Replacements) -> dict | None:

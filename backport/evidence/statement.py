@@ -58,6 +58,11 @@ class TreeInput:
     package_root: Path | None = None
     tree_path: Path | None = None
 
+    def root(self) -> Path:
+        """The package root of a tree this run built (always set then; optional for a receipt read back)."""
+        assert self.package_root is not None, f"{self.role}: no package root"
+        return self.package_root
+
     def to_input(self) -> dict:
         return {"spec": self.spec, "version": self.version, "tree_digest": self.tree_digest,
                 "commit": self.commit, "artifact_sha256": self.artifact_sha256, "unpinned": self.unpinned}

@@ -44,7 +44,7 @@ TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
 PAIR_VERDICTS = ("fixed", "held", "still-unsafe", "regressed", "added", "not-applicable", "error")
 PASSING = {"fixed", "held", "added", "not-applicable"}
 
-_PAIR_TABLE = {
+_PAIR_TABLE: dict[tuple[str | None, str | None], str] = {
     ("safe", "safe"): "held",
     ("safe", "unsafe"): "regressed",
     ("unsafe", "safe"): "fixed",

@@ -74,7 +74,7 @@ def verify(bundle: Path | str) -> VerifyResult:
     present = bundle_files(bundle)
     actual = digests(present)
     problems, statement = _problems(bundle, present, actual)
-    summary = statement["predicate"]["summary"] if not problems else None
+    summary = statement["predicate"]["summary"] if not problems and statement is not None else None
     return VerifyResult(bundle, actual, tuple(problems), summary)
 
 

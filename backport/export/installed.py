@@ -102,7 +102,8 @@ def matching_bundles(paths: list[Path], tree_digest: str) -> list[dict]:
 
 def record_matches(record: dict | None, package_root: Path) -> bool:
     """Whether a package on disk is the patched tree an exported wheel's record names."""
-    return bool(record) and record.get("tree_digest") == installed_digest(package_root, record.get("version"))
+    return record is not None and bool(record) and (
+        record.get("tree_digest") == installed_digest(package_root, record.get("version")))
 
 
 def describe_installed(python: str, package_root: Path, bundles: list[Path]) -> Installed:

@@ -9,8 +9,6 @@ is reused, keyed by the tree's content digest, so it is the same code that answe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from backport import evidence
 
 # (serving interpreter, reference tree digest) -> its live document, for this process only
@@ -30,7 +28,7 @@ def live_documents(trees: dict[str, evidence.TreeInput], python: str | None) -> 
         zip(
             to_run,
             run_live(
-                env, model, [(role, Path(trees[role].package_root), trees[role].version) for role in to_run]
+                env, model, [(role, trees[role].root(), trees[role].version) for role in to_run]
             ),
             strict=True,
         )

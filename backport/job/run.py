@@ -79,12 +79,6 @@ def check_pristine(the_plan: Plan, source: Tree) -> str:
     return digest
 
 
-def _root(tree: evidence.TreeInput) -> Path:
-    """A run's own trees always carry their package root; the field is optional for receipts read back."""
-    assert tree.package_root is not None, tree
-    return tree.package_root
-
-
 def pristine_source(the_plan: Plan, work: list[Path]) -> Tree:
     """The pristine tree to probe. A user's checkout: a fresh clone of the commit recorded when the
     run was planned, never its live work tree (an `apply` on it meanwhile changes nothing here).
@@ -122,9 +116,9 @@ def check_probed(trees: dict[str, evidence.TreeInput], probe_docs: dict[str, dic
     under upstream's tests): a tree that changed meanwhile is a finding, never a silent pass."""
     for role, tree in trees.items():
         probed = (probe_docs.get(role) or {}).get("tree")
-        if probed and Path(probed).resolve() != _root(tree).resolve():
+        if probed and Path(probed).resolve() != tree.root().resolve():
             raise Finding(f"the {role} probes ran on {probed}, not on the recorded tree {tree.package_root}")
-        now = tree_digest(_root(tree))
+        now = tree_digest(tree.root())
         if now != tree.tree_digest:
             raise Finding(
                 f"the {role} tree {tree.package_root} changed while it was probed: digest {now[:12]} "
@@ -175,7 +169,7 @@ def upstream_tests(trees: dict[str, evidence.TreeInput], series_dir: Path, pytho
     refs = upstream.load_refs(series_dir)
     if not refs:
         return {"skipped": "fixes.toml lists no upstream tests", "trees": []}
-    labelled = [(role, _root(trees[role])) for role in evidence.ROLES if role in trees]
+    labelled = [(role, trees[role].root()) for role in evidence.ROLES if role in trees]
     return upstream.run_upstream_tests(labelled, refs, python=python, base_url=base_url,
                                        coverage={"patched": coverage_files} if coverage_files else None)
 
@@ -290,7 +284,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
 
 def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
     """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
-    roots = [_root(t) for run in runs for t in run.trees.values()]
+    roots = [t.root() for run in runs for t in run.trees.values()]
     labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
     files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply_json)})
     first = runs[0].progress

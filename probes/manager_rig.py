@@ -21,7 +21,8 @@ Stand-ins, each for what needs a cluster:
   ``PipelineGroupStandIn``;
 - the runtime context (``pin_runtime``, plus the serving address and the local
   IP, so the socket binds on localhost);
-- the pushes to decode (``_send_multipart_locked``): ``DecodePeerWire``.
+- the pushes to decode (``_send_multipart_locked``): ``DecodePeerWire``, unless a
+  case asks for the tree's own sockets (``wire=False``).
 
 The manager class is a subclass of the tree's ``CommonKVManager`` that only
 overrides the two cluster calls; ``counts_outstanding=True`` adds the
@@ -120,7 +121,7 @@ class ConstructedPrefillManager:
     """One prefill rank's real ``CommonKVManager`` (a subclass overriding only
     the two cluster calls), built by its constructor; ``mgr`` is it."""
 
-    def __init__(self, ctx, *, counts_outstanding: bool) -> None:
+    def __init__(self, ctx, *, counts_outstanding: bool, wire: bool = True) -> None:
         pin_runtime(ctx)
         common = registry_class()
         module = sg("disaggregation.common.conn")
@@ -157,7 +158,8 @@ class ConstructedPrefillManager:
         self.writes = _NoWrites()
         self.writes.mgr = self.mgr
         self.wire = DecodePeerWire(self.ledger, self.writes)
-        self.wire.attach(self.mgr)
+        if wire:  # without it, the pushes go through the tree's own _connect (a case then watches the sockets)
+            self.wire.attach(self.mgr)
 
     # -- the real registry, as the ABORT handler and the worker use it ---------
 

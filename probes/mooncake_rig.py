@@ -54,6 +54,14 @@ def deferral_flag(cls) -> bool:
     return flag
 
 
+def constructor_socket_state() -> dict[str, Any]:
+    """The push-socket state ``CommonKVManager.__init__`` sets up from 0.5.14 (0.5.13 caches in
+    ``_connect`` itself): the socket cache, its lock, and the per-endpoint send locks (0.5.17's table;
+    the pack's pr35049-ack adds it on 0.5.13 - 0.5.16). Set on every release, as the constructor of a
+    tree that pushes under the lock has it: a manager without the table loses every push it locks."""
+    return {"_socket_cache": {}, "_monitor_cache": {}, "_socket_lock": threading.Lock(), "_socket_send_locks": {}}
+
+
 class PrefillRig:
     """One prefill rank (Mooncake, TP 1) with room ``ROOM`` bootstrapped by
     both decode peers, a chunk ready to send, and the stand-in engine."""
@@ -105,6 +113,7 @@ class PrefillRig:
             "_kv_replica_factor": 1,
             "kv_args": SimpleNamespace(kv_data_ptrs=[4096], engine_rank=0, state_types=[]),
             "server_socket": SimpleNamespace(recv_multipart=self._next_frames),
+            **constructor_socket_state(),
         }
         if hasattr(common, "poison_deferred_ack_room"):
             state["_deferred_ack_poisoned_rooms"] = set()  # what its constructor sets

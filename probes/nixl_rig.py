@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable
+from probes.mooncake_rig import constructor_socket_state
 from probes.standins import Ledger, construct_with, pin_runtime, sg, sg_attr
 from probes.standins_transfer_engine import DecodePeerWire, WorkerStopped, abort_frames
 
@@ -194,6 +195,7 @@ class NixlPrefillRig:
             state_layout_rejections={},
             kv_args=SimpleNamespace(kv_data_ptrs=[4096], page_size=1, engine_rank=0, state_types=[]),
             agent=self.agent,
+            **constructor_socket_state(),
         )
         if not hasattr(sg("disaggregation.common.conn").CommonKVManager, "poison_deferred_ack_room"):
             del mgr.__dict__["_deferred_ack_poisoned_rooms"]

@@ -135,3 +135,71 @@ def test_constructed_manager_registry_pristine_patched_reference(drain):
     assert not patched_clear["manager_counts_outstanding"] and patched_clear["acks_to"] == []
     reference_clear = drain("0.5.22", "pristine")[cleared]["details"]
     assert reference_clear["manager_counts_outstanding"] and reference_clear["acks_to"] == ["10.0.1.1:17100"]
+
+
+SEND_LOCK = "abort_ack_sent_under_endpoint_lock"
+# the pr35049-ack variant as it shipped before issue 41's send lock (ACK pushed on the bare cached socket)
+UNLOCKED_ACK_COMMIT = "acb075204b3bf2ee04b6c51fc3cae248c03d1558"
+
+
+def _check_locked_pushes(case: dict) -> None:
+    assert case["verdict"] == "safe", case
+    details = case["details"]
+    heads = [p["head"] for p in details["sequential_pushes"]]
+    assert heads[0] == "ABORT_ACK" and len(heads) == 1 + sum(
+        r == "pushed" for r in details["release_pushes"].values())
+    assert all(p["lock_held"] for p in details["sequential_pushes"])
+    raced = details["raced_pushes"]
+    assert sorted(p["head"] for p in raced) == ["ABORT_ACK", "AUX_DATA"]
+    assert {p["thread"] for p in raced} == {"bootstrap", "transfer"}
+    assert not any(p["overlapped"] for p in raced)
+    # the real PULL socket got every push, the ACK with its room and this prefill rank
+    assert len(details["frames_received"]) == len(heads) + 2
+    # 0.5.22 adds the ABORT's generation as a fourth frame
+    assert ["ABORT_ACK", "721", "0"] in [f[:3] for f in details["frames_received"]]
+
+
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.16"])
+def test_drain_ack_pushes_under_the_endpoint_lock_where_the_release_has_none(drain, version):
+    """Issue 41: 0.5.13 - 0.5.16 keep one PUSH socket per decode endpoint without 0.5.17's send lock, and the
+    pack's drain ACK leaves from the bootstrap thread and the transfer workers. Patched, the ACK and the
+    release's own pushes on that socket (status, aux, CHUNK_READY) hold the endpoint's lock, and an ACK racing
+    another thread's aux push never shares the socket with it. Pristine has no drain ACK: not-applicable."""
+    assert drain(version, "pristine")[SEND_LOCK]["verdict"] == "not-applicable"
+    case = drain(version, "patched")[SEND_LOCK]
+    _check_locked_pushes(case)
+    assert set(case["details"]["release_pushes"].values()) == {"pushed"}
+
+
+def test_drain_ack_send_lock_is_the_reference_s(drain):
+    """0.5.22's own ACK and pushes take the lock (its status push has another name: absent here)."""
+    _check_locked_pushes(drain("0.5.22", "pristine")[SEND_LOCK])
+
+
+def test_the_variant_without_the_lock_is_caught(probe_python, release_tree, tmp_path):
+    """The case tells: 0.5.16 with pr35049-ack as it shipped before the lock (from this repository's history)
+    pushes the ACK without the lock, and the ACK and another thread's push meet on the socket."""
+    import shutil
+    import subprocess
+
+    from backport.engine import apply_series
+    from backport.pack import load_pack
+    from backport.probing import run_harness
+    from backport.tree import clone_tree
+    from tests.conftest import REPO
+
+    series = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", series)
+    name = "pr35049-ack/pr35049-ack-0.5.16.patch"
+    old = subprocess.run(["git", "show", f"{UNLOCKED_ACK_COMMIT}:patches/{name}"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    assert "_send_multipart_locked(" not in old.split("\n---\n", 1)[1]
+    (series / name).write_text(old)
+    dest = tmp_path / "tree"
+    tree = clone_tree(release_tree("0.5.16"), dest.parent, dest)
+    assert apply_series(dest, load_pack(series), "0.5.16").status == "applied"
+    doc = run_harness(probe_python, tree.package_root, ["prefill_drain"], label="unlocked 0.5.16")
+    case = next(c for c in doc["cases"] if c["case"] == SEND_LOCK)
+    assert case["verdict"] == "unsafe", case
+    assert not any(p["lock_held"] for p in case["details"]["sequential_pushes"])
+    assert all(p["overlapped"] for p in case["details"]["raced_pushes"])

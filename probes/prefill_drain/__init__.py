@@ -59,14 +59,16 @@ Layout: one module per part of the story, imported below in this order (the orde
 and are listed in): ``drain_ack`` (when the transfer worker's drain ACK leaves: Mooncake and the
 NIXL failed handle), ``terminal_failed`` (an ABORTed room stays Failed), ``per_layer_send`` (the
 Mooncake per-layer wait), ``constructed_manager`` (the registry ``__init__`` sets up) and
-``reference_parity`` (0.5.22's standard where the pack's backport differed, issue 26). The rigs
+``reference_parity`` (0.5.22's standard where the pack's backport differed, issue 26) and
+``send_lock`` (the drain ACK under its decode endpoint's send lock, issue 41). The rigs
 are probes/mooncake_rig.py, probes/nixl_rig.py and probes/manager_rig.py.
 """
 
 import importlib
 
 # The scenario modules, in the order their cases run and are listed (each registers its cases on import).
-SCENARIOS = ("drain_ack", "terminal_failed", "per_layer_send", "constructed_manager", "reference_parity")
+SCENARIOS = ("drain_ack", "terminal_failed", "per_layer_send", "constructed_manager", "reference_parity",
+             "send_lock")
 
 for _scenario in SCENARIOS:
     importlib.import_module(f"{__name__}.{_scenario}")

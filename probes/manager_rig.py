@@ -71,13 +71,37 @@ def _kv_args():
     the constructor only sums lengths and reads ranks)."""
     args = sg("disaggregation.base.conn").KVArgs()
     values: dict[str, Any] = {
-        "engine_rank": 0, "kv_data_ptrs": [4096], "kv_data_lens": [256], "kv_item_lens": [64], "kv_layer_ids": None,
-        "kv_cache_dtype_str": "auto", "aux_data_ptrs": [8192], "aux_data_lens": [64], "aux_item_lens": [8],
-        "state_types": [], "state_data_ptrs": [], "state_data_lens": [], "state_item_lens": [], "state_layer_ids": [],
-        "state_dim_per_tensor": [], "state_slice_outer_counts": [], "state_conv_shard_groups": [],
-        "state_type": "none", "is_hybrid_mla_backend": False, "ib_device": None, "gpu_id": 0, "kv_head_num": 1,
-        "total_kv_head_num": 1, "page_size": 1, "system_dp_rank": 0, "pp_rank": 0, "prefill_start_layer": 0,
-        "prefill_end_layer": 1, "mla_compression_ratios": None, "num_draft_entries": 0, "decode_tp_size": 1,
+        "engine_rank": 0,
+        "kv_data_ptrs": [4096],
+        "kv_data_lens": [256],
+        "kv_item_lens": [64],
+        "kv_layer_ids": None,
+        "kv_cache_dtype_str": "auto",
+        "aux_data_ptrs": [8192],
+        "aux_data_lens": [64],
+        "aux_item_lens": [8],
+        "state_types": [],
+        "state_data_ptrs": [],
+        "state_data_lens": [],
+        "state_item_lens": [],
+        "state_layer_ids": [],
+        "state_dim_per_tensor": [],
+        "state_slice_outer_counts": [],
+        "state_conv_shard_groups": [],
+        "state_type": "none",
+        "is_hybrid_mla_backend": False,
+        "ib_device": None,
+        "gpu_id": 0,
+        "kv_head_num": 1,
+        "total_kv_head_num": 1,
+        "page_size": 1,
+        "system_dp_rank": 0,
+        "pp_rank": 0,
+        "prefill_start_layer": 0,
+        "prefill_end_layer": 1,
+        "mla_compression_ratios": None,
+        "num_draft_entries": 0,
+        "decode_tp_size": 1,
         "prefill_pp_size": 1,
     }
     for name, value in values.items():
@@ -140,7 +164,9 @@ class ConstructedPrefillManager:
             def register_to_bootstrap(self) -> None:
                 ledger.record("registered_to_bootstrap", rank_port=self.rank_port)
 
-        OfflineBootstrapPrefillManager.__abstractmethods__ = frozenset()  # the transport methods are never called
+        OfflineBootstrapPrefillManager.__abstractmethods__ = (
+            frozenset()
+        )  # the transport methods are never called
         DisaggregationMode = sg("disaggregation.utils").DisaggregationMode
         threads_before = threading.active_count()
         # Releases before the runtime context (0.5.18 and older) read these from ServerArgs:
@@ -158,7 +184,9 @@ class ConstructedPrefillManager:
         self.writes = _NoWrites()
         self.writes.mgr = self.mgr
         self.wire = DecodePeerWire(self.ledger, self.writes)
-        if wire:  # without it, the pushes go through the tree's own _connect (a case then watches the sockets)
+        if (
+            wire
+        ):  # without it, the pushes go through the tree's own _connect (a case then watches the sockets)
             self.wire.attach(self.mgr)
 
     # -- the real registry, as the ABORT handler and the worker use it ---------
@@ -218,7 +246,9 @@ class ConstructedPrefillManager:
             sender_cls = type("CommonSenderOfRoom", (self.module.CommonKVSender,), {})
             sender_cls.__abstractmethods__ = frozenset()
         sender = object.__new__(sender_cls)
-        sender.__dict__.update(kv_mgr=self.mgr, bootstrap_room=room, _owns_bootstrap_room=True, conclude_state=None)
+        sender.__dict__.update(
+            kv_mgr=self.mgr, bootstrap_room=room, _owns_bootstrap_room=True, conclude_state=None
+        )
         sender.clear()
         self.ledger.record("sender_cleared", room=room)
 

@@ -59,7 +59,12 @@ def constructor_socket_state() -> dict[str, Any]:
     ``_connect`` itself): the socket cache, its lock, and the per-endpoint send locks (0.5.17's table;
     the pack's pr35049-ack adds it on 0.5.13 - 0.5.16). Set on every release, as the constructor of a
     tree that pushes under the lock has it: a manager without the table loses every push it locks."""
-    return {"_socket_cache": {}, "_monitor_cache": {}, "_socket_lock": threading.Lock(), "_socket_send_locks": {}}
+    return {
+        "_socket_cache": {},
+        "_monitor_cache": {},
+        "_socket_lock": threading.Lock(),
+        "_socket_send_locks": {},
+    }
 
 
 class PrefillRig:
@@ -243,9 +248,21 @@ class PrefillRig:
             "acks_while_writes_in_flight": sum(1 for a in self.acks() if a["writes_in_flight"]),
             "writes_posted": [e["mode"] for e in self.ledger.of("write_posted")],
             "events": [
-                {k: v for k, v in e.items() if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")}
+                {
+                    k: v
+                    for k, v in e.items()
+                    if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")
+                }
                 for e in self.ledger.events
-                if e["kind"] in ("abort_received", "drain_ack", "write_posted", "writes_settled", "worker_died", "sender_cleared")
+                if e["kind"]
+                in (
+                    "abort_received",
+                    "drain_ack",
+                    "write_posted",
+                    "writes_settled",
+                    "worker_died",
+                    "sender_cleared",
+                )
             ],
         }
 

@@ -127,7 +127,8 @@ def nixl_module():
     module = sg("disaggregation.nixl.conn")
     if not hasattr(module.NixlKVManager, "_maybe_ack_drained_abort"):
         raise NotApplicable(
-            "NIXL's prefill has no drain-ACK accounting in this release (no #35049): there is no ACK to withhold"
+            "NIXL's prefill has no drain-ACK accounting in this release (no #35049): there is no ACK to "
+            "withhold"
         )
     return module
 
@@ -330,9 +331,20 @@ class NixlPrefillRig:
             "writes_posted": [e["mode"] for e in self.ledger.of("write_posted")],
             "room_poisoned": ROOM in getattr(self.mgr, "_deferred_ack_poisoned_rooms", ()),
             "events": [
-                {k: v for k, v in e.items() if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")}
+                {
+                    k: v
+                    for k, v in e.items()
+                    if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")
+                }
                 for e in self.ledger.events
-                if e["kind"] in ("abort_received", "drain_ack", "write_posted", "writes_settled", "worker_failure",
-                                 "sender_cleared")
+                if e["kind"]
+                in (
+                    "abort_received",
+                    "drain_ack",
+                    "write_posted",
+                    "writes_settled",
+                    "worker_failure",
+                    "sender_cleared",
+                )
             ],
         }

@@ -59,7 +59,11 @@ def test_must_preserve_cases_hold_everywhere(drain):
     for version, kind in (("0.5.19", "pristine"), ("0.5.19", "patched"), ("0.5.22", "pristine")):
         cases = drain(version, kind)
         for name in MUST_PRESERVE:
-            assert cases[name]["must_preserve"] and cases[name]["verdict"] == "safe", (version, kind, cases[name])
+            assert cases[name]["must_preserve"] and cases[name]["verdict"] == "safe", (
+                version,
+                kind,
+                cases[name],
+            )
 
 
 def test_release_without_drain_accounting_is_not_applicable(drain):
@@ -85,8 +89,8 @@ def test_late_bootstrap_un_fails_an_aborted_room_until_patched(drain):
 
 
 def test_per_layer_send_waits_for_every_write_from_0_5_19(drain):
-    """The real send_kvcache's per-layer futures: 0.5.18 reports the failed layer while a sibling still writes;
-    0.5.19 (and the reference) only once every write landed."""
+    """The real send_kvcache's per-layer futures: 0.5.18 reports the failed layer while a sibling still
+    writes; 0.5.19 (and the reference) only once every write landed."""
     early = drain("0.5.18", "pristine")[PER_LAYER]
     assert early["verdict"] == "unsafe" and early["details"]["returned_while_a_write_ran"], early
     for version, kind in (("0.5.19", "pristine"), ("0.5.22", "pristine")):
@@ -105,15 +109,17 @@ CONSTRUCTED = (
 
 
 def test_constructed_manager_registry_pristine_patched_reference(drain):
-    """Issue 14: the drain-ACK registry as CommonKVManager.__init__ sets it up (a real ZMQ socket on localhost;
-    the bootstrap sync, registration and PP group stood in for). Pristine 0.5.19 holds one target per room (the
-    first ABORTing rank never gets its ACK) and has no poisoned rooms; the patched tree and the reference hold
-    one per endpoint and keep a poisoned room silent until its next request."""
+    """Issue 14: the drain-ACK registry as CommonKVManager.__init__ sets it up (a real ZMQ socket on
+    localhost; the bootstrap sync, registration and PP group stood in for). Pristine 0.5.19 holds one target
+    per room (the first ABORTing rank never gets its ACK) and has no poisoned rooms; the patched tree and the
+    reference hold one per endpoint and keep a poisoned room silent until its next request."""
     held, poisoned, cleared = CONSTRUCTED
     pristine = drain("0.5.19", "pristine")
     assert pristine[held]["verdict"] == "unsafe", pristine[held]
     for run in pristine[held]["details"].values():
-        assert run["targets_held_while_outstanding"] == ["10.0.1.2:17101"]  # the last ABORT replaced the first
+        assert run["targets_held_while_outstanding"] == [
+            "10.0.1.2:17101"
+        ]  # the last ABORT replaced the first
     assert pristine[poisoned]["verdict"] == "not-applicable"
     assert pristine[cleared]["verdict"] == "safe"
     for version, kind in (("0.5.19", "patched"), ("0.5.22", "pristine")):
@@ -129,8 +135,8 @@ def test_constructed_manager_registry_pristine_patched_reference(drain):
         assert cases[poisoned]["details"]["targets_after_poison"] == []
         assert cases[poisoned]["details"]["acks_while_poisoned"] == []
         assert cases[cleared]["details"]["targets_after_clear"] == []
-    # 0.5.19's patched manager counts nothing itself: clear() drops the target without an ACK (#40645's branch);
-    # 0.5.22's constructor sets the count up, so clear() ACKs the quiescent room.
+    # 0.5.19's patched manager counts nothing itself: clear() drops the target without an ACK (#40645's
+    # branch); 0.5.22's constructor sets the count up, so clear() ACKs the quiescent room.
     patched_clear = drain("0.5.19", "patched")[cleared]["details"]
     assert not patched_clear["manager_counts_outstanding"] and patched_clear["acks_to"] == []
     reference_clear = drain("0.5.22", "pristine")[cleared]["details"]

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROBE_NAMES = ("admission", "prefill_retire", "tree_release", "handoff", "page_lifetime", "prefill_drain",
-               "transfer_coverage", "flush_holds", "flush_queued", "mori_hold", "refused_room")
+               "transfer_coverage", "flush_holds", "flush_queued", "mori_hold", "refused_room",
+               "admin_routes")
 
 SAFE = "safe"
 UNSAFE = "unsafe"

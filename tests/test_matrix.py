@@ -271,6 +271,7 @@ COVERAGE_DEBT: dict[str, int] = {
     "0.5.4.post2": 8,
     "0.5.5": 8,
     "0.5.6.post2": 8,
+    "0.5.7": 8,  # its own epoch from pr26789 (0.5.8 on); the same 8 lines as 0.5.6.post2 and 0.5.8.post1
     "0.5.8.post1": 8,
     "0.5.9": 9,
     "0.5.10.post1": 9,

@@ -26,6 +26,7 @@ from typing import Any
 
 PROBE_NAMES = ("admission", "prefill_retire", "tree_release", "handoff", "page_lifetime", "prefill_drain",
                "transfer_coverage", "flush_holds", "flush_queued", "mori_hold", "refused_room",
+               "bootstrap_routes",
                "admin_routes")
 
 SAFE = "safe"

@@ -72,7 +72,8 @@ def test_shipped_file_states_what_the_trees_showed():
     assert all(p.in_range("0.5.23") for p in BY_ID[BOOTSTRAP].parts + BY_ID[LOGITS].parts)
     assert [p.in_range(v) for p in BY_ID[LORA].parts for v in ("0.5.7", "0.5.17", "0.5.21", "0.5.22")] == \
         [False, True, True, False]
-    assert BY_ID[BOOTSTRAP].pack_text() == "open; pack fix planned"
+    # the pack's own fix for #39400 (sbp-bootstrap-auth) is its class SBP-2026-0005
+    assert BY_ID[BOOTSTRAP].pack_class == "SBP-2026-0005"
 
 
 ENTRY = """[[advisory]]

@@ -107,8 +107,14 @@ class _Settings(SimpleNamespace):
 def _prefill_args() -> _Settings:
     # the defaults of the settings the registrant sends (0.5.22's server refuses a rank whose
     # allocation policy differs from the first one's: an attacker sends the default too)
-    return _Settings(disaggregation_mode="prefill", nnodes=1, api_key=None, port=30000,
-                     load_balance_method="follow_bootstrap_room", disaggregation_decode_allocation_policy="early")
+    return _Settings(
+        disaggregation_mode="prefill",
+        nnodes=1,
+        api_key=None,
+        port=30000,
+        load_balance_method="follow_bootstrap_room",
+        disaggregation_decode_allocation_policy="early",
+    )
 
 
 def settle_token(ctx) -> str | None:
@@ -218,12 +224,14 @@ def register_room_dp_rank(port: int) -> str:
 def _registered(ctx, port: int) -> None:
     register_rank(ctx, port)
     if _route(port) != PREFILL_RANK:
-        raise RuntimeError(f"the registrant's own PUT /route did not reach the table (GET /route: {_route(port)})")
+        raise RuntimeError("the registrant's own PUT /route did not reach the table "
+                           f"(GET /route: {_route(port)})")
 
 
 @case(
     proves=("sbp-bootstrap-auth",), beyond_upstream=True, must_preserve=False,
-    expect="After prefill registered, a PUT /route (and a POST /register_dp_rank where the route exists) from a "
+    expect="After prefill registered, a PUT /route (and a POST /register_dp_rank where the route exists) "
+    "from a "
            "client without the token, or with a wrong one, is refused (401/403) and GET /route still answers "
            "prefill's own endpoint.",
 )
@@ -244,8 +252,10 @@ def unauthenticated_route_update_refused(ctx) -> Outcome:
             _, seen = _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [ROOM]})
             details["register_dp_rank without a token"] = {"status": status, "query_after": seen}
             if isinstance(seen, dict) and str(ROOM) in seen:
-                problems.append(f"POST /register_dp_rank without a token answered {status} and room {ROOM} now "
-                                f"maps to DP rank {seen[str(ROOM)]}")
+                problems.append(
+                    f"POST /register_dp_rank without a token answered {status} and room {ROOM} now "
+                    f"maps to DP rank {seen[str(ROOM)]}"
+                )
     # fail closed: a bootstrap server that resolved no token (started outside the engine's launch,
     # which settles one) refuses every update rather than accepting them all
     ctx.setenv(TOKEN_ENV, None)
@@ -255,13 +265,18 @@ def unauthenticated_route_update_refused(ctx) -> Outcome:
         details["put to a server without a token configured"] = {"status": status, "route_after": after}
         if after is not None:
             problems.append(f"a server with no token configured took a PUT /route without one ({status})")
-    return judged(problems, "every route update without the token refused; the table still holds prefill's own "
-                  "endpoint.", details, unsafe_prefix="route poisoning: ")
+    return judged(
+        problems,
+        "every route update without the token refused; the table still holds prefill's own endpoint.",
+        details,
+        unsafe_prefix="route poisoning: ",
+    )
 
 
 @case(
     must_preserve=True,
-    expect="Prefill's own registration (the tree's registrant, with the token the tree resolves) is accepted: "
+    expect="Prefill's own registration (the tree's registrant, with the token the tree resolves) "
+    "is accepted: "
            "GET /route answers the endpoint it registered.",
 )
 def authenticated_registration_accepted(ctx) -> Outcome:
@@ -300,7 +315,8 @@ def decode_rendezvous_reads_open(ctx) -> Outcome:
             status, seen = _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [ROOM]})
             details["POST /query_dp_ranks"] = {"status": status, "answer": seen}
             if status != 200 or not isinstance(seen, dict) or seen.get(str(ROOM)) != 0:
-                problems.append(f"POST /query_dp_ranks after the sender's registration answered {status} {seen}")
+                problems.append("POST /query_dp_ranks after the sender's registration answered "
+                                f"{status} {seen}")
         if "/health" in routes:
             reads.append(("GET /health", "GET", "/health", None))
         if "prefill_dp_rank" in _handler_source(server):
@@ -314,9 +330,12 @@ def decode_rendezvous_reads_open(ctx) -> Outcome:
                 problems.append(f"{label} answered {status}")
     if details["route"] != PREFILL_RANK:
         problems.append(f"GET /route answered {details['route']}")
-    return judged(problems, f"{len(reads) + 1 + ('/query_dp_ranks' in routes)} reads answered without a token.",
-                  details,
-                  unsafe_prefix="decode's rendezvous blocked: ")
+    return judged(
+        problems,
+        f"{len(reads) + 1 + ('/query_dp_ranks' in routes)} reads answered without a token.",
+        details,
+        unsafe_prefix="decode's rendezvous blocked: ",
+    )
 
 
 def _handler_source(server) -> str:

@@ -149,34 +149,42 @@ def test_admin_key_is_kept_as_configured_only():
 
 def test_launch_flags_are_read_as_server_arguments():
     s = parse_launch_flags("--disaggregation-mode prefill --host=0.0.0.0 --enable-custom-logit-processor")
-    assert s["enable_custom_logit_processor"] is True and s["host"] == "0.0.0.0" and s["admin_api_key"] is False
+    assert s["enable_custom_logit_processor"] is True
+    assert s["host"] == "0.0.0.0"
+    assert s["admin_api_key"] is False
     plain = parse_launch_flags("--model-path m")
     assert plain["host"] == "127.0.0.1"   # launch_server's default
-    assert advisories.condition(BY_ID[BOOTSTRAP], plain) == (NOT_APPLICABLE, "a non-PD server runs no bootstrap server")
+    no_bootstrap = (NOT_APPLICABLE, "a non-PD server runs no bootstrap server")
+    assert advisories.condition(BY_ID[BOOTSTRAP], plain) == no_bootstrap
     with pytest.raises(BadInput, match="not a --flag"):
         parse_launch_flags("prefill")
 
 
 def test_rows_by_release_when_no_tree_is_given():
     shadow = advisories.row(BY_ID[SHADOWMQ], "s", version="0.5.12.post1", settings={})
-    assert shadow.status == OPEN and "release below the ShadowMQ fix" in shadow.reason and "EPD encoder" in shadow.reason
+    assert shadow.status == OPEN
+    assert "release below the ShadowMQ fix" in shadow.reason
+    assert "EPD encoder" in shadow.reason
     assert advisories.row(BY_ID[SHADOWMQ], "s", version="0.5.13", settings={}).status == NOT_APPLICABLE
     assert advisories.row(BY_ID[LORA], "s", version=None, settings={}).status == UNKNOWN
 
 
 def test_a_linked_pack_class_in_the_tree_is_fixed_by_the_pack(tmp_path):
-    adv = advisories.Advisory("x", (), "t", ("https://a",), "c", "SBP-2026-0003", {"release": True, "why": "w"},
-                              BY_ID[LOGITS].parts)
-    got = advisories.row(adv, "patched", version="0.5.19", root=tmp_path, pack_fixed=lambda c: c == "SBP-2026-0003")
+    adv = advisories.Advisory(
+        "x", (), "t", ("https://a",), "c", "SBP-2026-0003", {"release": True, "why": "w"}, BY_ID[LOGITS].parts
+    )
+    got = advisories.row(adv, "patched", version="0.5.19", root=tmp_path,
+                         pack_fixed=lambda c: c == "SBP-2026-0003")
     assert got.status == advisories.FIXED_BY_PACK and "SBP-2026-0003" in got.reason
 
 
 def test_a_pack_without_advisories_or_classes_has_no_table(tmp_path):
     from types import SimpleNamespace
 
-    assert advisories.bundle_section(SimpleNamespace(root=tmp_path), {"pristine": (tmp_path, "0.5.19")}) is None
+    trees = {"pristine": (tmp_path, "0.5.19")}
+    assert advisories.bundle_section(SimpleNamespace(root=tmp_path), trees) is None
     (tmp_path / "advisories.toml").write_text(ENTRY)      # no vulnerabilities.toml: no class to link
-    section = advisories.bundle_section(SimpleNamespace(root=tmp_path, fixes={}), {"pristine": (tmp_path, "0.5.19")})
+    section = advisories.bundle_section(SimpleNamespace(root=tmp_path, fixes={}), trees)
     assert [r["status"] for r in section["pristine"]] == [NOT_APPLICABLE]   # the tree lacks file f
 
 
@@ -184,8 +192,12 @@ def test_a_pack_without_advisories_or_classes_has_no_table(tmp_path):
 
 
 def test_audit_json_names_the_open_advisories_per_server(capsys):
-    prefill = server_doc(host="0.0.0.0", disaggregation_bootstrap_port=8998, enable_custom_logit_processor=True,
-                         admin_api_key=None)
+    prefill = server_doc(
+        host="0.0.0.0",
+        disaggregation_bootstrap_port=8998,
+        enable_custom_logit_processor=True,
+        admin_api_key=None,
+    )
     decode = server_doc(mode="decode", host="0.0.0.0", enable_custom_logit_processor=False, admin_api_key="k")
     with serve({"/server_info": prefill}) as p, serve({"/server_info": decode}) as d:
         code, doc = run_cli(["--server", p, "--server", d, "--allow-unknown"], capsys)
@@ -193,7 +205,8 @@ def test_audit_json_names_the_open_advisories_per_server(capsys):
     assert rows[(LOGITS, "prefill")]["status"] == OPEN
     assert rows[(LOGITS, "prefill")]["reason"].startswith("--enable-custom-logit-processor set")
     assert rows[(LOGITS, "decode")]["status"] == NOT_APPLICABLE
-    assert rows[(BOOTSTRAP, "prefill")]["status"] == OPEN and rows[(BOOTSTRAP, "decode")]["status"] == NOT_APPLICABLE
+    assert rows[(BOOTSTRAP, "prefill")]["status"] == OPEN
+    assert rows[(BOOTSTRAP, "decode")]["status"] == NOT_APPLICABLE
     assert rows[(LORA, "decode")]["status"] == OPEN                  # 0.5.19 with an admin key
     assert rows[(SHADOWMQ, "prefill")]["status"] == NOT_APPLICABLE   # 0.5.19 has both parts of the fix
     assert "k" not in {str(v) for r in doc["advisories"] for v in r.values()}
@@ -263,9 +276,12 @@ def test_report_md_section_from_real_trees(tmp_path, monkeypatch, release_tree):
     jsonschema.Draft202012Validator(test_evidence.SCHEMA).validate(statement)
     report = (bundle / "REPORT.md").read_text()
     assert "## What else is open on this release" in report
-    assert f"| {LORA}: /load_lora_adapter_from_tensors lacks the admin auth decorator | pristine | exposed-if |" in report
-    assert f"| {LORA}: /load_lora_adapter_from_tensors lacks the admin auth decorator | reference | not-applicable |" \
+    lora_row = f"| {LORA}: /load_lora_adapter_from_tensors lacks the admin auth decorator"
+    assert f"{lora_row} | pristine | exposed-if |" in report
+    assert (
+        f"{lora_row} | reference | not-applicable |"
         in report
+    )
     assert f"| {SHADOWMQ} (CVE-2026-3060, CVE-2026-3989): " in report
     # the trees in the run's order, though the receipt's canonical JSON sorts its keys
     table = report.split("## What else is open on this release")[1].split("## Summary")[0]
@@ -281,6 +297,7 @@ def test_conditions_read_real_server_info_fields(probe_python, release_tree):
                                         "prefill:681280", "decode:681280")
     s = advisories.settings_of(prefill)
     assert set(advisories.SETTINGS) - {"enable_pd_role_switch"} <= set(s)
-    assert advisories.condition(BY_ID[LOGITS], s) == (NOT_APPLICABLE, "--enable-custom-logit-processor not set")
+    unset = (NOT_APPLICABLE, "--enable-custom-logit-processor not set")
+    assert advisories.condition(BY_ID[LOGITS], s) == unset
     assert advisories.condition(BY_ID[BOOTSTRAP], s)[0] == NOT_APPLICABLE          # launch_server's 127.0.0.1
     assert advisories.condition(BY_ID[BOOTSTRAP], advisories.settings_of(decode))[0] == NOT_APPLICABLE

@@ -51,7 +51,8 @@ def test_class_and_advisory_name_the_fix(pack):
     adv = next(a for a in advisories.load_for(pack) if a.id == "sgl-project/sglang#39400")
     assert adv.pack_class == CLASS
     # `run --vuln-alias` names the class by id or by name, as for the others
-    more = add_aliases(list(classes.values()), {CLASS: ["CVE-2026-99999"], row["name"]: ["GHSA-c3g4-8h2j-mpqr"]})
+    aliases = {CLASS: ["CVE-2026-99999"], row["name"]: ["GHSA-c3g4-8h2j-mpqr"]}
+    more = add_aliases(list(classes.values()), aliases)
     assert next(c for c in more if c["id"] == CLASS)["aliases"] == ["CVE-2026-99999", "GHSA-c3g4-8h2j-mpqr"]
 
 
@@ -61,10 +62,19 @@ def test_the_class_is_fixed_only_where_the_refusal_ran_fixed(pack):
     row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
 
     def rows(patched_refusal: str) -> list[dict]:
-        return [{"probe": "bootstrap_routes", "case": n, "must_preserve": m,
-                 "verdicts": {"pristine": "safe" if m else "unsafe", "patched": "safe" if m else patched_refusal},
-                 "pair": "held" if m else ("fixed" if patched_refusal == "safe" else "still-unsafe")}
-                for n, m in CASES.items()]
+        return [
+            {
+                "probe": "bootstrap_routes",
+                "case": n,
+                "must_preserve": m,
+                "verdicts": {
+                    "pristine": "safe" if m else "unsafe",
+                    "patched": "safe" if m else patched_refusal,
+                },
+                "pair": "held" if m else ("fixed" if patched_refusal == "safe" else "still-unsafe"),
+            }
+            for n, m in CASES.items()
+        ]
 
     assert class_status(row, rows("safe")).status == "fixed"
     assert class_status(row, rows("unsafe")).status == "affected"
@@ -72,11 +82,21 @@ def test_the_class_is_fixed_only_where_the_refusal_ran_fixed(pack):
 
 def test_probe_module_registers_its_cases_with_the_standard_library_only():
     out = subprocess.run(
-        [sys.executable, "-c", ("import sys; from probes import PROBE_NAMES, cases_of; "
-                                "assert 'bootstrap_routes' in PROBE_NAMES; "
-                                "print(*[f'{c.name}={c.must_preserve}' for c in cases_of('bootstrap_routes')]); "
-                                "assert 'torch' not in sys.modules and 'sglang' not in sys.modules")],
-        cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from probes import PROBE_NAMES, cases_of; "
+                "assert 'bootstrap_routes' in PROBE_NAMES; "
+                "print(*[f'{c.name}={c.must_preserve}' for c in cases_of('bootstrap_routes')]); "
+                "assert 'torch' not in sys.modules and 'sglang' not in sys.modules"
+            ),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert dict(x.split("=") for x in out) == {k: str(v) for k, v in CASES.items()}
 
 
@@ -109,18 +129,22 @@ def test_the_fix_alone_refuses_route_poisoning(version, release_tree, probe_pyth
     after = _verdicts(after_doc)
     assert before == {**{k: "safe" for k in CASES}, "unauthenticated_route_update_refused": "unsafe"}
     assert after == {k: "safe" for k in CASES}
-    refused = next(c for c in after_doc["cases"] if c["case"] == "unauthenticated_route_update_refused")["details"]
-    assert refused["put without a token"]["status"] == 401 and refused["put with a wrong token"]["status"] == 403
+    by_case = {c["case"]: c for c in after_doc["cases"]}
+    refused = by_case["unauthenticated_route_update_refused"]["details"]
+    assert refused["put without a token"]["status"] == 401
+    assert refused["put with a wrong token"]["status"] == 403
     assert refused["register_dp_rank without a token"]["status"] == 401
-    accepted = next(c for c in after_doc["cases"] if c["case"] == "authenticated_registration_accepted")["details"]
+    accepted = by_case["authenticated_registration_accepted"]["details"]
     assert accepted["token_resolved"] and accepted["multi_node_without_token"] == "refused"
 
     # the advisory row reads the trees' code: fixed by the pack on the patched tree, open on the pristine
     rows = {role: advisories.tree_rows(advisories.load_for(pack), role, root, version,
                                        advisories.class_fixed(pack, root))
             for role, root in (("pristine", pristine.path), ("patched", tree.path))}
-    status = {role: next(r.status for r in found if r.id == "sgl-project/sglang#39400") for role, found in rows.items()}
-    assert status["patched"] == "fixed-by-pack" and status["pristine"] not in ("fixed-by-pack", "not-applicable")
+    status = {role: next(r.status for r in found if r.id == "sgl-project/sglang#39400")
+              for role, found in rows.items()}
+    assert status["patched"] == "fixed-by-pack"
+    assert status["pristine"] not in ("fixed-by-pack", "not-applicable")
 
 
 TOKEN_SCRIPT = r"""
@@ -168,14 +192,21 @@ def test_token_sources_in_order_and_never_logged(release_tree, probe_python, tmp
     from backport.probing.harness import probe_environ
 
     tree = _only_the_fix(release_tree, tmp_path, pack, "0.5.19")
-    done = subprocess.run([probe_python, "-c", TOKEN_SCRIPT], env=probe_environ(probe_python, tree.path, REPO),
-                          capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [probe_python, "-c", TOKEN_SCRIPT],
+        env=probe_environ(probe_python, tree.path, REPO),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["api_key"] == "from-api-key" and out["env_over_api_key"] == "from-env"
     assert out["parent_exports_api_key"] == "from-api-key"
     assert out["generated_length"] >= 32
-    assert "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN" in out["multi_node"] and "every prefill node" in out["multi_node"]
+    assert "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN" in out["multi_node"]
+    assert "every prefill node" in out["multi_node"]
     assert out["headers"] and out["refusals"] == [401, 401, 403, None, None]
     assert out["refusal_without_server_token"] == 403
     assert out["logged"] and not out["token_in_log"]

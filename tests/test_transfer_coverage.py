@@ -23,7 +23,8 @@ from tests.engine_helpers import FIX_COMMIT, make_fix_table
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-transfer-coverage"
-SUPPORTED = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SUPPORTED = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+             "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 NEW_CASES = {
     "short_coverage_refused": False,
     "unpatched_peer_refused": False,
@@ -75,20 +76,28 @@ def test_vendor_commit_names_the_fix_and_its_design(pack):
     variant = pack.variants[FIX][0]
     message = commit_message(pack.fixes[FIX], variant)
     assert message.startswith(f"sglang-backport {FIX}: ")
-    assert f"Vendor-Fix: {FIX}" in message and "Design-Reference: https://github.com/sgl-project/sglang/pull/38704" in message
+    assert f"Vendor-Fix: {FIX}" in message
+    assert "Design-Reference: https://github.com/sgl-project/sglang/pull/38704" in message
     assert "Backport-Of:" not in message and "Upstream-Commit:" not in message
     assert f"Backport-Variant: {variant.name}" in message
 
 
-def _vendor_pack(tmp_path: Path, extra: str = "", origin_line: str = "Origin: vendor, https://example.org/design") -> Path:
+def _vendor_pack(
+    tmp_path: Path, extra: str = "", origin_line: str = "Origin: vendor, https://example.org/design"
+) -> Path:
     root = tmp_path / "pack"
     (root / "v1").mkdir(parents=True)
     (root / "series").write_text("v1\n")
     (root / "fixes.toml").write_text(
-        '[fixes.v1]\ntitle = "ours"\norigin = "vendor"\nurl = "https://example.org/design"\nfixed_in = ""\n' + extra)
+        '[fixes.v1]\ntitle = "ours"\norigin = "vendor"\nurl = "https://example.org/design"\nfixed_in = ""\n'
+        + extra
+    )
     (root / "v1" / "v1-1.patch").write_text(
-        f"Description: d\n{origin_line}\nApplies-To: >=0.5.17\nDepends-On: none\nLast-Update: 2026-12-01\n---\n"
-        "diff --git a/sglang/a.py b/sglang/a.py\n--- a/sglang/a.py\n+++ b/sglang/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+        f"Description: d\n{origin_line}\nApplies-To: >=0.5.17\nDepends-On: none\n"
+        "Last-Update: 2026-12-01\n---\n"
+        "diff --git a/sglang/a.py b/sglang/a.py\n--- a/sglang/a.py\n+++ b/sglang/a.py\n"
+        "@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+    )
     return root
 
 
@@ -108,7 +117,8 @@ def test_loader_refuses_upstream_fields_on_a_vendor_fix(tmp_path, extra, says):
 
 def test_loader_refuses_a_vendor_fix_in_a_release(tmp_path):
     root = _vendor_pack(tmp_path)
-    (root / "fixes.toml").write_text((root / "fixes.toml").read_text().replace('fixed_in = ""', 'fixed_in = ">=0.5.22"'))
+    toml = root / "fixes.toml"
+    toml.write_text(toml.read_text().replace('fixed_in = ""', 'fixed_in = ">=0.5.22"'))
     with pytest.raises(BadInput, match="fixed_in must be empty"):
         load_pack(root)
 
@@ -123,7 +133,9 @@ def test_header_origin_must_agree_with_the_fix(tmp_path):
     (root / "pr7" / "pr7.patch").write_text(
         "Description: d\nOrigin: vendor, https://github.com/sgl-project/sglang/pull/7\nApplies-To: >=0.5.17\n"
         "Depends-On: none\nLast-Update: 2026-12-01\n---\n"
-        "diff --git a/sglang/a.py b/sglang/a.py\n--- a/sglang/a.py\n+++ b/sglang/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+        "diff --git a/sglang/a.py b/sglang/a.py\n--- a/sglang/a.py\n+++ b/sglang/a.py\n"
+        "@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+    )
     assert FIX_COMMIT  # the helper's commit stands in the table
     with pytest.raises(BadInput, match="Origin says vendor"):
         load_pack(root)
@@ -137,11 +149,21 @@ def test_probe_module_registers_its_cases_with_the_standard_library_only():
     assert roots <= {"__future__", "inspect", "threading", "types", "typing", "probes"}, roots
     # the registry reads without torch or sglang (a fresh interpreter of the toolkit)
     out = subprocess.run(
-        [sys.executable, "-c", ("import sys; from probes import PROBE_NAMES, cases_of; "
-                                "assert 'transfer_coverage' in PROBE_NAMES; "
-                                "print(*[f'{c.name}={c.must_preserve}' for c in cases_of('transfer_coverage')]); "
-                                "assert 'torch' not in sys.modules and 'sglang' not in sys.modules")],
-        cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from probes import PROBE_NAMES, cases_of; "
+                "assert 'transfer_coverage' in PROBE_NAMES; "
+                "print(*[f'{c.name}={c.must_preserve}' for c in cases_of('transfer_coverage')]); "
+                "assert 'torch' not in sys.modules and 'sglang' not in sys.modules"
+            ),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert dict(x.split("=") for x in out) == {k: str(v) for k, v in NEW_CASES.items()}
 
 
@@ -205,9 +227,11 @@ def test_turning_the_check_off_restores_upstream_behaviour(release_tree, probe_p
         "from probes.coverage_rig import one_handoff\n"
         "for value in (None, '1', '0'):\n"
         "    ctx = ProbeContext()\n"
-        "    obs = one_handoff(ctx, decode_tokens=640, prefill_tokens=1, rid=f'env-{value}', room=9, check_env=value)\n"
+        "    obs = one_handoff(ctx, decode_tokens=640, prefill_tokens=1, rid=f'env-{value}', room=9,\n"
+        "                      check_env=value)\n"
         "    ctx.close()\n"
-        "    print(json.dumps({'value': value, 'committed': obs['committed'], 'coverage': obs['recorded_coverage']}))\n"
+        "    print(json.dumps({'value': value, 'committed': obs['committed'],\n"
+        "                      'coverage': obs['recorded_coverage']}))\n"
     )
     out = subprocess.run([probe_python, "-c", script], env=probe_environ(probe_python, tree.path, REPO),
                          capture_output=True, text=True, timeout=900, check=False)

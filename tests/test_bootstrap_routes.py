@@ -141,7 +141,7 @@ def test_the_fix_alone_refuses_route_poisoning(version, release_tree, probe_pyth
     rows = {role: advisories.tree_rows(advisories.load_for(pack), role, root, version,
                                        advisories.class_fixed(pack, root))
             for role, root in (("pristine", pristine.path), ("patched", tree.path))}
-    status = {role: next(r.status for r in found if r.id == "sgl-project/sglang#39400")
+    status = {role: next(r.status for r in found if r.advisory == "sgl-project/sglang#39400")
               for role, found in rows.items()}
     assert status["patched"] == "fixed-by-pack"
     assert status["pristine"] not in ("fixed-by-pack", "not-applicable")

@@ -22,7 +22,10 @@ from backport.tree import clone_tree
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-bootstrap-auth"
 CLASS = "SBP-2026-0005"
-SERVED = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SERVED = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+          "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+# one variant per release from 0.5.15 up; -0.5.15 also serves 0.5.13 - 0.5.14 (offsets only)
+VARIANTS = ("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 CASES = {"unauthenticated_route_update_refused": False, "authenticated_registration_accepted": True,
          "decode_rendezvous_reads_open": True}
 
@@ -39,7 +42,7 @@ def test_vendor_fix_after_every_other_fix_scoped_to_the_served_releases(pack):
     pins = load_pins()
     assert not any(fix.is_fixed_in(v) for v in pins)  # no release authenticates the bootstrap server
     assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
-    assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in SERVED]
+    assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
 
 
 def test_class_and_advisory_name_the_fix(pack):

@@ -41,6 +41,19 @@ def _notifies(future: concurrent.futures.Future, condition: Any) -> bool:
     return any(getattr(getattr(w, "event", None), "_cond", None) is condition for w in future._waiters)
 
 
+_DONE_STATES = (concurrent.futures._base.CANCELLED, concurrent.futures._base.CANCELLED_AND_NOTIFIED,
+                concurrent.futures._base.FINISHED)
+
+
+def _finished(future: concurrent.futures.Future) -> bool:
+    """``future.done()`` without its lock. The hook runs while the waiting thread holds the wait's
+    condition; ``done()`` would then take the future's lock, while a worker completing that future
+    holds its lock and waits for the wait's condition to notify it: a lock-order deadlock (seen in
+    the matrix). Read unlocked, a future reads as finished at worst early, which only withholds the
+    proof; one that reads pending cannot notify before this wait releases the condition."""
+    return future._state in _DONE_STATES
+
+
 class PendingFutureWait:
     """Sets ``reached`` when the thread that called ``watch()`` starts an untimed wait that only a
     pool future still pending can end, once at least one of the pool's futures has completed."""
@@ -63,7 +76,7 @@ class PendingFutureWait:
         condition = frame.f_locals.get("self")
         futures = list(self.pool.futures)
         notifiers = [f for f in futures if _notifies(f, condition)]
-        pending = [i for i, f in enumerate(futures) if f in notifiers and not f.done()]
-        if pending and any(f.done() for f in futures):
+        pending = [i for i, f in enumerate(futures) if f in notifiers and not _finished(f)]
+        if pending and any(_finished(f) for f in futures):
             self.pending_at_proof = pending
             self.reached.set()

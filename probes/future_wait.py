@@ -45,13 +45,19 @@ _DONE_STATES = (concurrent.futures._base.CANCELLED, concurrent.futures._base.CAN
                 concurrent.futures._base.FINISHED)
 
 
-def _finished(future: concurrent.futures.Future) -> bool:
-    """``future.done()`` without its lock. The hook runs while the waiting thread holds the wait's
-    condition; ``done()`` would then take the future's lock, while a worker completing that future
-    holds its lock and waits for the wait's condition to notify it: a lock-order deadlock (seen in
-    the matrix). Read unlocked, a future reads as finished at worst early, which only withholds the
-    proof; one that reads pending cannot notify before this wait releases the condition."""
-    return future._state in _DONE_STATES
+def _settled(future: concurrent.futures.Future) -> bool | None:
+    """True: completed and its notification delivered; False: pending; None: completing right now.
+    The hook runs while the waiting thread holds the wait's condition, so it must not block on a
+    future's lock: a worker completing that future holds it while it notifies, and the notification
+    needs the wait's condition (a lock-order deadlock, seen in the matrix). The lock is only tried;
+    a future whose state is final while its lock is held may still notify this wait, so it proves
+    nothing either way (None)."""
+    if future._state not in _DONE_STATES:
+        return False
+    if not future._condition.acquire(blocking=False):
+        return None
+    future._condition.release()
+    return True
 
 
 class PendingFutureWait:
@@ -76,7 +82,10 @@ class PendingFutureWait:
         condition = frame.f_locals.get("self")
         futures = list(self.pool.futures)
         notifiers = [f for f in futures if _notifies(f, condition)]
-        pending = [i for i, f in enumerate(futures) if f in notifiers and not _finished(f)]
-        if pending and any(_finished(f) for f in futures):
+        settled = [_settled(f) for f in futures]
+        if any(s is None for f, s in zip(futures, settled) if f in notifiers):
+            return  # a notifier is completing: it may end this wait, so the wait proves nothing
+        pending = [i for i, f in enumerate(futures) if f in notifiers and settled[i] is False]
+        if pending and any(settled):
             self.pending_at_proof = pending
             self.reached.set()

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable
-from probes.standins import Ledger, pin_runtime, sg, sg_attr
+from probes.standins import DRAIN_EVENT_FIELDS, DRAIN_EVENT_KINDS, Ledger, pin_runtime, sg, sg_attr
 from probes.standins_transfer_engine import DecodePeerWire, TransferEngineStandIn, WorkerStopped, abort_frames
 
 
@@ -247,23 +247,7 @@ class PrefillRig:
             "acks_per_peer": per_peer,
             "acks_while_writes_in_flight": sum(1 for a in self.acks() if a["writes_in_flight"]),
             "writes_posted": [e["mode"] for e in self.ledger.of("write_posted")],
-            "events": [
-                {
-                    k: v
-                    for k, v in e.items()
-                    if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")
-                }
-                for e in self.ledger.events
-                if e["kind"]
-                in (
-                    "abort_received",
-                    "drain_ack",
-                    "write_posted",
-                    "writes_settled",
-                    "worker_died",
-                    "sender_cleared",
-                )
-            ],
+            "events": self.ledger.projected((*DRAIN_EVENT_KINDS, "worker_died"), DRAIN_EVENT_FIELDS),
         }
 
 

@@ -23,7 +23,15 @@ from typing import Any
 
 from probes import NotApplicable
 from probes.mooncake_rig import constructor_socket_state
-from probes.standins import Ledger, construct_with, pin_runtime, sg, sg_attr
+from probes.standins import (
+    DRAIN_EVENT_FIELDS,
+    DRAIN_EVENT_KINDS,
+    Ledger,
+    construct_with,
+    pin_runtime,
+    sg,
+    sg_attr,
+)
 from probes.standins_transfer_engine import DecodePeerWire, WorkerStopped, abort_frames
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
@@ -330,21 +338,5 @@ class NixlPrefillRig:
             "acks_while_writes_in_flight": sum(1 for a in acks if a["writes_in_flight"]),
             "writes_posted": [e["mode"] for e in self.ledger.of("write_posted")],
             "room_poisoned": ROOM in getattr(self.mgr, "_deferred_ack_poisoned_rooms", ()),
-            "events": [
-                {
-                    k: v
-                    for k, v in e.items()
-                    if k in ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")
-                }
-                for e in self.ledger.events
-                if e["kind"]
-                in (
-                    "abort_received",
-                    "drain_ack",
-                    "write_posted",
-                    "writes_settled",
-                    "worker_failure",
-                    "sender_cleared",
-                )
-            ],
+            "events": self.ledger.projected((*DRAIN_EVENT_KINDS, "worker_failure"), DRAIN_EVENT_FIELDS),
         }

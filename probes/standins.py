@@ -103,6 +103,11 @@ def construct_with(cls, **available: Any):
 # the ledger every stand-in writes to
 
 
+# What a drain case's details show (the Mooncake and NIXL rigs; each adds its own worker-death kind).
+DRAIN_EVENT_KINDS = ("abort_received", "drain_ack", "write_posted", "writes_settled", "sender_cleared")
+DRAIN_EVENT_FIELDS = ("kind", "peer", "endpoint", "writes_in_flight", "mode", "message")
+
+
 class Ledger:
     """Ordered record of what the real code did to the stand-ins of one case."""
 
@@ -125,6 +130,10 @@ class Ledger:
         view = Ledger()
         view.events = self.events[mark:]
         return view
+
+    def projected(self, kinds: tuple[str, ...], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The events of `kinds`, in order, each reduced to `fields` (what a case's details show)."""
+        return [{k: v for k, v in e.items() if k in fields} for e in self.events if e["kind"] in kinds]
 
 
 def describe_finish(reason: Any) -> dict[str, Any] | None:

@@ -672,6 +672,34 @@ def test_failed_dependency_fails_dependent(tmp_path, repo):
     assert "pr100 (failed)" in rep.patches[1].reason
 
 
+def test_why_a_patch_failed_is_a_value_not_its_prose(tmp_path, repo):
+    """"The pack cannot serve this release" (evidence.unserved_fixes) reads the engine's failure values:
+    renaming every reason leaves it unchanged; reports written before the value judge by their shape."""
+    from backport.evidence import unserved_fixes
+
+    no_variant = apply_series(repo, load_pack(_variant_pack(tmp_path)), "0.5.16").patches[0]
+    waiting = apply_series(repo, load_pack(_dep_pack(tmp_path)), "0.5.19", only=["pr300"]).patches[0]
+    write_files(repo, {MOD: change(BASE, "    x = 5\n", "    x = 55\n")})
+    run_git(repo, "commit", "-qam", "drift")
+    conflict = apply_series(repo, load_pack(_dep_pack(tmp_path)), "0.5.19").patches[0]
+    assert [p.cause for p in (no_variant, waiting, conflict)] == ["no-variant", "missing-dependency",
+                                                                     "does-not-place"]
+
+    def report(*patches, renamed=False, legacy=False):
+        docs = [p.to_json() for p in patches]
+        for d in docs:
+            if renamed:
+                d["reason"] = "renamed"
+            if legacy:
+                d.pop("cause")
+        return {"status": "failed", "patches": docs}
+
+    for renamed, legacy in ((False, False), (True, False), (True, True)):
+        served = unserved_fixes(report(no_variant, waiting, renamed=renamed, legacy=legacy))
+        assert served == ([no_variant.fix], [waiting.fix]), (renamed, legacy)
+        assert unserved_fixes(report(no_variant, conflict, renamed=renamed, legacy=legacy)) is None
+
+
 # ------------------------------------------------------ security, bad input
 
 

@@ -257,6 +257,9 @@ FLUSH_CASE = "flush_during_deferred_hold_frees_nothing_twice"
     ({"status": "applied", "reason": ""}, "under_investigation"),  # the code is there: a case must run
     ({"status": "not-applicable", "reason": "0.5.19 is in fixed_in >=0.5.19"}, "under_investigation"),
     (None, "under_investigation"),  # the apply report does not say: nothing is known absent
+    # the engine's cause decides, not its prose
+    ({"status": "not-applicable", "cause": "shipped", "reason": "renamed"}, "under_investigation"),
+    ({"status": "not-applicable", "cause": "out-of-scope", "reason": "renamed: fixed_in"}, "not_affected"),
 ])
 def test_a_class_whose_code_is_absent_is_not_affected(classes, pr35049, status):
     """SBP-2026-0003 is `introduced_with` #35049's code: where the tree has none, no case can run

@@ -34,7 +34,19 @@ from ..pack.model import Fix, Pack, PatchVariant
 from .detect import fingerprint_match
 from .overlay import Overlay, patch_file, reverse_applies
 from .placement import CONFLICT
-from .report import APPLIED, FAILED, NOT_APPLICABLE, PRESENT, HunkResult, PatchResult
+from .report import (
+    APPLIED,
+    DOES_NOT_PLACE,
+    FAILED,
+    MISSING_DEPENDENCY,
+    NO_VARIANT,
+    NOT_APPLICABLE,
+    OUT_OF_SCOPE,
+    PRESENT,
+    SHIPPED,
+    HunkResult,
+    PatchResult,
+)
 
 Pending = tuple[Fix, PatchVariant, dict[str, "bytes | None"]]  # a fix to commit and the files it changes
 
@@ -92,7 +104,8 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
         fix = pack.fixes[fid]
         if fix.is_fixed_in(v):
             state[fid] = NOT_APPLICABLE
-            results.append(PatchResult(fid, None, NOT_APPLICABLE, f"{v} is in fixed_in {fix.fixed_in}"))
+            results.append(PatchResult(fid, None, NOT_APPLICABLE, f"{v} is in fixed_in {fix.fixed_in}",
+                                       cause=SHIPPED))
             continue
         variant = pack.variant_for(fid, v)
         vname = variant.name if variant else None
@@ -107,13 +120,15 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
             out_of_scope.add(fid)
             results.append(PatchResult(fid, None, NOT_APPLICABLE,
                                        f"no backport for sglang {v}: the pack carries {fid} for {fix.scope} "
-                                       f"only; this release lacks the fix and stays exposed"))
+                                       f"only; this release lacks the fix and stays exposed",
+                                       cause=OUT_OF_SCOPE))
             continue
         if variant is None:
             have = ", ".join(f"{pv.name} ({pv.applies_to})" for pv in pack.variants.get(fid, ())) or "none"
             state[fid] = FAILED
             results.append(
-                PatchResult(fid, None, FAILED, f"no variant applies to sglang {v}; variants: {have}")
+                PatchResult(fid, None, FAILED, f"no variant applies to sglang {v}; variants: {have}",
+                            cause=NO_VARIANT)
             )
             continue
         missing = []
@@ -135,7 +150,7 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
         if missing:
             state[fid] = FAILED
             results.append(PatchResult(fid, vname, FAILED, "missing dependency: " + ", ".join(missing),
-                                       variant_sha256=vsha))
+                                       variant_sha256=vsha, cause=MISSING_DEPENDENCY))
             continue
         hunk_results: list[HunkResult] = []
         changes: dict[str, bytes | None] = {}
@@ -182,7 +197,7 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
         if problems:
             state[fid] = FAILED
             results.append(PatchResult(fid, vname, FAILED, "; ".join(problems), tuple(hunk_results),
-                                       variant_sha256=vsha))
+                                       variant_sha256=vsha, cause=DOES_NOT_PLACE))
             continue
         ov.changes.update(changes)
         state[fid] = APPLIED

@@ -14,6 +14,11 @@ from .placement import CONFLICT
 
 APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
 NOTHING_TO_DO = "nothing-to-do"
+# Why a patch failed or does not apply, as a value (readers never parse `reason`: prose for people).
+# failed: no variant for the release; a dependency is not there; the variant does not place
+NO_VARIANT, MISSING_DEPENDENCY, DOES_NOT_PLACE = "no-variant", "missing-dependency", "does-not-place"
+# not-applicable: the release ships the fix; the pack has no backport for the release
+SHIPPED, OUT_OF_SCOPE = "shipped", "out-of-scope"
 REPORT_SCHEMA = "sglang-backport/apply-report/1"
 
 
@@ -45,11 +50,15 @@ class PatchResult:
     hunks: tuple[HunkResult, ...] = ()
     commit: str | None = None
     variant_sha256: str | None = None
+    cause: str | None = None  # failed and not-applicable only: one of the values above
 
     def to_json(self) -> dict:
-        return {"fix": self.fix, "variant": self.variant, "variant_sha256": self.variant_sha256,
-                "status": self.status, "reason": self.reason, "commit": self.commit,
-                "hunks": [h.to_json() for h in self.hunks]}
+        d = {"fix": self.fix, "variant": self.variant, "variant_sha256": self.variant_sha256,
+             "status": self.status, "reason": self.reason, "commit": self.commit,
+             "hunks": [h.to_json() for h in self.hunks]}
+        if self.cause:  # failed and not-applicable only (reports written before it lack it)
+            d["cause"] = self.cause
+        return d
 
 
 @dataclass(frozen=True)

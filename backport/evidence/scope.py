@@ -7,6 +7,7 @@ results, and the operating caveats that no case can prove are listed every time.
 
 from __future__ import annotations
 
+from backport.engine.report import DOES_NOT_PLACE, MISSING_DEPENDENCY, NO_VARIANT
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 
 # Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
@@ -172,12 +173,21 @@ def unserved_fixes(apply: dict | None) -> tuple[list[str], list[str]] | None:
     (fixes with no variant for it, fixes that failed only because they depend on one), or None
     when it can. A variant that exists and does not place is a defect of the pack, not this."""
     failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
-    lacking = [x["fix"] for x in failed if not x.get("variant")]
-    waiting = [x["fix"] for x in failed if x.get("variant")]
-    if not lacking or any(not x.get("reason", "").startswith("missing dependency")
-                          for x in failed if x.get("variant")):
+    lacking = [x["fix"] for x in failed if _failure(x) == NO_VARIANT]
+    waiting = [x["fix"] for x in failed if _failure(x) == MISSING_DEPENDENCY]
+    if not lacking or len(lacking) + len(waiting) != len(failed):
         return None
     return lacking, waiting
+
+
+def _failure(patch: dict) -> str:
+    """Why a failed patch failed: the report's `cause`; reports written before it had one say it by
+    their shape (no variant; a variant not tried: no hunk; a variant that did not place)."""
+    if patch.get("cause"):
+        return str(patch["cause"])
+    if not patch.get("variant"):
+        return NO_VARIANT
+    return DOES_NOT_PLACE if patch.get("hunks") else MISSING_DEPENDENCY
 
 
 def unserved_reason(apply: dict | None) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from backport.engine.report import SHIPPED
 from backport.errors import BadInput
 
 FILE = "vulnerabilities.toml"
@@ -253,7 +254,10 @@ def _code_absent(fix: str | None, apply: dict | None) -> str:
     entry = next((p for p in (apply or {}).get("patches", []) if p.get("fix") == fix), None)
     if fix is None or entry is None:
         return ""
-    shipped = entry.get("status") == "not-applicable" and "fixed_in" in (entry.get("reason") or "")
+    # the release ships the fix: the report's cause (reports written before it said so only in prose)
+    shipped = entry.get("status") == "not-applicable" and (
+        entry.get("cause") == SHIPPED if "cause" in entry else "fixed_in" in (entry.get("reason") or "")
+    )
     if shipped or entry.get("status") in ("applied", "already-present"):
         return ""
     return f"the tree has no {fix} code (the release does not ship it; the pack: {entry.get('status')})"

@@ -9,7 +9,8 @@ offline with cyclonedx-python-lib.
 - ``pedigree.patches``: one of type `backport` per applied patch, resolving its fix (a defect,
   with the upstream PR) and its vulnerability class (a security issue);
 - ``vulnerabilities``: one per class, ``analysis.state`` from the same case-derived status as
-  the OpenVEX statement (vulnerabilities.py): `fixed` -> `resolved_with_pedigree`, `affected`
+  the OpenVEX statement (vulnerabilities.py); its `id` is the class's CVE/GHSA alias where one is
+  known, the SBP id a reference (identifiers.primary_id): `fixed` -> `resolved_with_pedigree`, `affected`
   -> `exploitable` (response `update`), `under_investigation` -> `in_triage`, `not_affected`
   -> `not_affected` (justification `code_not_present`).
 
@@ -26,6 +27,8 @@ import uuid
 
 from backport.evidence.identifiers import (
     document_id,
+    other_ids,
+    primary_id,
     product_version,
     tree_iri,
     vulnerability_iri,
@@ -101,7 +104,29 @@ def _component(statement: dict, standards: dict):
         properties=properties), ref
 
 
-def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
+def serial_number(statement: dict) -> str:
+    """The SBOM's serial number: a function of the VEX document's id (vex.cdx.json's BOM-Links name it)."""
+    return f"urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement))}"
+
+
+def product_ref(statement: dict) -> str:
+    """The bom-ref of the SBOM's component: the wheel's purl, or the patched tree's IRI."""
+    p = statement["predicate"]
+    trees = p["inputs"]["trees"]
+    wheel = (p.get("export") or {}).get("wheel")
+    return wheel_purl(product_version(statement)) if wheel else tree_iri(trees[product_role(trees)]["tree_digest"])
+
+
+def alias_source(alias: str) -> dict:
+    """Where an id is published, as a CycloneDX `source` (name and URL)."""
+    if alias.startswith("GHSA"):
+        return {"name": "GitHub Advisory Database", "url": f"https://github.com/advisories/{alias}"}
+    if alias.startswith("CVE"):
+        return {"name": "NVD", "url": f"https://nvd.nist.gov/vuln/detail/{alias}"}
+    return {"name": "sglang-backport", "url": vulnerability_iri(alias)}
+
+
+def _vulnerabilities(statement: dict, standards: dict, ref: str, aliased: bool = True) -> list:
     from cyclonedx.model import XsUri
     from cyclonedx.model.impact_analysis import (
         ImpactAnalysisJustification,
@@ -122,15 +147,15 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     found = []
     for row in standards["classes"]:
         status = class_status(row, p["cases"], p["apply"], p.get("live"))
-        own = VulnerabilitySource(name="sglang-backport", url=XsUri(vulnerability_iri(row["id"])))
+        # aliased: the CVE/GHSA is the id scanners match and the SBP id a reference (module docstring)
+        primary, others = (primary_id(row), other_ids(row)) if aliased else (row["id"], list(row["aliases"]))
+        origin = alias_source(primary)
+        own = VulnerabilitySource(name=origin["name"], url=XsUri(origin["url"]))
         references = [
-            VulnerabilityReference(
-                id=alias,
-                source=VulnerabilitySource(
-                    name="GitHub Advisory Database" if alias.startswith("GHSA") else "NVD"
-                ),
-            )
-            for alias in row["aliases"]
+            VulnerabilityReference(id=alias, source=VulnerabilitySource(
+                name=alias_source(alias)["name"],
+                url=XsUri(alias_source(alias)["url"]) if aliased else None))
+            for alias in others
         ]
         detail = status.notes
         recommendation = None
@@ -139,7 +164,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
         found.append(
             Vulnerability(
                 bom_ref=f"vulnerability:{row['id']}",
-                id=row["id"],
+                id=primary,
                 source=own,
                 references=references,
                 description=row["title"],
@@ -160,7 +185,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str) -> list:
     return found
 
 
-def build(statement: dict, standards: dict) -> str:
+def build(statement: dict, standards: dict, aliased: bool = True) -> str:
     """The CycloneDX 1.6 JSON text of one bundle (not yet validated)."""
     from cyclonedx.model.bom import Bom, BomMetaData
     from cyclonedx.output.json import JsonV1Dot6
@@ -170,9 +195,9 @@ def build(statement: dict, standards: dict) -> str:
     started = _dt.datetime.fromisoformat(
         issued(statement, standards)
     )  # not the run's time: same inputs, same bytes
-    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement)),
+    bom = Bom(serial_number=uuid.UUID(serial_number(statement).removeprefix("urn:uuid:")),
               metadata=BomMetaData(component=component, timestamp=started),
-              vulnerabilities=_vulnerabilities(statement, standards, ref))
+              vulnerabilities=_vulnerabilities(statement, standards, ref, aliased))
     return JsonV1Dot6(bom).output_as_string(indent=2)
 
 
@@ -196,11 +221,11 @@ def comparable(document: dict) -> dict:
     return document
 
 
-def build_bytes(statement: dict, standards: dict) -> bytes:
+def build_bytes(statement: dict, standards: dict, aliased: bool = True) -> bytes:
     """The bundle file: validated strictly, in the bundle's canonical JSON form."""
     from backport.errors import Finding
 
-    text = build(statement, standards)
+    text = build(statement, standards, aliased)
     error = validation_error(text)
     if error:
         raise Finding(f"{SBOM}: not valid CycloneDX 1.6 ({error}); a toolkit bug: nothing written")

@@ -30,3 +30,24 @@ def document_id(statement: dict) -> str:
     trees = p["inputs"]["trees"]
     key = wheel["sha256"] if wheel else trees[product_role(trees)]["tree_digest"]
     return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"
+
+def primary_id(row: dict) -> str:
+    """The id a scanner's findings carry for a class: its first CVE/GHSA alias (CVE before GHSA, as
+    sorted), else the class's own SBP id. trivy keys CycloneDX VEX by `vulnerabilities[].id` alone
+    and go-vex compares a finding's id to `name`, `@id` and `aliases`: a CVE only in references
+    would suppress nothing."""
+    aliases = sorted(row.get("aliases") or ())
+    return aliases[0] if aliases else row["id"]
+
+def other_ids(row: dict) -> list[str]:
+    """The class's ids besides `primary_id`: the SBP id and the remaining aliases."""
+    primary = primary_id(row)
+    return [i for i in [row["id"], *sorted(row.get("aliases") or ())] if i != primary]
+
+def bom_link(serial_number: str, version: int, ref: str) -> str:
+    """A CycloneDX BOM-Link to one element of a BOM (`urn:cdx:<serial>/<version>#<bom-ref>`): the
+    serial without its `urn:uuid:` prefix, the bom-ref percent-encoded (a purl's `%2B` becomes
+    `%252B`, so that decoding the fragment gives the bom-ref back, `+` and all)."""
+    from urllib.parse import quote
+
+    return f"urn:cdx:{serial_number.removeprefix('urn:uuid:')}/{version}#{quote(ref, safe='')}"

@@ -33,6 +33,8 @@ from backport.evidence import jsonschemas
 from backport.evidence.identifiers import (  # noqa: F401 - the names scanners match, part of this API
     SITE,
     document_id,
+    other_ids,
+    primary_id,
     product_version,
     tree_iri,
     vulnerability_iri,
@@ -71,17 +73,20 @@ def products(statement: dict) -> list[dict]:
 
 
 
-def build_vex(statement: dict, standards: dict) -> dict:
-    """The OpenVEX document of one bundle: one statement per vulnerability class."""
+def build_vex(statement: dict, standards: dict, aliased: bool = True) -> dict:
+    """The OpenVEX document of one bundle: one statement per vulnerability class. `aliased`: a
+    class's CVE/GHSA alias is the vulnerability's `name` and the SBP id an alias (False: the layout
+    of bundles written before vex.cdx.json, the SBP id as `name`, which `verify` still reads)."""
     p = statement["predicate"]
     version = p["inputs"]["trees"][product_role(p["inputs"]["trees"])]["version"]
     toolkit = p["toolkit"]
     statements = []
     for row in standards["classes"]:
         status = class_status(row, p["cases"], p["apply"], p.get("live"))
-        vulnerability = {"@id": vulnerability_iri(row["id"]), "name": row["id"], "description": row["title"]}
-        if row["aliases"]:
-            vulnerability["aliases"] = list(row["aliases"])
+        name, aliases = (primary_id(row), other_ids(row)) if aliased else (row["id"], list(row["aliases"]))
+        vulnerability = {"@id": vulnerability_iri(row["id"]), "name": name, "description": row["title"]}
+        if aliases:
+            vulnerability["aliases"] = aliases
         item = {"vulnerability": vulnerability, "products": products(statement), "status": status.status,
                 "status_notes": f"{status.notes}. Fixes of the class: {', '.join(row['fixes'])}. "
                                 f"References: {' '.join(row['references'])}"}
@@ -135,31 +140,40 @@ def standards_document(classes: list[dict], git_trees: dict[str, str | None]) ->
     return {"classes": classes, "git_trees": dict(sorted(git_trees.items()))}
 
 
-def bundle_files(statement: dict, standards: dict) -> dict[str, bytes]:
-    """standards.json, vex.openvex.json and sbom.cdx.json, each validated before it is written."""
-    from backport.evidence import cyclonedx
+def bundle_files(statement: dict, standards: dict, aliased: bool = True) -> dict[str, bytes]:
+    """standards.json, vex.openvex.json, sbom.cdx.json and vex.cdx.json, each validated before it is
+    written (aliased False: the three files of a bundle written before vex.cdx.json, as `verify` rebuilds them)."""
+    from backport.evidence import cdxvex, cyclonedx
 
-    vex = build_vex(statement, standards)
+    vex = build_vex(statement, standards, aliased)
     error = schema_errors(vex)
     if error:
         raise Finding(f"{VEX}: {error} (a toolkit bug: nothing written)")
-    return {STANDARDS: canonical_json(standards), VEX: canonical_json(vex),
-            cyclonedx.SBOM: cyclonedx.build_bytes(statement, standards)}
+    files = {STANDARDS: canonical_json(standards), VEX: canonical_json(vex),
+             cyclonedx.SBOM: cyclonedx.build_bytes(statement, standards, aliased)}
+    if aliased:
+        files[cdxvex.VEX_CDX] = cdxvex.build_bytes(statement, standards)
+    return files
 
 
 def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
-    """The VEX files against the receipt: each one is what the receipt and standards.json give."""
-    from backport.evidence import cyclonedx
+    """The VEX files against the receipt: each one is what the receipt and standards.json give.
+
+    A bundle without vex.cdx.json was written before it (and before a CVE/GHSA alias became the
+    primary id): its three files are rebuilt in that layout. The receipt lists every file of the
+    bundle, so vex.cdx.json cannot go missing from a newer one unnoticed (integrity checks it first)."""
+    from backport.evidence import cdxvex, cyclonedx
 
     names = {STANDARDS, VEX, cyclonedx.SBOM}
     if not names & present:
         return []  # a bundle from before VEX (the receipt lists no such file, or the earlier checks said so)
+    aliased = cdxvex.VEX_CDX in present
     missing = sorted(names - present)
     if missing:
         return [Problem(name, "missing", "the bundle holds VEX files but not this one") for name in missing]
     try:
         standards = json.loads((bundle / STANDARDS).read_bytes())
-        expected = bundle_files(statement, standards)
+        expected = bundle_files(statement, standards, aliased)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return [
             Problem(
@@ -176,6 +190,7 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
     if error:
         found.append(Problem(VEX, "inconsistent", error))
     same = {
+        **({cdxvex.VEX_CDX: (bundle / cdxvex.VEX_CDX).read_bytes() == expected[cdxvex.VEX_CDX]} if aliased else {}),
         VEX: (bundle / VEX).read_bytes() == expected[VEX],
         cyclonedx.SBOM: cyclonedx.same_document(
             (bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM]
@@ -192,6 +207,10 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
                 )
             )
     found += cyclonedx.validation_problems((bundle / cyclonedx.SBOM).read_bytes())
+    if aliased:
+        error = cyclonedx.validation_error((bundle / cdxvex.VEX_CDX).read_bytes())
+        if error:
+            found.append(Problem(cdxvex.VEX_CDX, "inconsistent", f"not valid CycloneDX 1.6: {error}"))
     return found
 
 

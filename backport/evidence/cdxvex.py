@@ -81,7 +81,8 @@ def _document(serial: str, timestamp: str, entries: list[dict]) -> dict:
 
 
 def checked_bytes(document: dict, name: str = VEX_CDX) -> bytes:
-    """The canonical bytes of a document the strict CycloneDX 1.6 validator accepts (a toolkit bug otherwise)."""
+    """The canonical bytes of a document the strict CycloneDX 1.6 validator accepts (else a toolkit
+    bug: nothing is written)."""
     data = canonical_json(document)
     error = cyclonedx.validation_error(data)
     if error:
@@ -110,8 +111,8 @@ def aggregate(documents: list[dict]) -> dict | None:
     if not grouped:
         return None
     entries = [grouped[k] for k in sorted(grouped, key=lambda k: (k[0], _RANK.get(k[1], 0)))]
-    key = hashlib.sha256("".join(sorted(d["serialNumber"] + "\n" for d in documents)).encode()).hexdigest()
-    serial = uuid.uuid5(uuid.NAMESPACE_URL, f"{SITE}/vex/merged/{key}#vex.cdx.json")
+    digest = hashlib.sha256("".join(sorted(d["serialNumber"] + "\n" for d in documents)).encode()).hexdigest()
+    serial = uuid.uuid5(uuid.NAMESPACE_URL, f"{SITE}/vex/merged/{digest}#vex.cdx.json")
     return _document(f"urn:uuid:{serial}", max(d["metadata"]["timestamp"] for d in documents), entries)
 
 

@@ -114,7 +114,9 @@ def product_ref(statement: dict) -> str:
     p = statement["predicate"]
     trees = p["inputs"]["trees"]
     wheel = (p.get("export") or {}).get("wheel")
-    return wheel_purl(product_version(statement)) if wheel else tree_iri(trees[product_role(trees)]["tree_digest"])
+    if wheel:
+        return wheel_purl(product_version(statement))
+    return tree_iri(trees[product_role(trees)]["tree_digest"])
 
 
 def alias_source(alias: str) -> dict:

@@ -141,8 +141,9 @@ def standards_document(classes: list[dict], git_trees: dict[str, str | None]) ->
 
 
 def bundle_files(statement: dict, standards: dict, aliased: bool = True) -> dict[str, bytes]:
-    """standards.json, vex.openvex.json, sbom.cdx.json and vex.cdx.json, each validated before it is
-    written (aliased False: the three files of a bundle written before vex.cdx.json, as `verify` rebuilds them)."""
+    """standards.json, vex.openvex.json, sbom.cdx.json and vex.cdx.json, each validated before it
+    is written (aliased False: the three files of a bundle written before vex.cdx.json, as
+    `verify` rebuilds them)."""
     from backport.evidence import cdxvex, cyclonedx
 
     vex = build_vex(statement, standards, aliased)
@@ -190,7 +191,8 @@ def problems(bundle: Path, statement: dict, present: set[str]) -> list[Problem]:
     if error:
         found.append(Problem(VEX, "inconsistent", error))
     same = {
-        **({cdxvex.VEX_CDX: (bundle / cdxvex.VEX_CDX).read_bytes() == expected[cdxvex.VEX_CDX]} if aliased else {}),
+        **({cdxvex.VEX_CDX: (bundle / cdxvex.VEX_CDX).read_bytes() == expected[cdxvex.VEX_CDX]}
+           if aliased else {}),
         VEX: (bundle / VEX).read_bytes() == expected[VEX],
         cyclonedx.SBOM: cyclonedx.same_document(
             (bundle / cyclonedx.SBOM).read_bytes(), expected[cyclonedx.SBOM]

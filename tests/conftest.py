@@ -117,3 +117,22 @@ def scratch_copy(tmp_path):
         return dest
 
     return copy
+
+
+@pytest.fixture(autouse=True)
+def vex_oracle_on_every_bundle(monkeypatch):
+    """Every bundle a test places is first checked by the reference matcher (tests/vex_oracle.py):
+    what go-vex and trivy would match in its VEX documents, on the bytes as written (before a test
+    edits them). Patched where `write_bundle` and `evidence.place_bundle` look the function up."""
+    from backport import evidence
+    from backport.evidence import bundle as bundle_module
+    from tests import vex_oracle
+
+    real = bundle_module.place_bundle
+
+    def checked(out, bundle, *args, **kwargs):
+        vex_oracle.check_bundle_files(bundle)
+        return real(out, bundle, *args, **kwargs)
+
+    monkeypatch.setattr(bundle_module, "place_bundle", checked)
+    monkeypatch.setattr(evidence, "place_bundle", checked)

@@ -67,3 +67,10 @@ def openvex_schema() -> Path:
     return (
         root / "evidence" / "openvex.schema.json" if root else _installed(DATA_PACKAGE, "openvex.schema.json")
     )
+
+
+def osv_schema() -> Path:
+    """OSV's own JSON schema (evidence/osv.schema.json, vendored from ossf/osv-schema: its source
+    commit and licence in docs/vex-and-ci.md), which merge's OSV records are validated against."""
+    root = checkout_root()
+    return root / "evidence" / "osv.schema.json" if root else _installed(DATA_PACKAGE, "osv.schema.json")

@@ -6,6 +6,10 @@ that verify and writes, in one folder:
 
 - ``vex.openvex.json``: one OpenVEX document with one statement per (vulnerability class,
   product) of every bundle, each as the bundle's own statement says it;
+- ``vex.cdx.json``: the bundles' CycloneDX VEX in one document, each `affects` a BOM-Link into its
+  own bundle's sbom.cdx.json (cdxvex.aggregate), for bundles that carry one;
+- ``osv/<id>.json``: one OSV record per vulnerability class, the releases the bundles showed
+  exposed and their `+backport.N` wheels as fixed (osv.py);
 - ``attestations.intoto.jsonl``: every signed bundle's attestation lines (receipt and wheel),
   in bundle order; an unsigned bundle adds none and is named in the summary;
 - ``summary.json`` and ``summary.md``: a release x fix table (what the engine did with each
@@ -23,9 +27,15 @@ from pathlib import Path
 from packaging.version import Version
 
 from backport.errors import BadInput, Finding
+from backport.evidence import cdxvex, osv
 from backport.evidence.layout import ATTESTATION_SUFFIX, ENVELOPE, RECEIPT, canonical_json, write_readable
+from backport.evidence.vex import STANDARDS
+
+OSV_FOLDER = osv.FOLDER
+_PRIVATE = ("document", "cdx", "standards", "cases")  # what a row carries for the merged files, not the table
 
 MERGED_VEX = "vex.openvex.json"
+MERGED_CDX = "vex.cdx.json"
 MERGED_LINES = "attestations.intoto.jsonl"
 SUMMARY_JSON, SUMMARY_MD = "summary.json", "summary.md"
 _CELL = {"applied": "applied", "already-present": "present", "not-applicable": "-", "failed": "FAILED"}
@@ -61,7 +71,8 @@ def check_out(out: Path) -> None:
     out = Path(out)
     if out.exists() and (
         not out.is_dir()
-        or any(p.name not in (MERGED_VEX, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD) for p in out.iterdir())
+        or any(p.name not in (MERGED_VEX, MERGED_CDX, OSV_FOLDER, MERGED_LINES, SUMMARY_JSON, SUMMARY_MD)
+               for p in out.iterdir())
     ):
         raise BadInput(
             f"--out {out}: exists and holds other files than a merge writes; refusing to write there"
@@ -104,6 +115,9 @@ def missing_rows(expected: list[str], rows: list[dict]) -> list[dict]:
             "upstream_tests": "-",
             "signed": False,
             "document": None,
+            "cdx": None,
+            "standards": None,
+            "cases": [],
         }
         for spec in dict.fromkeys(expected)
         if spec not in have
@@ -118,6 +132,7 @@ def _row(bundle: Path) -> dict:
     live = p.get("live")
     vex_path = bundle / "vex.openvex.json"
     document = json.loads(vex_path.read_bytes()) if vex_path.is_file() else None
+    cdx_path, standards_path = bundle / cdxvex.VEX_CDX, bundle / STANDARDS
     wheel = (p.get("export") or {}).get("wheel")
     return {
         "bundle": str(bundle),
@@ -129,11 +144,16 @@ def _row(bundle: Path) -> dict:
         "live": f"yes ({len(live.get('scenarios') or [])} scenarios)" if live else "no",
         "upstream_tests": _upstream_cell(p.get("upstream_tests")),
         "fixes": {x["fix"]: x["status"] for x in (p.get("apply") or {}).get("patches", [])},
-        "vex": {s["vulnerability"]["name"]: s["status"] for s in (document or {}).get("statements", [])},
+        # by the class's SBP id (the last part of the statement's @id): `name` is a CVE where one is known
+        "vex": {s["vulnerability"]["@id"].rsplit("/", 1)[-1]: s["status"]
+                for s in (document or {}).get("statements", [])},
         "signed": (
             bundle / ENVELOPE
         ).is_file(),  # the envelope that verify checked (and with --key, its signature)
         "document": document,
+        "cdx": json.loads(cdx_path.read_bytes()) if cdx_path.is_file() else None,
+        "standards": json.loads(standards_path.read_bytes()) if standards_path.is_file() else None,
+        "cases": p["cases"],
     }
 
 
@@ -197,16 +217,28 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
     document = merged_vex(rows)
     if document is not None:
         write_readable(out / MERGED_VEX, canonical_json(document))
+    cdx = cdxvex.aggregate([r["cdx"] for r in rows if r["cdx"]])
+    if cdx is not None:
+        write_readable(out / MERGED_CDX, cdxvex.checked_bytes(cdx, MERGED_CDX))
+    feed = osv.records([
+        {"release": r["release"], "product": r["product"], "statuses": r["vex"], "cases": r["cases"],
+         "classes": r["standards"]["classes"], "timestamp": r["document"]["timestamp"]}
+        for r in rows if r["standards"] and r["document"]])
+    if feed:
+        (out / OSV_FOLDER).mkdir(exist_ok=True)
+        for name, record in feed.items():
+            write_readable(out / OSV_FOLDER / name, canonical_json(record))
     lines = b"".join(path.read_bytes() for row in rows if row["bundle"] is not None
                      for path in sorted(Path(row["bundle"]).rglob("*" + ATTESTATION_SUFFIX)))
     write_readable(out / MERGED_LINES, lines)
-    table = [{k: v for k, v in row.items() if k != "document"} for row in rows]
+    table = [{k: v for k, v in row.items() if k not in _PRIVATE} for row in rows]
     summary = {
         "bundles": len(present),
         "fixes": fixes,
         "classes": classes,
         "rows": table,
         "vex_statements": len(document["statements"]) if document else 0,
+        "osv_records": sorted(feed),
         "attestations": lines.count(b"\n"),
         "unsigned": [r["bundle"] for r in rows if not r["signed"] and r["bundle"] is not None],
         "failed": [

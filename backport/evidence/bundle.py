@@ -8,8 +8,9 @@ Layout (users and scripts depend on it)::
     apply-report.json     the engine's report, normalised (absent when nothing was applied)
     probes/<role>.json    one tree's probe results, normalised
     upstream-tests.json   upstream's unit tests per tree, normalised
-    standards.json, vex.openvex.json, sbom.cdx.json
-                          the VEX documents and what they add to the receipt (vex.py, cyclonedx.py)
+    standards.json, vex.openvex.json, sbom.cdx.json, vex.cdx.json
+                          the VEX documents and what they add to the receipt (vex.py, cyclonedx.py,
+                          cdxvex.py)
     export/               with `run --export`: the patched wheel and export/patches/NNNN-*.patch
     .sglang-backport-bundle   the marker: with receipt.json, what makes a directory a bundle
     SHA256SUMS            `sha256sum -c` form over every other file

@@ -14,14 +14,15 @@ from backport.errors import BadInput, Finding
 def cmd_export(args) -> int:
     from backport.export import build_wheel, read_lineage, write_series
 
-    if not args.wheel and not args.patches:
-        raise BadInput("export: nothing to write (give --wheel DIR, --patches DIR or both)")
+    if not args.wheel and not args.patches and args.image is None:
+        raise BadInput("export: nothing to write (give --wheel DIR, --patches DIR, --image BASE)")
+    reference = _image_options(args)
     target = Path(args.tree)
     if args.patches and Path(args.patches).exists() and (
             not Path(args.patches).is_dir() or any(Path(args.patches).iterdir())):
         raise BadInput(f"--patches {args.patches}: exists and is not an empty directory")
     if (target / "receipt.json").is_file() and (target / "SHA256SUMS").is_file():
-        return _from_bundle(args, target)
+        return _from_bundle(args, target, reference)
     lineage = read_lineage(target)
     document: dict[str, Any] = {"tree": str(lineage.root), "spec": lineage.spec, "label": lineage.label,
                 "patch_set_sha256": lineage.patch_set_sha256, "tree_digest": lineage.tree_digest,
@@ -36,11 +37,59 @@ def cmd_export(args) -> int:
         exported = build_wheel(lineage, Path(args.wheel))
         document["wheel"] = {**exported.to_json(), "path": str(exported.path)}
         lines.append(f"wheel: {exported.path}\n  version {exported.version}  sha256 {exported.sha256}")
+    if reference is not None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as scratch:
+            built = build_wheel(lineage, Path(scratch))
+            _image(args, reference, built.path, None, document, lines)
     emit(args, document, "\n".join(lines))
     return 0
 
 
-def _from_bundle(args, bundle: Path) -> int:
+def _image_options(args):
+    """BASE parsed first: a bad reference is exit 2 before any slow step."""
+    if args.image is None:
+        if args.image_out or args.base_layout or args.site_packages:
+            raise BadInput("--image-out, --base-layout and --site-packages go with --image BASE")
+        return None
+    from backport.export.image import parse_reference
+
+    reference = parse_reference(args.image)
+    if not args.image_out:
+        raise BadInput("--image needs --image-out DIR (the Containerfile, the OCI layer, the image VEX)")
+    out = Path(args.image_out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"--image-out {out}: exists and is not an empty directory")
+    if args.base_layout and not Path(args.base_layout).is_dir():
+        raise BadInput(f"--base-layout {args.base_layout}: not a directory")
+    return reference
+
+
+def _image(args, reference, wheel: Path, bundle_vex: dict | None, document: dict, lines: list[str]) -> None:
+    from backport.evidence.identifiers import wheel_purl
+    from backport.export.image_build import export_image, read_provenance
+    from backport.job.progress import heartbeat
+
+    purl = wheel_purl(read_provenance(wheel)["version"])
+    with heartbeat(f"building the image layer over {reference}"):  # two installs of the wheel, diffed
+        made = export_image(wheel, reference, Path(args.image_out),
+                            Path(args.base_layout) if args.base_layout else None,
+                            args.site_packages, bundle_vex, purl)
+    document["image"] = made.to_json()
+    lines.append(f"image: {made.containerfile} (FROM {reference})")
+    lines.append(f"  layer {made.layer['digest']}: {made.layer['added']} files, "
+                 f"{made.layer['whiteouts']} whiteouts, over {made.layer['site_packages']}")
+    if made.manifest is None:
+        fragment = made.out / "oci" / "layer.json"
+        lines.append(f"  no --base-layout: the layer and {fragment} only, not an image")
+    else:
+        lines.append(f"  OCI layout {made.out / 'oci'}: manifest {made.manifest['digest']}")
+        lines.append(f"  image VEX {made.vex} ({made.purl})" if made.vex else
+                     "  no image VEX: a patched tree has no statements (export a bundle of `run --export`)")
+
+
+def _from_bundle(args, bundle: Path, reference=None) -> int:
     """A bundle of `run --export`: copy out its wheel and series, once the bundle verifies (a bundle
     holds no tree to build them from)."""
     import json
@@ -87,6 +136,11 @@ def _from_bundle(args, bundle: Path) -> int:
                   for p in export["patches"]]
         document["patches"] = [str(p) for p in series]
         lines.append(f"patches: {len(series)} files in {Path(args.patches).resolve()}")
+    if reference is not None:
+        from backport.evidence.vex import VEX
+
+        vex = json.loads((bundle / VEX).read_text()) if (bundle / VEX).is_file() else None
+        _image(args, reference, bundle / export["wheel"]["file"], vex, document, lines)
     emit(args, document, "\n".join(lines))
     return 0
 
@@ -114,6 +168,16 @@ def register(sub) -> None:
         metavar="DIR",
         help="write the backport commits as `git format-patch` files here (a new or empty directory)",
     )
+    p.add_argument("--image", metavar="BASE",
+                   help="layer the patched wheel over BASE, an image pinned by digest "
+                        "(name[:tag]@sha256:<hex>): a Containerfile, an OCI layer built offline, an image "
+                        "OpenVEX (needs --image-out)")
+    p.add_argument("--image-out", metavar="DIR", help="where --image writes (a new or empty directory)")
+    p.add_argument("--base-layout", metavar="DIR",
+                   help="BASE as an OCI image layout (skopeo copy docker://BASE oci:DIR): the output is then "
+                        "a complete image layout; without it, the layer and a manifest fragment")
+    p.add_argument("--site-packages", metavar="PATH",
+                   help="BASE's site-packages (found in --base-layout; needed without it)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
 

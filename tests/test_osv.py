@@ -106,7 +106,9 @@ def test_the_schema_refuses_what_osv_does_not_allow():
 def test_a_merge_out_folder_with_osv_records_can_be_merged_into_again(tmp_path, classes, capsys):  # noqa: F811
     bundle = evidence.write_bundle(tmp_path / "all" / "b", vex_run(tmp_path / "run", classes))
     out = tmp_path / "merged"
+    (out / "osv").mkdir(parents=True)
+    (out / "osv" / "x_SBP-2026-0099.json").write_text("{}")  # an earlier merge's record of another class
     for _ in range(2):
         assert cli.main(["merge", str(bundle), "--out", str(out), "--json"]) == 0
         capsys.readouterr()
-    assert (out / "osv" / "x_SBP-2026-0001.json").is_file()
+    assert sorted(p.name for p in (out / "osv").iterdir()) == ["x_SBP-2026-0001.json"]

@@ -220,10 +220,15 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
     cdx = cdxvex.aggregate([r["cdx"] for r in rows if r["cdx"]])
     if cdx is not None:
         write_readable(out / MERGED_CDX, cdxvex.checked_bytes(cdx, MERGED_CDX))
+    elif (out / MERGED_CDX).is_file():
+        (out / MERGED_CDX).unlink()  # an earlier merge's, which these bundles would not give
     feed = osv.records([
         {"release": r["release"], "product": r["product"], "statuses": r["vex"], "cases": r["cases"],
          "classes": r["standards"]["classes"], "timestamp": r["document"]["timestamp"]}
         for r in rows if r["standards"] and r["document"]])
+    for stale in sorted((out / OSV_FOLDER).glob("x_*.json")) if (out / OSV_FOLDER).is_dir() else []:
+        if stale.name not in feed:
+            stale.unlink()  # a record an earlier merge wrote for a class these bundles do not show
     if feed:
         (out / OSV_FOLDER).mkdir(exist_ok=True)
         for name, record in feed.items():

@@ -114,6 +114,22 @@ def test_a_reference_not_pinned_by_digest_is_exit_2(text, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_image_options_that_do_not_fit_are_exit_2(tmp_path, capsys):
+    ref = "lmsysorg/sglang@sha256:" + "a" * 64
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    out, wheels = str(tmp_path / "o"), str(tmp_path / "w")
+    for args, says in ([["--image", ref], "needs --image-out"],
+                       [["--wheel", wheels, "--image-out", out], "go with --image"],
+                       [["--image", ref, "--image-out", str(tmp_path / "full")], "not an empty directory"],
+                       [["--image", ref, "--image-out", out, "--base-layout", str(tmp_path / "no")],
+                        "not a directory"]):
+        assert cli.main(["export", str(tmp_path), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
 def test_a_pinned_reference_parses():
     ref = parse_reference("docker.io/lmsysorg/sglang:v0.5.19-cu129@sha256:" + "0" * 64)
     assert (ref.name, ref.tag) == ("docker.io/lmsysorg/sglang", "v0.5.19-cu129")

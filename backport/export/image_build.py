@@ -209,5 +209,10 @@ def export_image(wheel: Path, reference: Reference, out: Path, base_layout: Path
     if bundle_vex is not None:
         vex_path = out / IMAGE_VEX
         statement = image_vex(bundle_vex, wheel_purl, purl)
+        from backport.evidence.vex import schema_errors
+
+        problem = schema_errors(statement)
+        if problem:  # a statement scanners would reject is not written
+            raise BadInput(f"the image OpenVEX does not match the schema: {problem}")
         vex_path.write_text(json.dumps(statement, indent=2, sort_keys=True) + "\n")
     return ImageExport(out, out / CONTAINERFILE, described, descriptor, vex_path, purl)

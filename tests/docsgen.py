@@ -144,8 +144,8 @@ def releases_page() -> str:
     out = [HEADER.format(source="patches/releases.toml, patches/fixes.toml and backport/expectations.py"),
            "# Releases x fixes\n\n",
            "Every measured release of `patches/releases.toml`, what `run` is expected to end with and "
-           "each case's pristine -> patched verdict, as derived from the pack (the same table "
-           "[measured](../measured.md) shows and `tests/test_matrix.py` checks against real runs):\n\n",
+           "each case's pristine -> patched verdict, as derived from the pack "
+           "(`tests/test_matrix.py` measures every row on the real wheels and checks this table):\n\n",
            release_table(),
            "\nWhat `apply` does with each fix of the series on each release "
            "(`applied`, or why not):\n\n",

@@ -108,7 +108,7 @@ def _walk(node: dict, path: str, rows: list[str], depth: int) -> None:
 
 
 def bundle_page() -> str:
-    from backport.evidence import formats
+    from backport.evidence import formats, layout
     from backport.evidence.layout import RECEIPT
 
     schema = formats.receipt_schema()
@@ -120,6 +120,18 @@ def bundle_page() -> str:
            f"- formats `verify` reads: {', '.join(map(str, formats.readable()))}\n"]
     for fmt, (commit, version) in sorted(formats.OLDER_READERS.items()):
         out.append(f"- format {fmt}: read by toolkit {version} up to commit `{commit}`\n")
+    files = [(layout.RECEIPT, "the receipt (below), listed in SHA256SUMS"),
+             (layout.SUMS, "sha256 of every other file the run wrote, `sha256sum -c` form"),
+             (layout.MARKER, "marks the directory as a bundle the toolkit wrote"),
+             (layout.REPORT, "the human report"), (layout.APPLY_REPORT, "the engine's decision per fix"),
+             (layout.UPSTREAM_TESTS, "upstream's unit tests, per tree"),
+             *((layout.probe_file(role), f"the {role} tree's probe results") for role in layout.ROLES),
+             (layout.ENVELOPE, "the DSSE signature over the receipt, written by `sign` (not in SHA256SUMS)"),
+             (f"*{layout.ATTESTATION_SUFFIX}", "signed attestations, one envelope a line, written by `sign`")]
+    out.append("\nFiles of a bundle (names from `backport/evidence/layout.py`; the VEX and export files "
+               "are in [VEX and CI](../vex-and-ci.md) and [shipping](../shipping.md)):\n\n"
+               "| file | holds |\n|---|---|\n")
+    out.extend(f"| `{name}` | {what} |\n" for name, what in files)
     out.append("\nThe compatibility rule is in [decisions](../decisions.md). "
                "Fields (nested to three levels; `[]` marks an array's items):\n\n"
                "| field | type | required | description |\n|---|---|---|---|\n")

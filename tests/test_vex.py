@@ -206,6 +206,56 @@ def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
     assert exposed.status == "affected" and exposed.unsafe == ("live/aborted_transfer_pages_not_reused",)
 
 
+def _race_document(verdict: str, *, timeout: bool = False) -> dict:
+    """One tree's live document as run_race writes it: three valid trials, both controls safe."""
+    from backport.live.race import TOPOLOGY
+
+    unsafe = verdict == "unsafe"
+    trials = [{"b_matches_reference": not unsafe, "b_wait_seconds": 20.0} for _ in range(3)]
+    return {"scenarios": [{
+        "scenario": "aborted_transfer_pages_not_reused", "must_preserve": False, "verdict": verdict,
+        "details": {"topology": TOPOLOGY, "trials": trials, "released_through_timeout": timeout,
+                    "controls": {"b_alone": {"b_matches_reference": True},
+                                 "held_back": {"b_matches_reference": True}}}}]}
+
+
+def test_a_live_race_unsafe_where_the_pack_claims_nothing_keeps_the_class_open(classes):
+    """0.5.10 - 0.5.12.post1: no page-lifetime chain, so the race is unsafe on pristine and patched;
+    the run fails on it (still-unsafe), the class stays affected and the VEX cites the live run."""
+    from backport.evidence import live as live_evidence
+
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    section = live_evidence.section({"pristine": _race_document("unsafe"),
+                                     "patched": _race_document("unsafe")})
+    row = section["scenarios"][0]
+    assert row["pair"] == "still-unsafe" and row["runs"]["patched"]["trials"]["unsafe"] == 3
+    folded = live_evidence.fold_summary({"result": "pass"}, section)
+    assert folded["result"] == "fail" and folded["live"]["findings"][0]["pair"] == "still-unsafe"
+    rows = [_row("page_lifetime", "a", "unsafe", "unsafe")]  # the probes: the engine applied no chain
+    status = class_status(page, rows, live=section)
+    cited = "aborted_transfer_pages_not_reused pristine unsafe, patched unsafe"
+    assert status.status == "affected" and cited in status.notes
+    # probes that could not judge do not hide the live exposure either
+    unjudged = class_status(page, [_row("page_lifetime", "a", "unsafe", "error")], live=section)
+    assert unjudged.status == "affected" and unjudged.unsafe == ("live/aborted_transfer_pages_not_reused",)
+
+
+def test_a_race_safe_only_through_the_timeout_is_not_cited_as_a_drain_ack(classes):
+    """Pristine 0.5.19 with SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1: safe, but decode's
+    timeout released A's pages; the predicate carries it and the class's notes say so."""
+    from backport.evidence import live as live_evidence
+
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    section = live_evidence.section({"pristine": _race_document("unsafe"),
+                                     "patched": _race_document("safe", timeout=True)})
+    assert section["scenarios"][0]["runs"]["patched"]["released_through_timeout"] is True
+    status = class_status(page, [_row("page_lifetime", "a", "unsafe", "safe")], live=section)
+    assert "patched safe (through decode's deferred-release timeout, not a drain ACK)" in status.notes
+    assert "pristine unsafe (through" not in status.notes
+    report = "\n".join(live_evidence.render({"live": section}))
+    assert "| patched | 3 (3) | 0 | b_alone safe, held_back safe | yes |" in report
+
+
 def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     """No patched tree (the pack cannot serve the release): the pristine tree is the product, its own head."""
     from backport.evidence.scope import exposure_line

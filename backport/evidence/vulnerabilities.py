@@ -202,7 +202,8 @@ def class_status(
         return status
     role = status.tree
     seen = "; ".join(
-        f"{r['scenario']} " + ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) for r in scenarios
+        f"{r['scenario']} " + ", ".join(f"{k} {v}{_timeout_note(r, k)}" for k, v in r["verdicts"].items())
+        for r in scenarios
     )
     unsafe = tuple(f"live/{r['scenario']}" for r in scenarios
                    if not r["must_preserve"] and r["verdicts"].get(role) == "unsafe")
@@ -211,6 +212,16 @@ def class_status(
                            f"deployment (first: {unsafe[0]}); live tier: {seen}; probes: {status.notes}",
                            unsafe, role)
     return dataclasses.replace(status, notes=f"{status.notes}; live tier: {seen}")
+
+
+def _timeout_note(row: dict, role: str) -> str:
+    """A race run whose decode released A's pages through its deferred-release timeout is safe only
+    as long as A's writes end within it (e.g. SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1 on
+    a tree without the drain ACK): the notes say so, so a VEX reader never takes it for a drain ACK."""
+    run = (row.get("runs") or {}).get(role) or {}
+    if not run.get("released_through_timeout"):
+        return ""
+    return " (through decode's deferred-release timeout, not a drain ACK)"
 
 
 def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassStatus:

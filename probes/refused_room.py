@@ -1,6 +1,6 @@
 """A request prefill's door refuses releases decode's reservation (sbp-refused-room; issue 41).
 
-On 0.4.5.post1 - 0.4.7 #38935's prefill door retires an intake rejection before a KV sender
+On 0.4.5.post1 - 0.4.8 #38935's prefill door retires an intake rejection before a KV sender
 exists, while decode, whose own intake let the prompt through, creates a receiver, reserves
 pages for the whole prompt and registers them with prefill. Nothing tells decode that no
 transfer will come: these releases have no decode waiting timeout and decode's
@@ -19,8 +19,10 @@ sockets (prefill's pushes to decode are recorded and handed to decode's thread),
 bootstrap server's HTTP registration, the page pool and metadata allocator, and the TP
 all-reduce of the polls (one rank: the polls themselves).
 
-Not applicable from 0.4.7: the cases drive the closure-thread layout of 0.4.5.post1 - 0.4.6.post5
-(0.4.7 shards prefill's transfer queue over worker methods; 0.4.9 adds decode's waiting timeout).
+Two manager layouts: the closure transfer thread of 0.4.5.post1 - 0.4.6.post5, and from 0.4.7
+prefill's transfer queue sharded over ``transfer_worker`` methods (each worker's queue is a
+``_Feed``; the case runs every worker). Not applicable from 0.4.8.post1, whose Mooncake manager
+the pack's variants do not reach yet (0.4.9 adds decode's waiting timeout).
 """
 
 from __future__ import annotations
@@ -69,28 +71,41 @@ class MooncakeSide:
         from packaging.version import Version
 
         if not hasattr(module.MooncakeKVManager, "start_prefill_thread") or tree_version() >= Version(
-            "0.4.7"
+            "0.4.8.post1"
         ):
             raise NotApplicable(
-                "the Mooncake manager's closure threads of 0.4.5.post1 - 0.4.6.post5 are not in this tree"
+                "the Mooncake manager layouts of 0.4.5.post1 - 0.4.8 are not in this tree"
             )
+        # From 0.4.7 prefill's transfers run on transfer_worker methods, one per queue.
+        self.sharded = hasattr(module.MooncakeKVManager, "transfer_worker")
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
         self.threads: dict[str, Any] = {}
+        self.workers: list[Any] = []
         self.socket_in = _Feed()
-        captured = self.threads
+        captured, workers = self.threads, self.workers
 
-        def thread(target=None, **kwargs):
-            captured[target.__name__] = target
+        def thread(target=None, args=(), **kwargs):
+            if target.__name__ == "transfer_worker":
+                workers.append((target, args))
+            else:
+                captured[target.__name__] = target
             return SimpleNamespace(start=lambda: None)
 
         ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock))
         ctx.patch(module, "MooncakeTransferEngine", lambda **kw: SimpleNamespace(
             register=lambda *a: None, get_session_id=lambda: "10.0.0.1:19500"))
         ctx.patch(module, "get_free_port", lambda: 18000)
-        ctx.patch(module, "get_local_ip_by_remote", lambda: "10.0.0.1")
+        for name in ("get_local_ip_by_remote", "get_local_ip_auto"):  # 0.4.8 renames it
+            if hasattr(module, name):
+                ctx.patch(module, name, lambda: "10.0.0.1")
+        if self.sharded:
+            ctx.patch(module, "FastQueue", _Feed)  # each worker's queue, fed by the case
         ctx.patch(
-            module, "requests", SimpleNamespace(put=lambda *a, **k: SimpleNamespace(status_code=200, text=""))
+            module,
+            "requests",
+            SimpleNamespace(put=lambda *a, **k: SimpleNamespace(status_code=200, text=""),
+                            Session=SimpleNamespace),
         )
         # 0.4.6.post5's sender pool is cpu_count // 4 threads: 0 on this 2-core host
         ctx.patch(os, "cpu_count", lambda: 4)
@@ -106,7 +121,7 @@ class MooncakeSide:
                                       dp_size=1, enable_dp_attention=False)
         self.mgr = module.MooncakeKVManager(args, getattr(DisaggregationMode, mode), server_args)
         self.module = module
-        if mode == "PREFILL":
+        if mode == "PREFILL" and not self.sharded:
             self.mgr.transfer_queue = _Feed()
         # Prefill's pushes to decode: recorded on the wire decode reads.
         self.mgr._connect = lambda endpoint: SimpleNamespace(
@@ -116,10 +131,31 @@ class MooncakeSide:
         )
 
     def run(self, name: str) -> None:
+        if name == "transfer_thread" and self.sharded:
+            for target, args in self.workers:
+                self._run(target, *args)
+        else:
+            self._run(self.threads[name])
+
+    @staticmethod
+    def _run(body, *args) -> None:
         try:
-            self.threads[name]()
+            body(*args)
         except _Stopped:
             pass
+        except RuntimeError as exc:
+            # 0.4.7's worker re-raises whatever its loop meets as a RuntimeError
+            if not isinstance(exc.__context__, _Stopped):
+                raise
+
+
+class _EmptyRows:
+    """Any buffer, any row: None (what get_buf is run over to count its fields)."""
+
+    def __getattr__(self, name: str) -> dict:
+        import collections
+
+        return collections.defaultdict(lambda: None)
 
 
 class _FirstTokenBuffers:
@@ -130,7 +166,12 @@ class _FirstTokenBuffers:
     def get_buf(self, idx: int):
         import torch
 
-        return torch.tensor([7]), None, None, None, None
+        # As many fields as the tree's own get_buf returns (0.4.8 adds the hidden states
+        # second): it is run over rows that hold nothing, then the first is the token.
+        rows = _EmptyRows()
+        real = getattr(sg("disaggregation.utils"), "MetadataBuffers", None)
+        width = len(real.get_buf(rows, idx)) if hasattr(real, "get_buf") else 5
+        return (torch.tensor([7]),) + (None,) * (width - 1)
 
     def __getitem__(self, field: int):
         import torch
@@ -202,7 +243,7 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
 
 @case(
     proves=("sbp-refused-room",),
-    needs=(">=0.4.5.post1,<0.4.7",),
+    needs=(">=0.4.5.post1,<0.4.8.post1",),
     must_preserve=False,
     expect="A request prefill's door refuses is reported to every decode rank registered for its room, "
            "whether "
@@ -227,7 +268,7 @@ def prefill_reports_refused_room(ctx) -> Outcome:
 
 @case(
     proves=("sbp-refused-room",),
-    needs=(">=0.4.5.post1,<0.4.7",),
+    needs=(">=0.4.5.post1,<0.4.8.post1",),
     must_preserve=False,
     expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and "
            "metadata "
@@ -250,7 +291,8 @@ def decode_releases_refused_room(ctx) -> Outcome:
 
     def receiver(room: int):
         recv = object.__new__(decode.module.MooncakeKVReceiver)
-        recv.__dict__.update(kv_mgr=decode.mgr, bootstrap_room=room)
+        # conclude_state and init_time: 0.4.7's poll reads them (no conclusion yet)
+        recv.__dict__.update(kv_mgr=decode.mgr, bootstrap_room=room, conclude_state=None, init_time=None)
         decode.mgr.update_status(room, KVPoll.WaitingForInput)  # bootstrapped and registered
         return recv
 

@@ -261,6 +261,9 @@ COVERAGE_DEBT: dict[str, int] = {
     "0.4.6.post5": 7,
     "0.4.7": 7,
     "0.4.7.post1": 9,
+    # its own epoch from sbp-refused-room-0.4.7.post1 (0.4.7.post1 - 0.4.8); the 10 pr36988/pr38935
+    # lines of 0.4.9.post4's epoch, which it left (every sbp-refused-room line ran)
+    "0.4.8": 10,
     "0.4.9.post4": 10,
     "0.4.10.post1": 12,
     "0.4.10.post2": 12,

@@ -83,15 +83,15 @@ def records(bundles: list[dict]) -> dict[str, dict]:
             if entry not in affected.setdefault(row["id"], []):
                 affected[row["id"]].append(entry)
     found = {}
+    newest = max((b["timestamp"] for b in bundles), default="")
     for class_id, row in sorted(by_class.items()):
         entries = sorted(affected.get(class_id, []), key=lambda e: Version(e["database_specific"]["release"]))
         if not entries:
             continue  # no bundle showed this class on a release: nothing to advise
-        stamps = [b["timestamp"] for b in bundles]
         record = {
             "schema_version": SCHEMA_VERSION,
             "id": record_id(class_id),
-            "modified": _timestamp(row.get("last_update") or max(stamps)),
+            "modified": _timestamp(row.get("last_update") or newest),
             "aliases": sorted(row["aliases"]),
             "summary": row["title"],
             "details": f"{row['description']}\n\nFixes: {', '.join(row['fixes'])}. A release is listed when "

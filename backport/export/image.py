@@ -17,7 +17,6 @@ image_build.py) makes the image. Nothing here talks to a registry or a daemon.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import re
@@ -27,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from backport.digests import sha256_bytes
 from backport.errors import BadInput
 
 REFERENCE = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
@@ -63,7 +63,8 @@ def parse_reference(text: str) -> Reference:
 
 
 def _sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    """An OCI digest: the algorithm named before the hex."""
+    return "sha256:" + sha256_bytes(data)
 
 
 def _canonical(document: dict) -> bytes:

@@ -27,7 +27,8 @@ setup(
     package_data={
         "backport.live": ["requirements-*.txt", "standins/**/*.py"],
         "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
-        "sglang_backport_data": ["receipt.schema.json", "openvex.schema.json", "osv.schema.json"],
+        "sglang_backport_data": ["receipt.schema.json", "receipt-format-3.schema.json", "openvex.schema.json",
+                                 "osv.schema.json"],
         "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],
     },
 )

@@ -54,11 +54,11 @@ def probes_dir() -> Path:
     return root / "probes" if root else _installed(PROBES_PACKAGE)
 
 
-def receipt_schema() -> Path:
+def receipt_schema(name: str = "receipt.schema.json") -> Path:
+    """The receipt schema of the format this toolkit writes; `name` receipt-format-N.schema.json: of an
+    older format it still reads (evidence/formats.py)."""
     root = checkout_root()
-    return (
-        root / "evidence" / "receipt.schema.json" if root else _installed(DATA_PACKAGE, "receipt.schema.json")
-    )
+    return root / "evidence" / name if root else _installed(DATA_PACKAGE, name)
 
 
 def openvex_schema() -> Path:

@@ -22,6 +22,7 @@ from backport import cli, evidence
 from backport.errors import BadInput, Finding
 from backport.evidence import TreeInput
 from backport.evidence.artifacts import TREE_DIGEST_METHOD
+from backport.evidence.table import TABLE_KEYS, attached_from, pointed
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
@@ -334,7 +335,7 @@ def test_failing_runs(tmp_path, extra, finding):
     assert s["findings"] == [
         {"probe": extra[0], "case": extra[1], "pair": finding, "must_preserve": extra[2]}
     ]
-    _validate(bundle.statement)
+    _validate(pointed(bundle.statement))  # what receipt.json holds of the (attached) statement
     assert "**" + finding + "**" in bundle.files["REPORT.md"].decode()
     assert evidence.verify(evidence.write_bundle(tmp_path / "out", bundle)).summary["result"] == "fail"
 
@@ -359,8 +360,8 @@ def test_receipt_is_an_in_toto_statement_and_validates(bundle_dir):
     assert statement["predicateType"] == "https://sglang-backport.dev/receipt/v1"
     p = statement["predicate"]
     # The subject is the artifact: the patched tree by its digest (no export in this run) ...
-    assert statement["subject"] == [{"name": "patched-tree/sglang",
-                                     "digest": {"sha256": p["inputs"]["trees"]["patched"]["tree_digest"]},
+    assert statement["subject"] == [{"name": "patched-tree/sglang",  # dirHash1, as the attestations say it
+                                     "digest": {"dirHash1": p["inputs"]["trees"]["patched"]["tree_digest"]},
                                      "annotations": {"version": "0.5.19", "digest_of": TREE_DIGEST_METHOD}}]
     assert p["export"] is None
     # ... and every bundle file is listed, with its digest, in predicate.files.
@@ -373,11 +374,19 @@ def test_receipt_is_an_in_toto_statement_and_validates(bundle_dir):
     assert p["inputs"]["trees"]["pristine"]["tree_digest"] == D[3]
     assert p["inputs"]["reference"]["spec"] == "sglang==0.5.22"
     assert p["inputs"]["reference"]["chosen"] == "default"
+    # Format 4: the receipt points at the files (predicate.files) and copies none of them; its
+    # verdict table keeps what a policy engine reads, the cases' prose stays in the probe files.
+    assert p["schema_version"] == 4 and not {"probes", "apply", "upstream_tests"} & set(p)
+    assert all(set(row) == set(TABLE_KEYS) for row in p["cases"]) and len(p["cases"]) == 6
+    assert p["cases"][0] == {"probe": "admission", "case": "rejected_request_not_enqueued_prefill",
+                             "must_preserve": False, "verdicts": {"pristine": "unsafe", "patched": "safe",
+                                                                  "reference": "safe"},
+                             "pair": "fixed", "reference_agrees": True}
+    held = attached_from(bundle_dir, statement)
     for role in ("pristine", "patched", "reference"):
-        assert p["probes"][role]["file"] == f"probes/{role}.json"
-        assert p["probes"][role]["sha256"] == evidence.sha256_file(bundle_dir / "probes" / f"{role}.json")
-    assert p["upstream_tests"]["sha256"] == evidence.sha256_file(bundle_dir / "upstream-tests.json")
-    assert evidence.check_statement(statement) == []
+        assert held["predicate"]["probes"][role]["file"] == f"probes/{role}.json"
+        assert held["predicate"]["probes"][role]["sha256"] == p["files"][f"probes/{role}.json"]
+    assert evidence.check_statement(held) == []
 
 
 def test_probe_outputs_are_normalised(bundle_dir, tmp_path):
@@ -462,9 +471,11 @@ def test_schema_rejects_broken_receipts(bundle_dir):
     _validate(statement)
     for breaking in (lambda s: s.pop("subject"),
                      lambda s: s["predicate"]["cases"][0].update(pair="fine"),
-                     lambda s: s["predicate"]["probes"]["patched"].update(import_seconds=1.0),
+                     lambda s: s["predicate"].update(probes={}),  # format 4 copies no file
+                     lambda s: s["predicate"]["cases"][0].update(expect="prose"),
                      lambda s: s["predicate"].pop("timestamps"),
-                     lambda s: s["subject"][0]["digest"].update(sha256="abc")):
+                     lambda s: s["subject"][0]["digest"].update(dirHash1="abc"),
+                     lambda s: s["subject"][0]["digest"].update(sha256=D[1])):  # a tree has no sha256
         broken = copy.deepcopy(statement)
         breaking(broken)
         with pytest.raises(jsonschema.ValidationError):
@@ -523,7 +534,7 @@ def test_report_md(bundle_dir):
     assert ("| `test/registered/unit/disaggregation/test_admission_abort_not_enqueued.py::T::test_rejected` "
             f"| `{C[5][:12]}` | failed | passed | passed |") in report
     assert "| pr38935 | `test_admission_abort_not_enqueued.py` @ " in report and "| fixed |" in report
-    assert report == evidence.render_report(_receipt(bundle_dir))
+    assert report == evidence.render_report(attached_from(bundle_dir, _receipt(bundle_dir)))
 
 
 def test_write_bundle_replaces_only_bundles(tmp_path):
@@ -721,23 +732,27 @@ PATCHED, PRISTINE, REF, UPSTREAM = ("probes/patched.json", "probes/pristine.json
 
 
 def _restated(**documents):
-    """A receipt edit that keeps the receipt consistent with itself (a careful forger)."""
-    def edit(statement, document_edit):
+    """A receipt edit that keeps the receipt consistent with itself (a careful forger): the receipt a
+    run would have written had its files held the edited documents (the files stay as they are)."""
+    def edit(statement, bundle):
         from backport.evidence.statement import embedded, restate
 
-        p = statement["predicate"]
+        held = attached_from(bundle, statement)
+        p = held["predicate"]
+        document_edit = next(iter(documents.values()))
         if "probes" in documents:
             probes = {role: embedded(p, f"probes/{role}.json") for role in p["probes"]}
             document_edit(probes)
-            new = restate(statement, probes=probes)
+            new = restate(held, probes=probes)
         else:
             upstream = embedded(p, UPSTREAM)
             document_edit(upstream)
-            new = restate(statement, upstream=upstream)
+            new = restate(held, upstream=upstream)
         statement.clear()
-        statement.update(new)
+        statement.update(pointed(new))
 
-    return lambda s: edit(s, next(iter(documents.values())))
+    edit.with_bundle = True  # type: ignore[attr-defined]
+    return edit
 
 
 def _set(path: str, value):
@@ -766,13 +781,6 @@ P = "predicate."
 TAMPER_CASES = [
     # patch digests and statuses
     ("patch-sha-receipt-inputs", RECEIPT, _set(P + "inputs.patches[0].sha256", D[9]), [RECEIPT]),
-    ("patch-sha-receipt-apply", RECEIPT, _set(P + "apply.patches[0].variant_sha256", D[9]), [RECEIPT]),
-    (
-        "patch-sha-receipt-everywhere",
-        RECEIPT,
-        _both(_set(P + "inputs.patches[0].sha256", D[9]), _set(P + "apply.patches[0].variant_sha256", D[9])),
-        [RECEIPT],
-    ),
     ("patch-sha-apply-report", APPLY, _set("patches[0].variant_sha256", D[9]), [APPLY]),
     ("patch-sha-report-md", REPORT, (f"| applied | `{D[6]}` |", f"| applied | `{D[9]}` |"), [REPORT]),
     ("patch-status-apply-report", APPLY, _set("patches[1].status", "already-present"), [APPLY]),
@@ -783,11 +791,10 @@ TAMPER_CASES = [
         ("`pr38935/pr38935-0.5.19.patch` | applied |", "`pr38935/pr38935-0.5.19.patch` | already-present |"),
         [REPORT],
     ),
-    ("patch-commit-apply-report", APPLY, _set("patches[0].commit", C[9]), [APPLY, RECEIPT]),
     # tree digests
     # the patched tree's digest is also the receipt's subject: an edit of one copy is the receipt's own
     ("tree-digest-receipt", RECEIPT, _set(P + "inputs.trees.patched.tree_digest", D[9]), [RECEIPT]),
-    ("tree-digest-subject", RECEIPT, _set("subject[0].digest.sha256", D[9]), [RECEIPT]),
+    ("tree-digest-subject", RECEIPT, _set("subject[0].digest.dirHash1", D[9]), [RECEIPT]),
     ("tree-digest-report-md", REPORT, (f"`{D[4]}`", f"`{D[9]}`"), [REPORT, RECEIPT]),
     (
         "reference-digest-receipt-one-copy",
@@ -808,12 +815,6 @@ TAMPER_CASES = [
     # commits
     ("head-commit-apply-report", APPLY, _set("head_commit", C[9]), [APPLY]),
     ("patched-commit-receipt-one-copy", RECEIPT, _set(P + "inputs.trees.patched.commit", C[9]), [RECEIPT]),
-    (
-        "patched-commit-receipt-both-copies",
-        RECEIPT,
-        _both(_set(P + "inputs.trees.patched.commit", C[9]), _set(P + "apply.head_commit", C[9])),
-        [RECEIPT],
-    ),
     ("head-commit-report-md", REPORT, (f"head commit `{C[2]}`", f"head commit `{C[9]}`"), [REPORT]),
     ("pristine-commit-receipt", RECEIPT, _set(P + "inputs.trees.pristine.commit", C[9]), [REPORT, RECEIPT]),
     ("pristine-commit-report-md", REPORT, (f"`{C[1]}`", f"`{C[9]}`"), [REPORT, RECEIPT]),
@@ -826,12 +827,7 @@ TAMPER_CASES = [
         _restated(probes=_set("patched.cases[0].verdict", "unsafe")),
         [RECEIPT],
     ),
-    (
-        "verdict-receipt-embedded-only",
-        RECEIPT,
-        _set(P + "probes.patched.cases[0].verdict", "unsafe"),
-        [RECEIPT],
-    ),
+    ("verdict-receipt-table-only", RECEIPT, _set(P + "cases[0].verdicts.patched", "unsafe"), [RECEIPT]),
     ("pair-receipt", RECEIPT, _set(P + "cases[0].pair", "held"), [RECEIPT]),
     (
         "verdict-report-md",
@@ -841,13 +837,6 @@ TAMPER_CASES = [
             "enqueued_prefill | safe | safe | safe | held |",
         ),
         [REPORT],
-    ),
-    ("observed-probe-file", PATCHED, _set("cases[0].observed", "all is well"), [PATCHED, RECEIPT]),
-    (
-        "observed-receipt",
-        RECEIPT,
-        _restated(probes=_set("patched.cases[0].observed", "all is well")),
-        [PATCHED, RECEIPT],
     ),
     # the summary
     ("summary-result-receipt", RECEIPT, _set(P + "summary.result", "fail"), [RECEIPT]),
@@ -881,8 +870,8 @@ TAMPER_CASES = [
     # (REPORT.md shows every reason, so the receipt and the report outvote the file)
     ("upstream-reason-file", UPSTREAM, _set("trees[0].tests[0].reason", None), [UPSTREAM]),
     # upstream test pins (null: unpinned)
-    ("upstream-pin-file", UPSTREAM, _set("files[0].pin", D[8]), [UPSTREAM]),
-    ("upstream-pin-receipt", RECEIPT, _restated(upstream=_set("files.0.pin", D[8])), [RECEIPT]),
+    # the pin is in the file and REPORT.md only: format 4 names REPORT.md, which no longer renders
+    ("upstream-pin-file", UPSTREAM, _set("files[0].pin", D[8]), [REPORT]),
     ("upstream-pin-report-md", REPORT, ("`: unpinned (sha256 `", "`: pinned (sha256 `"), [REPORT]),
     # coverage: lines upstream's tests ran (the receipt's counts against upstream-tests.json's lines)
     (
@@ -921,16 +910,10 @@ TAMPER_CASES = [
         [RECEIPT],
     ),
     (
-        "coverage-upstream-lines-receipt",
-        RECEIPT,
-        _set(P + "upstream_tests.trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
-        [RECEIPT],
-    ),
-    (
-        "coverage-upstream-lines-file",
+        "coverage-upstream-lines-file",  # the receipt's coverage record against the file (format 4)
         UPSTREAM,
         _set("trees[1].added_lines_executed.pr38935", [f"{UTILS}:12"]),
-        [UPSTREAM, RECEIPT],
+        [RECEIPT],
     ),
     ("coverage-upstream-count-report-md", REPORT, ("| 2 (only by them:", "| 3 (only by them:"), [REPORT]),
     # coverage: the pristine functions' lines the unsafe cases ran
@@ -951,10 +934,8 @@ TAMPER_CASES = [
     ("torch-probe-file", PRISTINE, _set("torch", "2.14.0+cpu"), [PRISTINE]),
     ("torch-receipt", RECEIPT, _set(P + "environment.torch", "2.14.0+cpu"), [RECEIPT]),
     ("python-receipt", RECEIPT, _set(P + "environment.python", "3.12.1"), [REPORT, RECEIPT]),
-    # digests the receipt records of the files it embeds
-    ("probe-digest-receipt", RECEIPT, _set(P + "probes.patched.sha256", D[9]), [RECEIPT]),
-    ("upstream-digest-receipt", RECEIPT, _set(P + "upstream_tests.sha256", D[9]), [RECEIPT]),
-    ("probe-file-name-receipt", RECEIPT, _set(P + "probes.patched.file", "probes/pristine.json"), [RECEIPT]),
+    # the tree subject's digests
+    ("tree-subject-git-tree", RECEIPT, _set("subject[0].digest.gitTree", C[9]), [RECEIPT]),
     # the target and the mode
     ("target-spec-receipt", RECEIPT, _set(P + "inputs.target.spec", "sglang==0.5.20"), [REPORT, RECEIPT]),
     (
@@ -969,11 +950,11 @@ TAMPER_CASES = [
 
 
 def _tamper(bundle: Path, name: str, edit, *, careful: bool = True) -> None:
-    """Edit one file, then make every digest agree again: the receipt's predicate.files (and, when
-    `careful`, the digest the predicate records beside its copy) and SHA256SUMS."""
+    """Edit one file, then make every digest agree again: SHA256SUMS and, when `careful`, the receipt's
+    predicate.files (format 4 records a file's digest there only)."""
     statement = _receipt(bundle)
     if name == RECEIPT:
-        edit(statement)
+        edit(statement, bundle) if getattr(edit, "with_bundle", False) else edit(statement)
     else:
         path = bundle / name
         if name == REPORT:
@@ -985,13 +966,8 @@ def _tamper(bundle: Path, name: str, edit, *, careful: bool = True) -> None:
             document = json.loads(path.read_text())
             edit(document)
             path.write_bytes(evidence.canonical_json(document))
-        digest = evidence.sha256_file(path)
-        p = statement["predicate"]
-        p["files"][name] = digest
-        recorded = p["upstream_tests"] if name == UPSTREAM else p["probes"].get(name[7:-5]) \
-            if name.startswith("probes/") else None
-        if careful and recorded is not None:
-            recorded["sha256"] = digest
+        if careful:
+            statement["predicate"]["files"][name] = evidence.sha256_file(path)
     _reseal(bundle, statement)
 
 
@@ -1016,7 +992,7 @@ def test_tamper_table_edits_every_file_that_shares_values():
 def test_a_forger_who_leaves_the_recorded_digest_is_named_too(bundle_dir, name, edit):
     _tamper(bundle_dir, name, edit, careful=False)
     result = evidence.verify(bundle_dir)
-    assert [p.file for p in result.problems] == [name]
+    assert [(p.file, p.kind) for p in result.problems] == [(name, "modified")]
 
 
 def test_a_file_rewritten_in_another_json_form_is_named(bundle_dir):
@@ -1113,7 +1089,7 @@ def test_report_states_its_scope_before_the_result(bundle_dir):
 
 
 def test_a_report_from_other_toolkit_code_names_both_codes_and_still_fails():
-    from backport.evidence.agreement import _other_renderer_named
+    from backport.evidence.rendering import _other_renderer_named
     from backport.evidence.environment import code_digests
     from backport.evidence.problem import Problem
 

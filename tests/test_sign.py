@@ -121,6 +121,7 @@ def test_a_receipt_edited_and_resealed_after_signing_fails_plain_verify(bundle, 
     import hashlib
 
     from backport.evidence.report import render_report
+    from backport.evidence.table import attached_from
 
     private, _, _ = keys
     sign.sign_bundle(bundle, private)
@@ -128,7 +129,7 @@ def test_a_receipt_edited_and_resealed_after_signing_fails_plain_verify(bundle, 
     capsys.readouterr()
     receipt = json.loads((bundle / "receipt.json").read_text())
     receipt["predicate"]["toolkit"]["version"] = "9.9.9"
-    report = render_report(receipt).encode()
+    report = render_report(attached_from(bundle, receipt)).encode()
     receipt["predicate"]["files"]["REPORT.md"] = hashlib.sha256(report).hexdigest()
     (bundle / "receipt.json").write_bytes(evidence.canonical_json(receipt))
     (bundle / "REPORT.md").write_bytes(report)

@@ -4,7 +4,9 @@ The modules follow the data: `verdicts` (tree and pair verdicts, case rows, the 
 `scrub` (normalising raw documents), `environment` (what the results depend on besides the
 trees), `statement` (the receipt and its own consistency), `report` (REPORT.md), `bundle`
 (laying out and writing a bundle), `layout` (file names, canonical bytes, digests), and the
-checks: `integrity` (digests), `agreement` (values shared by several files) and `verify`.
+checks: `integrity` (digests), `table` (the receipt's verdict table against the files it points
+at), `rendering` (REPORT.md against the receipt), `format3` (the copies a format 3 receipt holds)
+and `verify`.
 """
 
 from backport.evidence.artifacts import Exported, export_of

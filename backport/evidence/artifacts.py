@@ -62,10 +62,22 @@ def export_of(wheel: dict, wheel_bytes: bytes, patches: list[tuple[str, bytes]],
     return Exported(files, record)
 
 
+def tree_digest(subject: dict) -> str | None:
+    """A tree subject's tree digest: `dirHash1` (format 4), `sha256` in format 3's receipts."""
+    digest = subject.get("digest") or {}
+    return digest.get("dirHash1", digest.get("sha256"))
+
+
 def subjects(
-    patched_tree_digest: str, version: str, export: dict | None, *, role: str = "patched"
+    patched_tree_digest: str, version: str, export: dict | None, *, role: str = "patched",
+    git_tree: str | None = None, pointing: bool = True,
 ) -> list[dict]:
-    found = [{"name": tree_subject_name(role), "digest": {"sha256": patched_tree_digest},
+    """The statement's subjects. A tree carries the digests the attestations give it (attestations.py):
+    `dirHash1` and, for a git tree, `gitTree`; format 3 (`pointing` False) labelled the tree digest
+    `sha256`, which no file has."""
+    digest = {"dirHash1": patched_tree_digest, **({"gitTree": git_tree} if git_tree else {})} if pointing \
+        else {"sha256": patched_tree_digest}
+    found = [{"name": tree_subject_name(role), "digest": digest,
               "annotations": {"version": version, "digest_of": TREE_DIGEST_METHOD}}]
     if export:
         if export.get("wheel"):
@@ -80,7 +92,10 @@ def statement_problems(statement: dict) -> list[str]:
     role = product_role(p["inputs"]["trees"])
     patched = p["inputs"]["trees"].get(role) or {}
     export = p.get("export")
-    expected = subjects(patched.get("tree_digest", ""), patched.get("version", ""), export, role=role)
+    version = p.get("schema_version")
+    pointing = isinstance(version, int) and version >= 4
+    expected = subjects(patched.get("tree_digest", ""), patched.get("version", ""), export, role=role,
+                        git_tree=patched.get("git_tree"), pointing=pointing)
     got = statement["subject"]
     problems = []
     if [s.get("name") for s in got] != [s["name"] for s in expected]:
@@ -173,7 +188,8 @@ def render(statement: dict) -> list[str]:
         if s["name"] == TREE_SUBJECT:
             lines.append(
                 f"- `{TREE_SUBJECT}` (sglang {s.get('annotations', {}).get('version')}): tree digest "
-                f"`{s['digest']['sha256']}`, the {TREE_DIGEST_METHOD}"
+                f"`{tree_digest(s)}`, the {TREE_DIGEST_METHOD}"
+                + (f"; git tree `{s['digest']['gitTree']}`" if s["digest"].get("gitTree") else "")
             )
         else:
             lines.append(f"- `{s['name']}`: sha256 `{s['digest']['sha256']}`")

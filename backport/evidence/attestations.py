@@ -121,15 +121,15 @@ def test_results(statement: dict, standards: dict) -> list[dict]:
     """One Test Result v0.1 per probed tree, in role order."""
     p = statement["predicate"]
     found = []
-    for role in [r for r in ROLES if r in p["probes"]]:
+    for role in [r for r in ROLES if probe_file(r) in p["files"]]:
         tests: dict[str, list[str]] = {"passedTests": [], "warnedTests": [], "failedTests": []}
         for row in p["cases"]:
             verdict = row["verdicts"].get(role)
             tests[_TEST_STATE.get(verdict, "failedTests")].append(f"{row['probe']}/{row['case']}")
         result = "FAILED" if tests["failedTests"] else "WARNED" if tests["warnedTests"] else "PASSED"
-        probe = p["probes"][role]
+        file = probe_file(role)  # the configuration: the probe file, by its digest in predicate.files
         predicate = {"result": result, **tests,
-                     "configuration": [{"name": probe_file(role), "digest": {"sha256": probe["sha256"]}}]}
+                     "configuration": [{"name": file, "digest": {"sha256": p["files"][file]}}]}
         found.append(_statement([tree_subject(statement, standards, role)], TEST_RESULT, predicate))
     return found
 

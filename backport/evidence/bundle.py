@@ -4,6 +4,7 @@ Layout (users and scripts depend on it)::
 
     receipt.json          the in-toto statement (statement.py): its subjects are the patched tree
                           and the exported files (artifacts.py); predicate.files lists every file below
+                          by sha256, which the receipt points at instead of copying (table.py)
     REPORT.md             the receipt rendered (report.py)
     apply-report.json     the engine's report, normalised (absent when nothing was applied)
     probes/<role>.json    one tree's probe results, normalised
@@ -22,6 +23,7 @@ times, durations, import times, absolute paths of temporary trees) lives in the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -56,6 +58,7 @@ from backport.evidence.live import section as live_section
 from backport.evidence.report import render_report
 from backport.evidence.scrub import normalise_document, normalise_probe
 from backport.evidence.statement import PREDICATE_TYPE, TreeInput, build_statement
+from backport.evidence.table import pointed
 from backport.evidence.verdicts import ROLES
 
 from . import vex
@@ -65,6 +68,8 @@ log = logging.getLogger("backport.evidence")
 
 @dataclass(frozen=True)
 class Bundle:
+    """`statement` is the attached one (statement.py), `files[RECEIPT]` what format 4 writes of it."""
+
     files: dict[str, bytes]
     statement: dict
 
@@ -98,6 +103,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     that keeps such a link passes ``(link, "probes")``).
     """
     extra_paths = list(extra_paths)
+    git = git_trees(trees)  # once: the subjects and standards.json both name them
+    trees = {role: dataclasses.replace(tree, git_tree=git.get(role)) for role, tree in trees.items()}
     timestamps = dict(timestamps)
     import_seconds = dict(timestamps.get("import_seconds") or {})
     paths = dict(timestamps.get("paths") or {})
@@ -170,13 +177,13 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
         vulnerabilities is not None
     ):  # the VEX documents (vex.py): a function of the statement, which they do not change
         files.update(
-            vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git_trees(trees)))
+            vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git))
         )
     # REPORT.md is rendered from the statement (which does not depend on its digest), then listed.
     report = render_report(statement_for(None)).encode()
     files[REPORT] = report
     statement = statement_for(report)
-    files[RECEIPT] = canonical_json(statement)
+    files[RECEIPT] = canonical_json(pointed(statement))
     files[SUMS] = sums_text({name: sha256_bytes(data) for name, data in files.items()}).encode()
     return Bundle(files, statement)
 

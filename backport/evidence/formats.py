@@ -24,19 +24,23 @@ from backport.errors import BadInput, Finding
 from backport.evidence.layout import RECEIPT
 
 SCHEMA_ID = re.compile(r"^https://sglang-backport\.dev/receipt/format/(?P<format>[1-9][0-9]*)/schema\.json$")
-# Formats older than the current one that this toolkit still reads: none yet, as 0.9.0 is the
-# first release. A change of format either keeps the old one's schema and reader (and lists it
-# here) or names the last release that reads it in OLDER_READERS; test_versions fails otherwise.
-ALSO_READ: tuple[int, ...] = ()
+# Formats older than the current one that this toolkit still reads, each with its schema shipped
+# as receipt-format-N.schema.json: 3 (the receipt copied the files; format 4 points at them:
+# table.py, docs/decisions.md). A change of format either keeps the old one's schema and reader
+# (and lists it here) or names the last release that reads it in OLDER_READERS; test_versions
+# fails otherwise.
+ALSO_READ: tuple[int, ...] = (3,)
 # format -> (the last commit whose `verify` reads it, its toolkit version): the receipt schema's
 # `schema_version` const moved 1 -> 2 at 46e814e and 2 -> 3 at 9a71d65, before the first release.
 OLDER_READERS = {1: ("e098f4449721", "0.1.0"), 2: ("f4c7a4c49222", "0.1.0")}
 
 
-def receipt_schema() -> dict:
-    """The shipped receipt schema (a Finding when it cannot be read: the installation is broken).
-    Read on each call (a millisecond): the validator built from it is what is cached."""
-    path = resources.receipt_schema()
+def receipt_schema(format: int | None = None) -> dict:
+    """The shipped receipt schema of this toolkit's format, or of an older `format` it reads (a Finding
+    when it cannot be read: the installation is broken). Read on each call (a millisecond): the
+    validator built from it is what is cached."""
+    path = resources.receipt_schema() if format is None or format not in ALSO_READ \
+        else resources.receipt_schema(f"receipt-format-{format}.schema.json")
     try:
         schema = json.loads(path.read_text())
         return schema if isinstance(schema, dict) else {}

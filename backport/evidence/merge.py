@@ -29,6 +29,7 @@ from packaging.version import Version
 from backport.errors import BadInput, Finding
 from backport.evidence import cdxvex, osv
 from backport.evidence.layout import ATTESTATION_SUFFIX, ENVELOPE, RECEIPT, canonical_json, write_readable
+from backport.evidence.table import attached_from
 from backport.evidence.vex import STANDARDS
 
 OSV_FOLDER = osv.FOLDER
@@ -127,7 +128,7 @@ def missing_rows(expected: list[str], rows: list[dict]) -> list[dict]:
 def _row(bundle: Path) -> dict:
     from backport.evidence.verify import finding_reason
 
-    receipt = json.loads((bundle / RECEIPT).read_bytes())
+    receipt = attached_from(bundle, json.loads((bundle / RECEIPT).read_bytes()))  # format 4 points at files
     p = receipt["predicate"]
     live = p.get("live")
     vex_path = bundle / "vex.openvex.json"

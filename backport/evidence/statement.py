@@ -1,9 +1,12 @@
 """The receipt: an in-toto Statement v1 whose predicate records one run, and its own consistency.
 
-The predicate embeds every JSON file of the bundle (``probes``, ``apply``, ``upstream_tests``)
-and derives the rest from them (``cases``, ``reference_differences``, ``summary``, the patch
-digests and statuses in ``inputs.patches``, the patched tree's commit, ``environment.torch``).
-`check_statement` re-derives all of it, so a receipt edited in one place contradicts itself.
+`build_statement` gives the *attached* statement: the predicate with the bundle's JSON documents
+under ``probes``, ``apply`` and ``upstream_tests`` and what derives from them (``cases``,
+``reference_differences``, ``summary``, the patch digests and statuses in ``inputs.patches``, the
+patched tree's commit, ``environment.torch``). Format 3 wrote it so; format 4 writes it
+`table.pointed` (the documents left out: the files are pinned by digest in ``predicate.files``)
+and `verify` attaches them again from the files. `check_statement` re-derives all of it, so a
+receipt edited in one place contradicts itself.
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ from backport.evidence.layout import (
     APPLY_REPORT,
     HEAD,
     UPSTREAM_TESTS,
-    canonical_json,
     probe_file,
     product_role,
     role_of,
-    sha256_bytes,
 )
+from backport.evidence.table import embed
 from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_differences, summarise
 
 from . import artifacts
@@ -39,6 +41,8 @@ from . import live as live_evidence
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
 # predicate.schema_version, the bundle format: the receipt schema's `$id` says it (formats.py).
+# 4: the receipt points at the files (table.py): no copies, the verdict table cut to table.TABLE_KEYS;
+#    tree subjects by dirHash1 and gitTree (inputs.trees.<role>.git_tree).
 # 3: toolkit.code (digests of the code that judged) and toolkit.distribution; the bundle marker.
 # 2: subjects are the artifacts, bundle files in predicate.files, predicate.export.
 _EMBEDDING_KEYS = ("file", "sha256")
@@ -55,6 +59,7 @@ class TreeInput:
     commit: str | None = None
     artifact_sha256: str | None = None
     unpinned: bool = False
+    git_tree: str | None = None  # its sglang/'s git tree id (attestations.git_tree); None: not a git tree
     package_root: Path | None = None
     tree_path: Path | None = None
 
@@ -65,11 +70,11 @@ class TreeInput:
 
     def to_input(self) -> dict:
         return {"spec": self.spec, "version": self.version, "tree_digest": self.tree_digest,
-                "commit": self.commit, "artifact_sha256": self.artifact_sha256, "unpinned": self.unpinned}
+                "commit": self.commit, "artifact_sha256": self.artifact_sha256, "unpinned": self.unpinned,
+                "git_tree": self.git_tree}
 
 
-def _embed(document: dict, name: str) -> dict:
-    return {**document, "file": name, "sha256": sha256_bytes(canonical_json(document))}
+
 
 
 def build_statement(
@@ -94,7 +99,8 @@ def build_statement(
 ) -> dict:
     """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file
     but the receipt and SHA256SUMS, with its sha256. The subjects are the artifacts (artifacts.py): the
-    patched tree and, with `export`, the exported files."""
+    patched tree and, with `export`, the exported files. The statement is the attached one (the module
+    docstring): `table.pointed` of it is what receipt.json holds."""
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
     predicate = {
@@ -110,10 +116,10 @@ def build_statement(
             "reference": None if reference is None else {**reference.to_input(), "chosen": reference_choice},
         },
         "apply": apply_report,
-        "probes": {role: _embed(probes[role], probe_file(role)) for role in ROLES if role in probes},
+        "probes": {role: embed(probes[role], probe_file(role)) for role in ROLES if role in probes},
         "cases": rows,
         "reference_differences": reference_differences(rows),
-        "upstream_tests": _embed(upstream_tests, UPSTREAM_TESTS),
+        "upstream_tests": embed(upstream_tests, UPSTREAM_TESTS),
         "summary": live_evidence.fold_summary(
             summarise(rows, probes, upstream_tests, coverage, apply=apply_report), live
         ),
@@ -134,6 +140,7 @@ def build_statement(
             trees[product_role(trees)].version,
             export,
             role=product_role(trees),
+            git_tree=trees[product_role(trees)].git_tree,
         ),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
@@ -186,9 +193,9 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
     s = copy.deepcopy(statement)
     p = s["predicate"]
     if probes is not None:
-        p["probes"] = {role: _embed(probes[role], probe_file(role)) for role in ROLES if role in probes}
+        p["probes"] = {role: embed(probes[role], probe_file(role)) for role in ROLES if role in probes}
     if upstream is not None:
-        p["upstream_tests"] = _embed(upstream, UPSTREAM_TESTS)
+        p["upstream_tests"] = embed(upstream, UPSTREAM_TESTS)
     if apply is not _KEEP:
         p["apply"] = apply
         if apply is not None and p["mode"] != "exposure":
@@ -210,13 +217,17 @@ def restate(statement: dict, *, probes: dict[str, dict] | None = None, apply: An
 
 
 @cache
-def _validator() -> jsonschema.Draft202012Validator:
-    return jsonschemas.load().Draft202012Validator(formats.receipt_schema())
+def _validator(format: int | None = None) -> jsonschema.Draft202012Validator:
+    return jsonschemas.load().Draft202012Validator(formats.receipt_schema(format))
 
 
 def schema_errors(statement: Any) -> str | None:
-    """The first place where a receipt departs from the receipt schema (None: it matches)."""
-    error = first_schema_error(_validator(), statement)
+    """The first place where a receipt departs from the receipt schema of its format, when this toolkit
+    reads that format, else of this toolkit's (None: it matches)."""
+    predicate = statement.get("predicate") if isinstance(statement, dict) else None
+    found = predicate.get("schema_version") if isinstance(predicate, dict) else None
+    older = found if isinstance(found, int) and found in formats.ALSO_READ else None
+    error = first_schema_error(_validator(older), statement)
     if error is None:
         return None
     return f"does not match the receipt schema at {schema_place(error)}: {error.message}"
@@ -231,9 +242,15 @@ def schema_place(error: jsonschema.ValidationError) -> str:
     return "/".join(str(part) for part in error.absolute_path) or "(top)"
 
 
-def _derived_problems(p: dict) -> list[str]:
+def _derived_problems(p: dict, table: bool = True) -> list[str]:
+    """What derives from the documents against the receipt; `table` False (format 4): only the coverage
+    and live sections, as table.table_problems compares the rest with the files, naming the side."""
     problems = []
     probes = _plain_probes(p)
+    if not table:
+        found = coverage_problems(p.get("coverage"), upstream=embedded(p, UPSTREAM_TESTS),
+                                  pristine=probes.get("pristine"))
+        return found + live_evidence.section_problems(p.get("live"))
     expected_rows = case_rows(probes)
     rows = p["cases"]
     if len(rows) != len(expected_rows):
@@ -276,7 +293,7 @@ def _derived_problems(p: dict) -> list[str]:
 
 
 def _embedding_problems(p: dict) -> list[str]:
-    """Each embedded document names its file (its digest is checked against the file: agreement.py)."""
+    """Each embedded document names its file (its digest is checked against the file: format3.py)."""
     problems = []
     parts = [(f"probes.{role}", p["probes"][role], probe_file(role)) for role in p["probes"]]
     parts.append(("upstream_tests", p["upstream_tests"], UPSTREAM_TESTS))
@@ -286,8 +303,8 @@ def _embedding_problems(p: dict) -> list[str]:
     return problems
 
 
-def _input_problems(p: dict) -> list[str]:
-    """The inputs against what the run's documents say of the same things."""
+def _input_problems(p: dict, table: bool = True) -> list[str]:
+    """The inputs against what the run's documents say of the same things (`table`: _derived_problems)."""
     problems = []
     inputs, apply = p["inputs"], p["apply"]
     trees = inputs["trees"]
@@ -325,6 +342,8 @@ def _input_problems(p: dict) -> list[str]:
                 )
     # an exposure run names no patch: the engine's report is kept, the scratch clone it patched is not
     expected_patches = [] if exposure else patch_inputs_from(apply, inputs["patches"])
+    if not table:  # the apply report against inputs.patches and the commit: table.table_problems
+        expected_patches, apply = list(inputs["patches"]), None
     for index in range(max(len(expected_patches), len(inputs["patches"]))):
         got = inputs["patches"][index] if index < len(inputs["patches"]) else None
         want = expected_patches[index] if index < len(expected_patches) else None
@@ -355,8 +374,10 @@ def _input_problems(p: dict) -> list[str]:
     return problems
 
 
-def check_statement(statement: Any) -> list[str]:
-    """Internal consistency of a receipt: its structure, everything it derives, its copies of one value."""
+def check_statement(statement: Any, *, table: bool = True) -> list[str]:
+    """Internal consistency of a receipt: its structure, everything it derives, its copies of one value.
+    A receipt of format 4 is checked attached (table.attach) and with `table` False: what derives from
+    its files is compared with them by table.table_problems."""
     if not isinstance(statement, dict):
         return ["is not a JSON object"]
     problems: list[str] = []
@@ -375,9 +396,9 @@ def check_statement(statement: Any) -> list[str]:
         for role in p["probes"]:
             if role not in ROLES:
                 problems.append(f"predicate.probes has an unknown role {role!r}")
-        problems += _derived_problems(p)
+        problems += _derived_problems(p, table)
         problems += _embedding_problems(p)
-        problems += _input_problems(p)
+        problems += _input_problems(p, table)
         problems += artifacts.statement_problems(statement)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         problems.append(f"malformed predicate ({type(exc).__name__}: {exc})")

@@ -6,9 +6,12 @@ Problems come in a fixed order, and each stage runs only when the one before fou
    said in one line with the toolkit that reads it, not judged;
 1. the files against SHA256SUMS (in name order);
 2. the files against the receipt's list of them (predicate.files);
-3. the receipt against the receipt schema and against itself (statement.check_statement);
-4. the files against the receipt's copies of them, and REPORT.md against the receipt's
-   rendering (agreement.py), so that a file edited and resealed is named;
+3. the receipt against the receipt schema of its format and against itself
+   (statement.check_statement), with the JSON files it points at attached (table.py);
+4. format 4: the verdict table, summary and patch inputs against what the files give
+   (table.table_problems), the export against the receipt, then REPORT.md against the receipt's
+   rendering (rendering.py), so that a file edited and resealed is named; format 3: the files
+   against the receipt's copies of them (format3.py);
 5. the VEX documents against the receipt: the OpenVEX schema, strict CycloneDX 1.6, and each
    one what the receipt and standards.json give (vex.py).
 
@@ -24,14 +27,42 @@ from collections import Counter
 from pathlib import Path
 
 from backport.errors import BadInput
-from backport.evidence.agreement import agreement_problems
+from backport.evidence.format3 import agreement_problems
 from backport.evidence.integrity import bundle_files, digests, file_problems, read_receipt, sums_problems
-from backport.evidence.layout import MARKER, RECEIPT
+from backport.evidence.layout import MARKER, RECEIPT, REPORT
 from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
+from backport.evidence.report import render_report
 from backport.evidence.statement import check_statement, schema_errors
 
-from . import formats, vex
+from . import artifacts, formats, table, vex
+
+
+def _pointed_problems(bundle: Path, statement: dict, names: set[str]) -> tuple[list[Problem], dict]:
+    """Format 4, after the digests and the schema: the receipt (attached) against itself, its table
+    against the files, the export, REPORT.md. The attached statement is returned for the later stages."""
+    documents, problems = table.read_documents(bundle, statement)
+    if problems:
+        return problems, statement
+    held = table.attach(statement, documents)
+    problems = [Problem(RECEIPT, "inconsistent", m) for m in check_statement(held, table=False)]
+    if problems:
+        return problems, held
+    if REPORT not in names:
+        return [Problem(REPORT, "missing", "every bundle has the receipt rendered as REPORT.md")], held
+    report = (bundle / REPORT).read_bytes()
+    problems = table.table_problems(statement, documents, report, render_report)
+    problems = problems or artifacts.bundle_problems(bundle, held)
+    if problems:
+        return problems, held
+    from backport.evidence.rendering import rendering_problems
+
+    # A value only a file and REPORT.md show (a pin, a reason) has no copy in the receipt of format 4:
+    # the receipt pins both by digest, so the line names the files it is rendered from as suspects too.
+    files = ", ".join(sorted(documents))
+    return [dataclasses.replace(pr, detail=f"{pr.detail}; REPORT.md renders the receipt with {files}, so "
+                                f"it or one of them was edited") if pr.file == REPORT else pr
+            for pr in rendering_problems(held, report)], held
 
 
 def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list[Problem], dict | None]:
@@ -48,11 +79,14 @@ def _problems(bundle: Path, present: dict, actual: dict[str, str]) -> tuple[list
         return problems, statement
     schema_error = schema_errors(statement)
     if schema_error:
-        problems.append(Problem(RECEIPT, "inconsistent", schema_error))
-    problems += [Problem(RECEIPT, "inconsistent", message) for message in check_statement(statement)]
-    if problems:
-        return problems, statement
-    problems = agreement_problems(bundle, statement, set(actual))
+        return [Problem(RECEIPT, "inconsistent", schema_error)], statement
+    if table.points(statement):
+        problems, statement = _pointed_problems(bundle, statement, set(actual))
+    else:
+        problems = [Problem(RECEIPT, "inconsistent", message) for message in check_statement(statement)]
+        if problems:
+            return problems, statement
+        problems = agreement_problems(bundle, statement, set(actual))
     problems += [
         Problem(name, "inconsistent", why)
         for name, why in live_bundle_problems(bundle, statement["predicate"])

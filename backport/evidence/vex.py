@@ -220,7 +220,7 @@ def _difference(path: Path, expected: bytes) -> str:
     """Where a VEX file departs from the one the receipt gives, named by what changed (a product,
     a status, another field), so that a reader is not sent to the cases for an edited product."""
     from backport.evidence import cyclonedx
-    from backport.evidence.agreement import first_difference
+    from backport.evidence.table import first_difference
 
     try:
         found = json.loads(path.read_bytes())

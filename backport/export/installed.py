@@ -18,6 +18,7 @@ from pathlib import Path
 
 from backport.errors import BadInput
 from backport.evidence.artifacts import PROVENANCE, TREE_SUBJECT
+from backport.evidence.artifacts import tree_digest as subject_tree_digest
 from backport.evidence.layout import RECEIPT
 from backport.export.label import backport_label, installed_digest
 from backport.tree import read_version
@@ -90,7 +91,7 @@ def matching_bundles(paths: list[Path], tree_digest: str) -> list[dict]:
     for bundle in (b for path in paths for b in _bundles_under(Path(path))):
         try:
             subjects = json.loads((bundle / RECEIPT).read_text())["subject"]
-            digest = next((s["digest"]["sha256"] for s in subjects if s.get("name") == TREE_SUBJECT), None)
+            digest = next((subject_tree_digest(s) for s in subjects if s.get("name") == TREE_SUBJECT), None)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         if digest == tree_digest:

@@ -16,8 +16,10 @@ with its thread not started (old releases bind every interface), its aiohttp app
 constructor (which would register RDMA memory), its attributes those of one prefill rank
 (TP 1, DP 1, PP 1). Where the patched tree has ``ensure_bootstrap_auth_token``, the case runs it
 as the engine parent does, so the token is the one the patched code resolves. The attacker is a
-plain HTTP client on 127.0.0.1. Stand-ins: the runtime-context getters the registrant reads
-(one rank's parallel and serving settings) and the host lookups of old releases (127.0.0.1).
+plain HTTP client on 127.0.0.1. Where the release gives NIXL its own bootstrap server and
+registrant (0.4.5.post3 - 0.4.6.post5), the refusal and the registration run on NIXL's too.
+Stand-ins: the runtime-context getters the registrant reads (one rank's parallel and serving
+settings) and the host lookups of old releases (127.0.0.1).
 """
 
 from __future__ import annotations
@@ -91,9 +93,24 @@ def _conn():
     return sg("disaggregation.mooncake.conn")
 
 
-def _kv_class(kind: str):
+def _kv_class(kind: str, backend: str = "MOONCAKE"):
     utils = sg("disaggregation.utils")
-    return utils.get_kv_class(utils.TransferBackend.MOONCAKE, getattr(utils.KVClassType, kind))
+    return utils.get_kv_class(getattr(utils.TransferBackend, backend), getattr(utils.KVClassType, kind))
+
+
+def _nixl_own() -> tuple[Any, Any] | None:
+    """NIXL's (bootstrap server, KV manager) where the release gives NIXL its own route handler and
+    registrant rather than the shared ones the Mooncake cases already drive; else None."""
+    utils = sg("disaggregation.utils")
+    if not hasattr(utils.TransferBackend, "NIXL"):
+        return None
+    try:
+        server, manager = _kv_class("BOOTSTRAP_SERVER", "NIXL"), _kv_class("MANAGER", "NIXL")
+    except ImportError:  # a NIXL module this interpreter cannot import: nothing of NIXL's to drive
+        return None
+    if "_handle_route" in vars(server) and "_register_to_bootstrap" in vars(manager):
+        return server, manager
+    return None
 
 
 class _Settings(SimpleNamespace):
@@ -146,15 +163,15 @@ def _multi_node_without_token(ctx) -> str | None:
 
 
 @contextmanager
-def bootstrap_server(ctx):
-    """The tree's Mooncake bootstrap server, its app served on 127.0.0.1 on a free port (its own
+def bootstrap_server(ctx, cls=None):
+    """The tree's Mooncake bootstrap server (or `cls`), its app served on 127.0.0.1 on a free port (its own
     thread, which old releases bind to every interface, is not started). Yields (server, port)."""
     import asyncio
     import inspect
 
     from aiohttp import web
 
-    cls = _kv_class("BOOTSTRAP_SERVER")
+    cls = cls or _kv_class("BOOTSTRAP_SERVER")
     ctx.patch(cls, "run", lambda self: None)
     params = inspect.signature(cls.__init__).parameters
     server = cls(host="127.0.0.1", port=0) if "host" in params else cls(port=0)
@@ -176,10 +193,13 @@ def bootstrap_server(ctx):
         loop.close()
 
 
-def register_rank(ctx, port: int) -> None:
-    """The tree's own registrant: the Mooncake KV manager's PUT /route for prefill rank 0."""
-    conn = _conn()
-    manager_cls = _kv_class("MANAGER")
+def register_rank(ctx, port: int, manager_cls=None) -> None:
+    """The tree's own registrant: the Mooncake (or `manager_cls`) KV manager's PUT /route for
+    prefill rank 0."""
+    import sys
+
+    conn = sys.modules[manager_cls.__module__] if manager_cls else _conn()
+    manager_cls = manager_cls or _kv_class("MANAGER")
     method = getattr(manager_cls, "register_to_bootstrap", None) or manager_cls._register_to_bootstrap
     for module in (conn, _optional("disaggregation.common.conn")):
         for getter in ("get_parallel", "get_serving", "get_disagg"):
@@ -206,6 +226,7 @@ def register_rank(ctx, port: int) -> None:
         rank_port=PREFILL_RANK[1], kv_cache_dtype_str="auto", kv_layout=None, dsv41_spec_layout=None,
         server_args=_prefill_args(), system_dp_size=1, system_dp_rank=0,
         kv_args=SimpleNamespace(page_size=1, engine_rank=0, rust_http_port=None),
+        agent=SimpleNamespace(name="probe"),  # NIXL's registrant sends its agent's name
     )
     method(shell)
 
@@ -221,11 +242,21 @@ def register_room_dp_rank(port: int) -> str:
     return f"by {sender_cls.__name__}._register_prefill_dp_rank"
 
 
-def _registered(ctx, port: int) -> None:
-    register_rank(ctx, port)
+def _registered(ctx, port: int, manager_cls=None) -> None:
+    register_rank(ctx, port, manager_cls)
     if _route(port) != PREFILL_RANK:
         raise RuntimeError("the registrant's own PUT /route did not reach the table "
                            f"(GET /route: {_route(port)})")
+
+
+def _poison_route(port: int, poison: dict, server: str, problems: list[str], details: dict) -> None:
+    """The attacker's PUT /route without a token and with a wrong one, each followed by decode's read."""
+    for label, token in (("without a token", None), ("with a wrong token", "not-the-token")):
+        status, _ = _http(port, "PUT", "/route", poison, token=token)
+        after = _route(port)
+        details[f"{server}put {label}"] = {"status": status, "route_after": after}
+        if after != PREFILL_RANK:
+            problems.append(f"{server}PUT /route {label} answered {status} and GET /route now says {after}")
 
 
 @case(
@@ -237,16 +268,17 @@ def _registered(ctx, port: int) -> None:
 )
 def unauthenticated_route_update_refused(ctx) -> Outcome:
     settle_token(ctx)
-    problems, details = [], {}
+    problems: list[str] = []
+    details: dict[str, Any] = {}
+    poison = {**ONE_RANK, "rank_ip": POISONED[0], "rank_port": POISONED[1]}
+    nixl = _nixl_own()
+    if nixl is not None:
+        with bootstrap_server(ctx, nixl[0]) as (_server, port):
+            _registered(ctx, port, nixl[1])
+            _poison_route(port, poison, "NIXL's ", problems, details)
     with bootstrap_server(ctx) as (server, port):
         _registered(ctx, port)
-        poison = {**ONE_RANK, "rank_ip": POISONED[0], "rank_port": POISONED[1]}
-        for label, token in (("without a token", None), ("with a wrong token", "not-the-token")):
-            status, _ = _http(port, "PUT", "/route", poison, token=token)
-            after = _route(port)
-            details[f"put {label}"] = {"status": status, "route_after": after}
-            if after != PREFILL_RANK:
-                problems.append(f"PUT /route {label} answered {status} and GET /route now says {after}")
+        _poison_route(port, poison, "", problems, details)
         if "/register_dp_rank" in _routes(server.app):
             status, _ = _http(port, "POST", "/register_dp_rank", {"bootstrap_room": ROOM, "dp_rank": 7})
             _, seen = _http(port, "POST", "/query_dp_ranks", {"bootstrap_rooms": [ROOM]})
@@ -291,6 +323,13 @@ def authenticated_registration_accepted(ctx) -> Outcome:
     details = {"token_resolved": token is not None, "route": seen, "multi_node_without_token": multi_node}
     if seen != PREFILL_RANK:
         problems.append(f"GET /route after the registration says {seen}")
+    nixl = _nixl_own()
+    if nixl is not None:
+        with bootstrap_server(ctx, nixl[0]) as (_server, port):
+            register_rank(ctx, port, nixl[1])
+            details["NIXL's route"] = seen = _route(port)
+        if seen != PREFILL_RANK:
+            problems.append(f"GET /route on NIXL's server after NIXL's registration says {seen}")
     return judged(problems, f"registered {PREFILL_RANK[0]}:{PREFILL_RANK[1]}.", details,
                   unsafe_prefix="prefill's own registration refused: ")
 

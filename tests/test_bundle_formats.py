@@ -94,7 +94,7 @@ def test_a_value_only_a_file_holds_is_pinned_by_its_digest_and_the_signature(tmp
     """A probe case's `observed` text is in its file only. Edited with SHA256SUMS resealed, the
     receipt's digest names the file; edited with the receipt's predicate.files rewritten too (a
     new receipt), the signature over the receipt names it."""
-    private, public, _ = keys
+    private, _public, _ = keys
     bundle = evidence.write_bundle(tmp_path / "b", fixture_run(tmp_path / "run"))
     sign.sign_bundle(bundle, private)
     path = bundle / "probes" / "patched.json"

@@ -1089,9 +1089,9 @@ def test_report_states_its_scope_before_the_result(bundle_dir):
 
 
 def test_a_report_from_other_toolkit_code_names_both_codes_and_still_fails():
-    from backport.evidence.rendering import _other_renderer_named
     from backport.evidence.environment import code_digests
     from backport.evidence.problem import Problem
+    from backport.evidence.rendering import _other_renderer_named
 
     problem = Problem("REPORT.md", "inconsistent", "line 7 is 'a', the receipt renders 'b'")
     other = {"predicate": {"toolkit": {"code": {"backport_sha256": "ab" * 32}}}}

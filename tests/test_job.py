@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from backport import cli, evidence
+from backport.evidence.table import attached_from
 from tests.test_evidence import PASSING_CASES, D, _validate, probe_doc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def test_run_writes_a_bundle_that_verifies(real_cache, stub_probes, tmp_path, ca
     assert code == 0 and document["result"] == "pass" and document["bundle"] == str(out.absolute())
     assert "[sglang==0.5.19 1/" in captured.err and "probe matrix" in captured.err
     assert evidence.verify(out).ok
-    p = json.loads((out / "receipt.json").read_text())["predicate"]
+    p = attached_from(out, json.loads((out / "receipt.json").read_text()))["predicate"]
     _validate(json.loads((out / "receipt.json").read_text()))
     assert [[role for role, _ in call] for call in stub_probes] == [["pristine", "patched", "reference"]]
     from backport.job import default_reference
@@ -209,7 +210,7 @@ def test_a_release_the_pack_cannot_serve_gets_an_exposure_bundle(real_cache, stu
     assert [[role for role, _ in call] for call in stub_probes] == [["pristine"]]
     statement = json.loads((out / "receipt.json").read_text())
     _validate(statement)
-    p = statement["predicate"]
+    p = attached_from(out, statement)["predicate"]
     assert p["mode"] == "exposure" and p["apply"]["status"] == "failed" and p["inputs"]["patches"] == []
     assert set(p["inputs"]["trees"]) == {"pristine"} and p["inputs"]["reference"] is None
     assert [s["name"] for s in statement["subject"]] == ["pristine-tree/sglang"]
@@ -249,7 +250,7 @@ def test_run_head_mode_probes_two_given_trees(real_cache, release_tree, stub_pro
     assert code == 0, capsys.readouterr().err
     statement = json.loads((out / "receipt.json").read_text())
     _validate(statement)
-    p = statement["predicate"]
+    p = attached_from(out, statement)["predicate"]
     assert p["mode"] == "upstream-pair" and p["apply"] is None and p["inputs"]["patches"] == []
     assert p["inputs"]["trees"]["patched"]["version"] == "0.5.22"
     assert p["inputs"]["trees"]["pristine"]["tree_digest"] == base.tree_digest
@@ -356,7 +357,7 @@ def test_run_sglang_0_5_19_end_to_end(real_cache, probe_python, tmp_path, capsys
     assert evidence.verify(out).ok
     proc = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, check=False)
     assert proc.returncode == 0
-    p = statement["predicate"]
+    p = attached_from(out, statement)["predicate"]
     assert p["inputs"]["target"]["artifact_sha256"] == \
         "425e87377e725d03db8262382008f3fd9561a6cf5d82f485f8b9929f02ffe12b"
     assert p["apply"]["status"] == "applied"

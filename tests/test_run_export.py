@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from backport import cli, evidence
-from backport.evidence.artifacts import TREE_SUBJECT, read_wheel
+from backport.evidence.artifacts import TREE_SUBJECT, read_wheel, tree_digest
 from tests.conftest import WORKSPACE_CACHE
 from tests.test_evidence import _receipt, _reseal, _validate
 from tests.test_job import PASSING_CASES, probe_doc, real_cache  # noqa: F401 - real_cache: a fixture
@@ -72,7 +72,7 @@ def test_the_subjects_are_the_patched_tree_the_wheel_and_the_series(bundle):
     )
     applied = [x for x in p["inputs"]["patches"] if x["status"] == "applied"]
     assert len(export["patches"]) == len(applied) > 0
-    subjects = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+    subjects = {s["name"]: tree_digest(s) for s in statement["subject"]}  # a tree by dirHash1, files sha256
     assert subjects == {TREE_SUBJECT: p["inputs"]["trees"]["patched"]["tree_digest"],
                         wheel["file"]: evidence.sha256_file(bundle / wheel["file"]),
                         **{x["file"]: evidence.sha256_file(bundle / x["file"]) for x in export["patches"]}}

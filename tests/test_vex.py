@@ -14,6 +14,7 @@ import pytest
 from backport import cli, evidence, resources
 from backport.errors import BadInput
 from backport.evidence import cyclonedx, vex
+from backport.evidence.table import attached_from
 from backport.evidence.vulnerabilities import add_aliases, class_status, load_classes, pack_classes
 from backport.pack import load_pack
 from tests.test_evidence import _files, _receipt, fixture_run
@@ -326,7 +327,7 @@ def test_a_class_whose_code_is_absent_is_not_affected(classes, pr35049, status):
 
 
 def test_not_affected_is_valid_openvex_and_cyclonedx(bundle, classes):
-    receipt = _receipt(bundle)
+    receipt = attached_from(bundle, _receipt(bundle))  # the apply report read back into the receipt
     receipt["predicate"]["apply"]["patches"].append(
         {
             "fix": "pr35049",

@@ -152,6 +152,24 @@ def test_the_fix_alone_refuses_route_poisoning(version, release_tree, probe_pyth
     assert status["pristine"] not in ("fixed-by-pack", "not-applicable")
 
 
+@pytest.mark.probe_env
+@pytest.mark.network
+def test_the_probe_drives_nixls_own_bootstrap_server_where_a_release_has_one(release_tree, probe_python):
+    """0.4.5.post3 - 0.4.6.post5 give NIXL its own bootstrap server and registrant (not the handlers
+    Mooncake's cases drive): on the pristine 0.4.6.post5 the attacker's PUT /route rewrites NIXL's
+    table too, and NIXL's own registrant registers rank 0 there."""
+    from backport.probing import run_harness
+
+    doc = run_harness(probe_python, release_tree("0.4.6.post5").path, probes=["bootstrap_routes"],
+                      version="0.4.6.post5")
+    assert _verdicts(doc) == {**{k: "safe" for k in CASES}, "unauthenticated_route_update_refused": "unsafe"}
+    by_case = {c["case"]: c["details"] for c in doc["cases"]}
+    for label in ("without a token", "with a wrong token"):
+        assert by_case["unauthenticated_route_update_refused"][f"NIXL's put {label}"] == {
+            "status": 200, "route_after": ["203.0.113.66", 6666]}
+    assert by_case["authenticated_registration_accepted"]["NIXL's route"] == ["10.0.0.1", 17000]
+
+
 TOKEN_SCRIPT = r"""
 import io, json, logging, os, sys
 from types import SimpleNamespace

@@ -22,12 +22,13 @@ from backport.tree import clone_tree
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-bootstrap-auth"
 CLASS = "SBP-2026-0005"
-SERVED = ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1",
-          "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SERVED = ("0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
+          "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21",
+          "0.5.22", "0.5.23")
 # one variant per release from 0.5.15 up; -0.5.15 also serves 0.5.13 - 0.5.14 (offsets only),
-# -0.5.12.post1 serves 0.5.12 too
-VARIANTS = ("0.5.12.post1", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22",
-            "0.5.23")
+# -0.5.12.post1 serves 0.5.12 too, -0.5.11 serves 0.5.10 - 0.5.10.post1 too
+VARIANTS = ("0.5.11", "0.5.12.post1", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20",
+            "0.5.21", "0.5.22", "0.5.23")
 CASES = {"unauthenticated_route_update_refused": False, "authenticated_registration_accepted": True,
          "decode_rendezvous_reads_open": True}
 

@@ -1,5 +1,6 @@
 """The pack's output, held still: every pinned release's patched tree has the git tree id recorded in
-tests/data/patched-trees.json (`python -m tests.patched_trees`) (issue 46 item 5).
+tests/data/patched-trees.json (`python -m tests.patched_trees`), and the pack's files do not repeat
+themselves (issue 46 item 5).
 
 A change to the pack's files that must not change what it writes (merging two variants into one
 Applies-To range, a header edit) keeps every tree id; a change meant to change a patched tree (a new
@@ -10,9 +11,12 @@ tests.patched_trees --write` and says why in its commit.
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
 from backport import gitops
+from backport.pack import load_pack
 from backport.releases import load_pins
+from tests.conftest import REPO
 from tests.patched_trees import REGENERATE, recorded
 
 PINNED = list(load_pins())
@@ -32,3 +36,41 @@ def test_patched_tree_is_the_recorded_one(version, patched_tree):
     got = gitops.run(tree.path, "rev-parse", "HEAD^{tree}").decode().strip()
     assert got == recorded()[version], (
         f"{version}: the patched tree changed; if that is meant, regenerate with `{REGENERATE}`")
+
+
+def hunk_key(variant) -> tuple:
+    """What a variant writes, without where its hunks start: per file (unidiff's parse of the diff)
+    its paths and each hunk's lines, type and text. Two variants with the same key differ only in
+    line numbers, which the engine's placement finds by offset on its own."""
+    return tuple((pf.source_file, pf.target_file, pf.is_added_file, pf.is_removed_file,
+                  tuple(tuple((line.line_type, line.value) for line in hunk) for hunk in pf))
+                 for pf in variant.patchset)
+
+
+def first_release(variant, pins: list[str]) -> Version:
+    """The oldest pinned release the variant serves (after every pin: it serves none)."""
+    return next((Version(r) for r in pins if variant.applies(r)), Version("9999"))
+
+
+# sbp-bootstrap-auth's variants belong to another change under way (issue 44): these four pairs go
+# when it lands; the test fails once a pair is gone and still listed here, or when a new one appears.
+KNOWN_REPEATS = {
+    ("sbp-bootstrap-auth-0.5.17.patch", "sbp-bootstrap-auth-0.5.18.patch"),
+    ("sbp-bootstrap-auth-0.5.19.patch", "sbp-bootstrap-auth-0.5.20.patch"),
+    ("sbp-bootstrap-auth-0.5.20.patch", "sbp-bootstrap-auth-0.5.21.patch"),
+    ("sbp-bootstrap-auth-0.5.22.patch", "sbp-bootstrap-auth-0.5.23.patch"),
+}
+
+
+def test_no_two_adjacent_variants_have_identical_hunks():
+    """A variant that only moves its predecessor's hunks is no variant: the predecessor's Applies-To
+    widens over its releases instead (`refresh` does so; docs/decisions.md)."""
+    pack = load_pack(REPO / "patches")
+    pins = list(load_pins())
+    repeats = set()
+    for fid in pack.series:
+        ordered = sorted(pack.variants[fid], key=lambda pv: first_release(pv, pins))
+        repeats |= {(a.name, b.name) for a, b in zip(ordered, ordered[1:]) if hunk_key(a) == hunk_key(b)}
+    assert repeats == KNOWN_REPEATS, (
+        f"repeating variants: {sorted(repeats - KNOWN_REPEATS)}; no longer repeating: "
+        f"{sorted(KNOWN_REPEATS - repeats)}")

@@ -10,21 +10,28 @@
    (``apply_series``), so the variant meets the tree a run gives it, outside its diff;
 4. the variant is placed file by file with the engine's placement (exact, offset, fuzz up
    to 2: ``engine/placement.py``), whatever its Applies-To says;
-5. all hunks placed: the clone is committed and the variant written from its ``git diff``
+5. every hunk exact or at an offset (no fuzz): the variant as it is serves X, so no file is
+   forked (a second file with the same hunks at other line numbers would repeat it):
+   ``served`` when its Applies-To already contains X (nothing written), ``widened`` when
+   stretching its Applies-To over X claims no pinned release but X and the ones a variant
+   for X would take (below); its header gets the range, Last-Update today and a
+   Backport-Notes line. Otherwise (fuzz, or the range would claim other releases):
+6. all hunks placed: the clone is committed and the variant written from its ``git diff``
    (``gitops.diff``) under the nearest variant's header with Applies-To ``>=X,<NEXT``,
    Last-Update today and a Backport-Notes line naming the source, offsets and fuzz. NEXT is
    the first pinned release after X (X's post releases ride with X) that a variant of the
    fix or its ``fixed_in`` already covers, else the first after X; none at all: ``>=X``.
    When the nearest variant contains X, X moves out of it: its ``>=X`` becomes ``>=NEXT``
    (X inside its range but not at its start is bad input: narrow it by hand);
-6. a hunk conflicts: the hunks that place are written to the clone (uncommitted), a file's
+7. a hunk conflicts: the hunks that place are written to the clone (uncommitted), a file's
    conflicting hunks beside it as ``<file>.rej`` (GNU patch's format), the clone is kept:
    ``conflict``, exit 1. Once the user has carried each ``.rej`` into its file, deleted it
-   and committed, ``continue_refresh`` writes the variant from the commits as in 5 (the
+   and committed, ``continue_refresh`` writes the variant from the commits as in 6 (the
    clone keeps its base commit and source variant in its git directory: ``STATE``).
 
 A variant file is created, never replaced (exit 2), and only once it loads as a variant of
-the fix (``load_variant``: the header agrees with ``fixes.toml``).
+the fix (``load_variant``: the header agrees with ``fixes.toml``); a widened header is
+rewritten only under the same check.
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import git
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import gitops
 from .engine import apply_series
 from .engine.overlay import Overlay, patch_file
-from .engine.placement import CONFLICT, FileImage, apply_hunks, place_hunks
+from .engine.placement import CONFLICT, EXACT, OFFSET, FileImage, apply_hunks, place_hunks
 from .engine.report import FAILED, HunkResult
 from .errors import BadInput
 from .pack.load import load_variant
@@ -55,6 +63,7 @@ from .tree import commit_all
 
 STATE = "sglang-backport-refresh.json"  # in the clone's git dir: what --continue needs
 PLACED, CONFLICTED, WRITTEN = "placed", "conflict", "written"
+SERVED, WIDENED = "served", "widened"  # the nearest variant places without fuzz: no file forked
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,10 @@ class RefreshResult:
     fix: str
     release: str
     from_variant: str
-    status: str  # placed (check only) | conflict | written
-    path: Path | None  # the written variant; on conflict the work tree
+    status: str  # placed (check only) | conflict | written | widened | served
+    path: Path | None  # the written or widened variant; on conflict the work tree
     hunks: tuple[HunkResult, ...]
-    applies_to: str
+    applies_to: str  # the written variant's Applies-To; widened: the nearest's new one
     narrowed: str = ""  # the nearest variant's new Applies-To when X moved out of it
 
     def to_json(self) -> dict:
@@ -75,8 +84,9 @@ class RefreshResult:
                 "hunks": [h.to_json() for h in self.hunks]}
 
 
-def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant, str, str]:
-    """(X, the nearest variant, the new Applies-To, the nearest's new Applies-To or "")."""
+def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant, str, str, str]:
+    """(X, the nearest variant, a forked variant's Applies-To, the nearest's new Applies-To or "",
+    why no variant can be forked for X or "")."""
     if (fix := pack.fixes.get(fix_id)) is None:
         raise BadInput(f"{fix_id}: no such fix in {pack.root / 'fixes.toml'}")
     v = parse_version(version, "--release")
@@ -100,16 +110,38 @@ def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant,
     covered = [r for r in later if fix.is_fixed_in(r) or any(pv.applies(r) for pv in pack.variants[fix_id])]
     upper = (covered or later)[0] if covered or later else None
     applies = f">={v},<{upper}" if upper else f">={v}"
-    narrowed = ""
+    narrowed = refusal = ""
     if source.applies(v):
         specs = [str(s) for s in source.applies_to]
         if f">={v}" not in specs or upper is None or not any(source.applies(r) for r in later):
-            raise BadInput(
-                f"{source.name}: its Applies-To {source.applies_to} serves sglang {v} and does not "
-                f"start there alone; narrow it by hand first"
-            )
-        narrowed = ",".join([f">={upper}"] + [s for s in specs if s != f">={v}"])
-    return v, source, applies, narrowed
+            refusal = (f"{source.name}: its Applies-To {source.applies_to} serves sglang {v} and does not "
+                       f"start there alone; narrow it by hand first")
+        else:
+            narrowed = ",".join([f">={upper}"] + [s for s in specs if s != f">={v}"])
+    return v, source, applies, narrowed, refusal
+
+
+def _widened(pack: Pack, source: PatchVariant, v: Version, applies: str, pins: list[str]) -> str:
+    """The nearest variant's Applies-To stretched over X, or "" when that would claim a pinned
+    release a variant forked for X would not take (its range ``applies``) or another variant
+    serves, or when the range is not a plain ``>=A[,<B]``."""
+    lows = [s.version for s in source.applies_to if s.operator == ">="]
+    highs = [s.version for s in source.applies_to if s.operator == "<"]
+    if len(lows) != 1 or len(highs) > 1 or len(lows) + len(highs) != len(source.applies_to):
+        return ""
+    mine = SpecifierSet(applies)
+    upper = [s.version for s in mine if s.operator == "<"]
+    if Version(lows[0]) < v:  # X lies above the range: its top moves to where X's would end
+        spec = ",".join([f">={lows[0]}"] + [f"<{u}" for u in upper])
+    else:  # below: its bottom moves down to X
+        spec = ",".join([f">={v}"] + [f"<{h}" for h in highs])
+    gained = {r for r in pins if SpecifierSet(spec).contains(r, prereleases=True) and not source.applies(r)}
+    others = {r for pv in pack.variants.get(source.fix, ()) if pv is not source
+              for r in pins if pv.applies(r)}
+    if gained & others or not gained <= {r for r in pins if mine.contains(r, prereleases=True)}:
+        return ""
+    return spec
+
 
 
 def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = None,
@@ -117,8 +149,9 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
     """Refresh ``fix_id``'s nearest variant for sglang ``version`` (module doc). ``work_dir``:
     where the clone goes (must not exist or be empty; default a new temporary directory).
     ``check``: place only, write nothing, keep no clone."""
-    v, source, applies, narrowed = _plan(pack, fix_id, version)
-    pristine = materialise(f"sglang=={v}", pins=load_pins(default_path(pack.root))).tree
+    v, source, applies, narrowed, refusal = _plan(pack, fix_id, version)
+    pins = load_pins(default_path(pack.root))
+    pristine = materialise(f"sglang=={v}", pins=pins).tree
     own = work_dir is None
     if work_dir is None:
         dest = Path(tempfile.mkdtemp(prefix=f"sglang-refresh-{fix_id}-{v}-"))
@@ -134,16 +167,29 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
             raise BadInput(f"{fix_id}: its dependency {bad} does not apply to sglang {v}; refresh it first")
         base = gitops.read_ref(tree.path, "HEAD") or ""
         hunks, rejects = _place(tree.package_root, source, write=not check)
+        conflict = any(h.status == CONFLICT for h in hunks)
+        unfuzzed = not check and all(h.status in (EXACT, OFFSET) for h in hunks)
+        widened = _widened(pack, source, v, applies, sorted(pins, key=Version)) \
+            if unfuzzed and not source.applies(v) else ""
+        as_is = unfuzzed and (source.applies(v) or bool(widened))  # the source serves X as it is: no fork
+        if refusal and not check and not as_is:
+            raise BadInput(refusal)  # a variant must be forked for X and X cannot leave the source
     except BaseException:
         if own:
             shutil.rmtree(dest, ignore_errors=True)
         raise
-    conflict = any(h.status == CONFLICT for h in hunks)
-    if check:
+    if check or as_is:
         if own:
             shutil.rmtree(dest)
-        return RefreshResult(fix_id, str(v), source.name, CONFLICTED if conflict else PLACED, None, hunks,
-                             applies, narrowed)
+        if check:
+            return RefreshResult(fix_id, str(v), source.name, CONFLICTED if conflict else PLACED, None, hunks,
+                                 applies, narrowed)
+        if not widened:
+            return RefreshResult(fix_id, str(v), source.name, SERVED, None, hunks,
+                                 source.header["Applies-To"].strip())
+        _widen(pack, source, widened, f"Widened to {v} by sglang-backport refresh: its hunks place there "
+                                      f"{_summary(hunks)}, no fuzz, so {v} needs no variant of its own.")
+        return RefreshResult(fix_id, str(v), source.name, WIDENED, source.path, hunks, widened)
     if conflict:
         git_dir, _ = gitops.work_tree(tree.path)
         (git_dir / STATE).write_text(json.dumps({"fix": fix_id, "release": str(v), "base": base,
@@ -170,7 +216,9 @@ def continue_refresh(pack: Pack, fix_id: str, version: str, work_tree: Path) -> 
         state = json.loads((git_dir / STATE).read_text())
     except (OSError, ValueError):
         raise BadInput(f"{work_tree}: not a work tree left by `sglang-backport refresh`") from None
-    v, source, applies, narrowed = _plan(pack, fix_id, version)
+    v, source, applies, narrowed, refusal = _plan(pack, fix_id, version)
+    if refusal:
+        raise BadInput(refusal)
     if (state["fix"], state["release"]) != (fix_id, str(v)):
         raise BadInput(
             f"{work_tree}: a refresh of {state['fix']} for {state['release']}, not {fix_id} for {v}"
@@ -268,6 +316,13 @@ def _write(pack: Pack, source: PatchVariant, version: str, root: Path, base: str
         head = _header(header, {"applies-to": narrowed}, "")
         _put(source.path, head + "---\n" + source.path.read_text().split("\n---\n", 1)[1], fix, replace=True)
     return target
+
+
+def _widen(pack: Pack, source: PatchVariant, applies: str, note: str) -> None:
+    """Rewrite the source's header with its widened Applies-To, Last-Update today and ``note``."""
+    header, body = source.path.read_text().split("\n---\n", 1)
+    text = _header(header, {"applies-to": applies, "last-update": _dt.date.today().isoformat()}, note)
+    _put(source.path, text + "---\n" + body, pack.fixes[source.fix], replace=True)
 
 
 def _header(raw: str, fields: dict[str, str], note: str) -> str:

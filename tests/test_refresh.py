@@ -9,9 +9,11 @@ from pathlib import Path
 import git
 import pytest
 
+from backport import gitops
 from backport.cli import main
 from backport.engine import apply_series
 from backport.pack import load_pack, load_variant
+from backport.tree import clone_tree
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXT = "        can_run_cuda_graph = result.can_run_cuda_graph"  # trailing context of one hunk
@@ -33,26 +35,88 @@ def _body(path: Path) -> str:
     return path.read_text().split("\n---\n", 1)[1]
 
 
+def _tree_id(work_tree: Path) -> str:
+    return gitops.run(work_tree, "rev-parse", "HEAD^{tree}").decode().strip()
+
+
+def _applies_to(path: Path, spec: str) -> None:
+    """Rewrite a variant's Applies-To line (the test's own edit of a pack copy)."""
+    text = path.read_text()
+    old = next(line for line in text.splitlines() if line.startswith("Applies-To: "))
+    path.write_text(text.replace(old, f"Applies-To: {spec}", 1))
+
+
 @pytest.mark.network
-def test_refresh_places_with_offsets_and_writes_an_exact_variant(pack_copy, capsys, monkeypatch, shared_cache,
-                                                                 release_tree, tmp_path):
+def test_refresh_widens_a_variant_whose_hunks_place_without_fuzz(pack_copy, capsys, monkeypatch, shared_cache,
+                                                                 release_tree, patched_tree, tmp_path):
+    """pr36988-0.5.17 places on 0.5.16 at an offset, no fuzz: refresh stretches its Applies-To over
+    0.5.16 instead of forking a file with the same hunks at other line numbers, and the pack then
+    patches 0.5.16 to the very tree the shipped pack gives it (which serves 0.5.16 with that variant)."""
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    source = pack_copy / "pr36988" / "pr36988-0.5.17.patch"
+    _applies_to(source, ">=0.5.17,<0.5.18")  # 0.5.16 served by no variant of the copy
+    before = sorted(p.name for p in source.parent.iterdir())
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
+                         "--work-dir", str(tmp_path / "wt"))
+    assert code == 0, doc
+    assert (doc["status"], doc["from_variant"], doc["path"]) == ("widened", source.name, str(source))
+    assert doc["applies_to"] == ">=0.5.16,<0.5.18" and len(doc["hunks"]) == 7
+    assert {h["status"] for h in doc["hunks"]} == {"offset"}
+    assert sorted(p.name for p in source.parent.iterdir()) == before  # no file forked
+
+    pack = load_pack(pack_copy)  # the header agrees with fixes.toml, or this raises
+    variant = pack.variant_for("pr36988", "0.5.16")
+    assert variant.path == source and variant.header["Applies-To"] == ">=0.5.16,<0.5.18"
+    notes = " ".join(variant.header["Backport-Notes"].split())
+    assert "Widened to 0.5.16 by sglang-backport refresh" in notes
+    assert _body(source) == _body(REPO / "patches" / "pr36988" / "pr36988-0.5.17.patch")
+
+    clone = clone_tree(release_tree("0.5.16"), tmp_path, tmp_path / "copy")
+    report = apply_series(clone.path, pack, "0.5.16")
+    assert report.status == "applied", report.to_json()
+    shipped, _ = patched_tree("0.5.16")
+    assert _tree_id(clone.path) == _tree_id(shipped.path)
+
+
+@pytest.mark.network
+def test_refresh_where_the_variant_serves_without_fuzz_writes_nothing(pack_copy, capsys, monkeypatch,
+                                                                      shared_cache):
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy))
+    assert code == 0 and doc["status"] == "served" and doc["path"] is None, doc
+    assert (doc["from_variant"], doc["applies_to"]) == ("pr36988-0.5.17.patch", ">=0.5.16,<0.5.18")
+    for name in ("pr36988-0.5.17.patch", "pr36988-0.5.15.patch"):
+        shipped = (REPO / "patches" / "pr36988" / name).read_bytes()
+        assert (pack_copy / "pr36988" / name).read_bytes() == shipped
+    assert not (pack_copy / "pr36988" / "pr36988-0.5.16.patch").exists()
+
+
+@pytest.mark.network
+def test_refresh_forks_a_variant_that_needs_fuzz(pack_copy, capsys, monkeypatch, shared_cache, release_tree,
+                                                  tmp_path):
+    """A context line of the source drifted (one hunk places with fuzz 1 only): refresh writes a
+    variant of 0.5.16's own, which places exactly there, and 0.5.16 leaves the source."""
+    monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
+    source = pack_copy / "pr36988" / "pr36988-0.5.17.patch"
+    text = source.read_text()
+    line = "\n             batch=batch,\n"  # the trailing context line of one hunk
+    assert text.count(line) == 1
+    source.write_text(text.replace(line, line.rstrip("\n") + "  # drifted\n"))
     code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
                          "--work-dir", str(tmp_path / "wt"))
     assert code == 0, doc
     new = pack_copy / "pr36988" / "pr36988-0.5.16.patch"
     assert (doc["status"], doc["from_variant"], doc["path"]) == ("written", "pr36988-0.5.17.patch", str(new))
-    assert {h["status"] for h in doc["hunks"]} == {"offset"} and len(doc["hunks"]) == 7
-    assert not (REPO / "patches" / "pr36988" / "pr36988-0.5.16.patch").exists()
+    assert sorted(h["status"] for h in doc["hunks"]) == ["fuzz"] + ["offset"] * 6
 
     pack = load_pack(pack_copy)  # the header agrees with fixes.toml, or this raises
     variant = pack.variant_for("pr36988", "0.5.16")
-    assert variant.path == new and str(variant.applies_to) in ("<0.5.17,>=0.5.16", ">=0.5.16,<0.5.17")
+    assert variant.path == new and variant.header["Applies-To"] == ">=0.5.16,<0.5.17"
     assert "Refreshed for 0.5.16 from pr36988-0.5.17.patch" in " ".join(
         variant.header["Backport-Notes"].split()
     )
     assert variant.header["Description"] == pack.variant_for("pr36988", "0.5.17").header["Description"]
-    assert pack.variant_for("pr36988", "0.5.17").name == "pr36988-0.5.17.patch"  # 0.5.16 moved out of it
+    assert pack.variant_for("pr36988", "0.5.17").header["Applies-To"] == ">=0.5.17,<0.5.18"  # 0.5.16 left it
 
     report = apply_series(release_tree("0.5.16").path, pack, "0.5.16", only=["pr36988"], check=True)
     (result,) = report.patches
@@ -65,12 +129,12 @@ def test_refresh_places_with_offsets_and_writes_an_exact_variant(pack_copy, caps
 
 @pytest.mark.network
 def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, capsys, monkeypatch,
-                                                                      shared_cache, tmp_path):
+                                                                      shared_cache, release_tree, tmp_path):
     monkeypatch.setenv("SGLANG_BACKPORT_CACHE", str(shared_cache))
-    reference = tmp_path / "reference"  # a clean refresh, to compare the hand resolution with
-    shutil.copytree(pack_copy, reference)
-    assert main(["refresh", "pr36988", "--release", "0.5.16", "--series", str(reference)]) == 0
-    capsys.readouterr()
+    # what the hand resolution must come to: the diff the clean variant makes on 0.5.16 (the engine's)
+    clean = clone_tree(release_tree("0.5.16"), tmp_path, tmp_path / "clean")
+    assert apply_series(clean.path, load_pack(pack_copy), "0.5.16", only=["pr36988"]).status == "applied"
+    reference = gitops.diff(clean.path, clean.base_commit, "HEAD", clean.package_prefix)
 
     source = pack_copy / "pr36988" / "pr36988-0.5.17.patch"
     text = source.read_text()
@@ -112,7 +176,7 @@ def test_conflict_leaves_a_work_tree_and_continue_writes_the_variant(pack_copy, 
     assert code == 0 and doc["status"] == "written", doc
     new = pack_copy / "pr36988" / "pr36988-0.5.16.patch"
     assert load_pack(pack_copy).variant_for("pr36988", "0.5.16").path == new
-    assert _body(new) == _body(reference / "pr36988" / "pr36988-0.5.16.patch")
+    assert _body(new) == reference
     assert "resolved by hand" in new.read_text()
 
 

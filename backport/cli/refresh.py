@@ -9,7 +9,7 @@ from backport.cli.trees import load_series
 
 
 def cmd_refresh(args) -> int:
-    from backport.refresh import CONFLICTED, continue_refresh, refresh
+    from backport.refresh import CONFLICTED, SERVED, WIDENED, continue_refresh, refresh
 
     pack = load_series(args)
     if args.continue_tree:
@@ -30,6 +30,11 @@ def cmd_refresh(args) -> int:
         lines += [f"work tree: {result.path}",
                   ("carry each .rej into its file, delete the .rej files, commit, then run `sglang-backport "
                    f"refresh {result.fix} --release {result.release}{series} --continue {result.path}`")]
+    elif result.status == WIDENED:
+        lines.append(f"widened {result.path}: Applies-To is now {result.applies_to} (no file forked)")
+    elif result.status == SERVED:
+        lines.append(f"{result.from_variant} (Applies-To: {result.applies_to}) already serves "
+                     f"{result.release} without fuzz: nothing written")
     elif result.path:
         lines.append(f"wrote {result.path} (Applies-To: {result.applies_to})")
         if result.narrowed:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from backport import cache
 from backport.cli import emit
-from backport.errors import BadInput, Finding
+from backport.errors import BadInput, Finding, Interrupted
 
 WATCH_SECONDS = 1.0
 
@@ -85,7 +85,7 @@ def serve(args, tree) -> int:
                 dead = next(s for s in servers if not s.alive())
                 raise Finding(f"live --serve: {dead.name} exited with {dead.process.returncode}; "
                               "the pair is stopped")
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the way to end --serve, after a clean stop
+        except (KeyboardInterrupt, Interrupted):  # Ctrl-C or SIGTERM: how --serve ends, after a clean stop
             print("sglang-backport: live --serve stopped; every server it started is ended", file=sys.stderr)
             return 0
 

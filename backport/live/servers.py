@@ -31,7 +31,7 @@ from pathlib import Path
 
 import requests
 
-from backport.errors import Finding
+from backport.errors import Finding, Interrupted
 from backport.live import supervisor
 from backport.signals import handling
 
@@ -90,10 +90,6 @@ class PortInUse(ServerDidNotStart):
     def __init__(self, message: str, server: Server, port: int):
         super().__init__(message)
         self.server, self.port = server, port
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as an interrupt so that `finally` blocks run and the CLI exits as for Ctrl-C."""
 
 
 @dataclass
@@ -215,10 +211,11 @@ def signals_held():
 
 
 def sigterm_raises():
-    """SIGTERM raises Terminated in the main thread, so `with Processes(...)` stops its servers."""
+    """SIGTERM raises Interrupted in the main thread, so `with Processes(...)` stops its servers
+    and the CLI names the signal (exit 143, not Ctrl-C's 130)."""
 
     def handler(signum, frame):
-        raise Terminated(f"signal {signum}")
+        raise Interrupted(signum)
 
     return handling((signal.SIGTERM,), handler)
 

@@ -10,6 +10,9 @@ tests.patched_trees --write` and says why in its commit.
 
 from __future__ import annotations
 
+import re
+from itertools import pairwise
+
 import pytest
 from packaging.version import Version
 
@@ -70,7 +73,18 @@ def test_no_two_adjacent_variants_have_identical_hunks():
     repeats = set()
     for fid in pack.series:
         ordered = sorted(pack.variants[fid], key=lambda pv: first_release(pv, pins))
-        repeats |= {(a.name, b.name) for a, b in zip(ordered, ordered[1:]) if hunk_key(a) == hunk_key(b)}
+        repeats |= {(a.name, b.name) for a, b in pairwise(ordered) if hunk_key(a) == hunk_key(b)}
     assert repeats == KNOWN_REPEATS, (
         f"repeating variants: {sorted(repeats - KNOWN_REPEATS)}; no longer repeating: "
         f"{sorted(KNOWN_REPEATS - repeats)}")
+
+
+def test_release_rows_do_not_restate_which_variants_serve_them():
+    """Which variant serves a release is its Applies-To (`sglang-backport apply --check sglang==X` names
+    it); a row's note or comment in patches/releases.toml that restates it goes stale, unchecked, as
+    soon as variants merge or widen, so none names a variant."""
+    pack = load_pack(REPO / "patches")
+    text = (REPO / "patches" / "releases.toml").read_text()
+    fixes = "|".join(map(re.escape, pack.series))
+    variant = re.compile(rf"\b(?:{fixes})-\d+\.\d+")
+    assert not variant.findall(text)

@@ -185,9 +185,9 @@ def render(statement: dict) -> list[str]:
     """REPORT.md's section on the statement's subjects and the exported files."""
     lines = ["## Subjects", "", "What this receipt is about (its in-toto subjects):", ""]
     for s in statement["subject"]:
-        if s["name"] == TREE_SUBJECT:
+        if s["name"].endswith("-tree/sglang"):  # the patched tree, or an exposure run's pristine tree
             lines.append(
-                f"- `{TREE_SUBJECT}` (sglang {s.get('annotations', {}).get('version')}): tree digest "
+                f"- `{s['name']}` (sglang {s.get('annotations', {}).get('version')}): tree digest "
                 f"`{tree_digest(s)}`, the {TREE_DIGEST_METHOD}"
                 + (f"; git tree `{s['digest']['gitTree']}`" if s["digest"].get("gitTree") else "")
             )

@@ -343,7 +343,7 @@ def _input_problems(p: dict, table: bool = True) -> list[str]:
     # an exposure run names no patch: the engine's report is kept, the scratch clone it patched is not
     expected_patches = [] if exposure else patch_inputs_from(apply, inputs["patches"])
     if not table:  # the apply report against inputs.patches and the commit: table.table_problems
-        expected_patches, apply = list(inputs["patches"]), None
+        expected_patches = list(inputs["patches"])
     for index in range(max(len(expected_patches), len(inputs["patches"]))):
         got = inputs["patches"][index] if index < len(inputs["patches"]) else None
         want = expected_patches[index] if index < len(expected_patches) else None
@@ -360,7 +360,7 @@ def _input_problems(p: dict, table: bool = True) -> list[str]:
                 f"inputs.patches[{index}].path {got.get('path')!r} does not name {want['variant']}"
             )
     if apply is not None and not exposure:
-        if trees.get("patched", {}).get("commit") != apply.get("head_commit"):
+        if table and trees.get("patched", {}).get("commit") != apply.get("head_commit"):
             problems.append(f"inputs.trees.patched.commit is {trees.get('patched', {}).get('commit')!r}, "
                             f"predicate.apply.head_commit is {apply.get('head_commit')!r}")
         if apply.get("version") != trees.get("patched", {}).get("version"):

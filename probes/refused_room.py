@@ -1,6 +1,6 @@
 """A request prefill's door refuses releases decode's reservation (sbp-refused-room; issue 41).
 
-On 0.4.5.post1 - 0.4.8 #38935's prefill door retires an intake rejection before a KV sender
+On 0.4.5.post1 - 0.4.9 #38935's prefill door retires an intake rejection before a KV sender
 exists, while decode, whose own intake let the prompt through, creates a receiver, reserves
 pages for the whole prompt and registers them with prefill. Nothing tells decode that no
 transfer will come: these releases have no decode waiting timeout and decode's
@@ -21,8 +21,13 @@ all-reduce of the polls (one rank: the polls themselves).
 
 Two manager layouts: the closure transfer thread of 0.4.5.post1 - 0.4.6.post5, and from 0.4.7
 prefill's transfer queue sharded over ``transfer_worker`` methods (each worker's queue is a
-``_Feed``; the case runs every worker). Not applicable from 0.4.8.post1, whose Mooncake manager
-the pack's variants do not reach yet (0.4.9 adds decode's waiting timeout).
+``_Feed``; the case runs every worker); from 0.4.8.post1 a status message carries the prefill
+rank as a third frame (the case sends every status through the tree's own
+``sync_status_to_decode_endpoint``). Applicability is read from the code, never from the
+release number alone, so a not-applicable verdict cannot hide the exposure: the cases are not
+applicable where decode has its own waiting timeout (from 0.4.9.post1:
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s), which fails a room no status reaches and
+releases its pages as 0.5.22 does, or where the Mooncake manager has neither layout.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged, tree_version
+from probes import NotApplicable, Outcome, case, judged
 from probes.admission import REJECTION, DoorRig
 from probes.failed_transfer_rig import TransferRig
 from probes.standins import make_req, reject_at_intake, sg
@@ -62,20 +67,29 @@ class _Feed:
         self.items.append(item)
 
 
+def decode_waiting_timeout(module) -> bool:
+    """Decode's receiver or manager (or a class they inherit from) reads a waiting timeout: the
+    path, besides a status from prefill, that fails a room and releases its pages."""
+    import inspect
+
+    classes = [*module.MooncakeKVReceiver.__mro__, *module.MooncakeKVManager.__mro__]
+    return any("waiting_timeout" in inspect.getsource(cls)
+               for cls in classes if cls.__module__.startswith("sglang."))
+
+
 class MooncakeSide:
     """One Mooncake rank (TP 1) built by the tree's own constructor; its thread bodies are
     captured instead of started, and run here on demand."""
 
     def __init__(self, ctx, mode: str, wire: list) -> None:
         module = sg("disaggregation.mooncake.conn")
-        from packaging.version import Version
-
-        if not hasattr(module.MooncakeKVManager, "start_prefill_thread") or tree_version() >= Version(
-            "0.4.8.post1"
-        ):
+        if decode_waiting_timeout(module):
             raise NotApplicable(
-                "the Mooncake manager layouts of 0.4.5.post1 - 0.4.8 are not in this tree"
+                "decode has a waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT): it fails a room no "
+                "status reaches and releases its reservation, as 0.5.22 does"
             )
+        if not hasattr(module.MooncakeKVManager, "start_prefill_thread"):
+            raise NotApplicable("the Mooncake manager layouts of 0.4.5.post1 - 0.4.9 are not in this tree")
         # From 0.4.7 prefill's transfers run on transfer_worker methods, one per queue.
         self.sharded = hasattr(module.MooncakeKVManager, "transfer_worker")
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -238,12 +252,32 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
         ],
         "prefill_keeps_registration": REFUSED_ROOM in prefill.mgr.transfer_infos,
         "wire": wire,
+        "prefill": prefill,
     }
+
+
+def status_frames(prefill: MooncakeSide, room: int, status: int) -> list[bytes]:
+    """What the tree's own ``sync_status_to_decode_endpoint`` sends decode for `room`: up to
+    0.4.6.post5 it reads the status prefill recorded, from 0.4.7 it takes it, and from
+    0.4.8.post1 a third frame names the prefill rank."""
+    import inspect
+
+    prefill.mgr.update_status(room, status)
+    params = inspect.signature(prefill.mgr.sync_status_to_decode_endpoint).parameters
+    extra = {"status": status} if "status" in params else {}
+    if "prefill_rank" in params:
+        extra["prefill_rank"] = 0
+    sent: list = []
+    prefill.mgr._connect = lambda endpoint: SimpleNamespace(
+        send_multipart=lambda frames: sent.append([bytes(f) for f in frames]))
+    prefill.mgr.sync_status_to_decode_endpoint(DECODE_IP, DECODE_PORT, room, **extra)
+    [frames] = sent
+    return frames
 
 
 @case(
     proves=("sbp-refused-room",),
-    needs=(">=0.4.5.post1,<0.4.8.post1",),
+    needs=(">=0.4.5.post1,<0.4.9.post1",),
     must_preserve=False,
     expect="A request prefill's door refuses is reported to every decode rank registered for its room, "
            "whether "
@@ -254,6 +288,7 @@ def prefill_reports_refused_room(ctx) -> Outcome:
     problems = []
     for run in runs:
         run.pop("wire")
+        run.pop("prefill")
         told = [r for r in run["reports"] if r["room"] == str(REFUSED_ROOM)
                 and r["endpoint"] == f"tcp://{DECODE_IP}:{DECODE_PORT}"]
         if run["sender_created"]:
@@ -268,7 +303,7 @@ def prefill_reports_refused_room(ctx) -> Outcome:
 
 @case(
     proves=("sbp-refused-room",),
-    needs=(">=0.4.5.post1,<0.4.8.post1",),
+    needs=(">=0.4.5.post1,<0.4.9.post1",),
     must_preserve=False,
     expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and "
            "metadata "
@@ -277,7 +312,8 @@ def prefill_reports_refused_room(ctx) -> Outcome:
 def decode_releases_refused_room(ctx) -> Outcome:
     from sglang.srt.disaggregation.base import KVPoll
 
-    wire = refuse_at_prefill(ctx, register_first=True)["wire"]  # what real prefill code sent
+    refused_at = refuse_at_prefill(ctx, register_first=True)
+    wire = refused_at["wire"]  # what real prefill code sent
     decode = MooncakeSide(ctx, "DECODE", [])
     rig = TransferRig(ctx)
     rig.queue.metadata_buffers = _FirstTokenBuffers()
@@ -293,6 +329,9 @@ def decode_releases_refused_room(ctx) -> Outcome:
         recv = object.__new__(decode.module.MooncakeKVReceiver)
         # conclude_state and init_time: 0.4.7's poll reads them (no conclusion yet)
         recv.__dict__.update(kv_mgr=decode.mgr, bootstrap_room=room, conclude_state=None, init_time=None)
+        # from 0.4.8.post1 the receiver records how many prefill ranks answer the room (one here)
+        if hasattr(decode.mgr, "required_prefill_response_num_table"):
+            decode.mgr.required_prefill_response_num_table[room] = 1
         decode.mgr.update_status(room, KVPoll.WaitingForInput)  # bootstrapped and registered
         return recv
 
@@ -306,9 +345,10 @@ def decode_releases_refused_room(ctx) -> Outcome:
     after = rig.snapshot(refused)
     streamed = rig.ledger.of("stream", rid="refused")
     free_vs_baseline = rig.pages.available_size() - baseline
-    # The next valid request: prefill's Success for its room, through the same thread.
+    # The next valid request: prefill's Success for its room (as the tree's prefill sends it),
+    # through the same thread.
     valid = rig.enqueue(receiver(VALID_ROOM), "valid", VALID_ROOM)
-    decode.socket_in.put([str(VALID_ROOM).encode(), str(KVPoll.Success).encode()])
+    decode.socket_in.put(status_frames(refused_at["prefill"], VALID_ROOM, KVPoll.Success))
     decode.run("decode_thread")
     served = rig.queue.pop_transferred()
     obs = {

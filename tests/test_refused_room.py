@@ -1,0 +1,120 @@
+"""The pack's own fix `sbp-refused-room` (issue 41 item 2): its scope and variants, where its cases
+run, and on real releases that it alone makes a refused room's reservation go, on both manager
+layouts and on 0.4.8.post1 - 0.4.9's three-frame status messages.
+
+Where the cases are not-applicable must never hide the exposure (a class read as fixed or
+not_affected while the fix is missing): the cases' release range is exactly the pinned releases
+whose decode has no waiting timeout, read from each release's own code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import probes
+from backport import expectations
+from backport.evidence.vulnerabilities import class_status, load_classes
+from backport.pack import load_pack
+from backport.releases import load_pins
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = "sbp-refused-room"
+CLASS = "SBP-2026-0001"
+SERVED = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9")
+VARIANTS = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8.post1")
+CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
+# the disaggregation sources a decode waiting timeout lives in (Mooncake's receiver, or the common
+# receiver it inherits from on later releases)
+TIMEOUT_HOMES = ("mooncake/conn.py", "common/conn.py", "base/conn.py")
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_pack(REPO / "patches")
+
+
+def _applicable(version: str) -> bool:
+    return not any(expectations.outside_release(f"refused_room/{name}", version) for name in CASES)
+
+
+def test_scope_and_variants(pack):
+    fix = pack.fixes[FIX]
+    pins = load_pins()
+    assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935",)
+    assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
+    assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
+    assert [c.name for c in probes.cases_of("refused_room")] == list(CASES)
+
+
+def test_a_missing_fix_reads_affected_never_fixed(pack):
+    """The class with refused_room unsafe on the patched tree (0.4.8.post1 before its variant, had
+    the cases run there) is affected; with the cases not-applicable it reads fixed, which is why
+    not-applicable must stay where decode releases the reservation by itself."""
+    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
+
+    def rows(patched: str) -> list[dict]:
+        pair = {"safe": "fixed", "unsafe": "still-unsafe", "not-applicable": "not-applicable"}[patched]
+        pristine = "not-applicable" if patched == "not-applicable" else "unsafe"
+        return [{"probe": "refused_room", "case": name, "must_preserve": False,
+                 "verdicts": {"pristine": pristine, "patched": patched}, "pair": pair} for name in CASES]
+
+    assert class_status(row, rows("unsafe")).status == "affected"
+    assert class_status(row, rows("safe")).status == "fixed"
+
+
+@pytest.mark.network
+def test_cases_are_not_applicable_exactly_where_decode_has_a_waiting_timeout(release_tree):
+    """Read from every pinned release with a Mooncake manager: the cases' `needs` range holds the
+    releases whose decode has no waiting timeout (nothing but a report from prefill ends the
+    reservation), and only those. A release outside it is one where the timeout fails the room and
+    releases its pages, as 0.5.22 does."""
+    checked = []
+    for version in load_pins():
+        root = release_tree(version).package_root / "sglang" / "srt" / "disaggregation"
+        if not (root / "mooncake" / "conn.py").is_file():
+            continue
+        has_timeout = any("waiting_timeout" in (root / home).read_text()
+                          for home in TIMEOUT_HOMES if (root / home).is_file())
+        assert _applicable(version) == (not has_timeout), version
+        checked.append(version)
+    # the range today: 0.4.5.post1 - 0.4.9 (0.4.9.post1 brings SGLANG_DISAGGREGATION_WAITING_TIMEOUT)
+    assert [v for v in checked if _applicable(v)][-1] == "0.4.9"
+    assert "0.4.9.post1" in checked and not _applicable("0.4.9.post1")
+
+
+# ---------------------------------------------------------------------------
+# real releases
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+@pytest.mark.parametrize("version", ["0.4.8.post1", "0.4.9"])
+def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases, pack):
+    """0.4.8.post1 - 0.4.9: decode holds the refused room's pages on the pristine tree (no report,
+    no timeout); on the patched tree prefill reports it in the release's own three frames, decode
+    releases at once and still serves the next valid request."""
+    pristine = probe_cases("refused_room", version, "pristine")
+    patched = probe_cases("refused_room", version, "patched")
+    assert {n: c["verdict"] for n, c in pristine.items()} == dict.fromkeys(CASES, "unsafe")
+    assert {n: c["verdict"] for n, c in patched.items()} == dict.fromkeys(CASES, "safe")
+    held = pristine["decode_releases_refused_room"]["details"]
+    assert held["reports_from_prefill"] == 0 and held["refused_after_report"]["pages_held"] > 0
+    assert held["valid_served"]  # the pristine decode still reads a real three-frame Success
+    released = patched["decode_releases_refused_room"]["details"]
+    assert released["reports_from_prefill"] == 1 and released["pages_free_vs_baseline_after_report"] == 0
+    assert released["refused_after_report"]["metadata_frees"] == 1 and released["valid_served"]
+    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
+    rows = [{"probe": "refused_room", "case": n, "must_preserve": False, "pair": "fixed",
+             "verdicts": {"pristine": pristine[n]["verdict"], "patched": patched[n]["verdict"]}}
+            for n in CASES]
+    assert class_status(row, rows).status == "fixed"
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+def test_not_applicable_where_the_waiting_timeout_releases(probe_cases):
+    cases = probe_cases("refused_room", "0.4.9.post1", "pristine")
+    for case in cases.values():
+        assert case["verdict"] == "not-applicable"
+        assert "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in case["details"]["reason"]

@@ -22,13 +22,17 @@ from backport.tree import clone_tree
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-bootstrap-auth"
 CLASS = "SBP-2026-0005"
-SERVED = ("0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
-          "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21",
-          "0.5.22", "0.5.23")
+SERVED = ("0.5.3", "0.5.3.post1", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.4.post1", "0.5.4.post2",
+          "0.5.4.post3", "0.5.5",
+          "0.5.5.post1", "0.5.5.post2", "0.5.5.post3", "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7",
+          "0.5.8", "0.5.8.post1", "0.5.9", "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1",
+          "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+          "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 # one variant per release from 0.5.15 up; -0.5.15 also serves 0.5.13 - 0.5.14 (offsets only),
-# -0.5.12.post1 serves 0.5.12 too, -0.5.11 serves 0.5.10 - 0.5.10.post1 too
-VARIANTS = ("0.5.11", "0.5.12.post1", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20",
-            "0.5.21", "0.5.22", "0.5.23")
+# -0.5.12.post1 serves 0.5.12 too, -0.5.11 0.5.10 - 0.5.10.post1, -0.5.9 0.5.5.post3 - 0.5.8.post1,
+# -0.5.5.post2 0.5.4.post3 - 0.5.5.post1 and -0.5.4.post1 0.5.3 - 0.5.4
+VARIANTS = ("0.5.4.post1", "0.5.4.post2", "0.5.5.post2", "0.5.9", "0.5.11", "0.5.12.post1",
+            "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 CASES = {"unauthenticated_route_update_refused": False, "authenticated_registration_accepted": True,
          "decode_rendezvous_reads_open": True}
 
@@ -45,7 +49,7 @@ def test_vendor_fix_after_every_other_fix_scoped_to_the_served_releases(pack):
     pins = load_pins()
     assert not any(fix.is_fixed_in(v) for v in pins)  # no release authenticates the bootstrap server
     assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
-    assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
+    assert sorted(v.name for v in pack.variants[FIX]) == sorted(f"{FIX}-{v}.patch" for v in VARIANTS)
 
 
 def test_class_and_advisory_name_the_fix(pack):

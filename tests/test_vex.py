@@ -207,6 +207,19 @@ def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
     assert exposed.status == "affected" and exposed.unsafe == ("live/aborted_transfer_pages_not_reused",)
 
 
+def test_live_notes_do_not_depend_on_the_order_the_receipt_keeps_verdicts_in(classes):
+    """`run` builds the notes from verdicts in pristine, patched, reference order; the receipt is
+    written with sorted keys and `verify` rebuilds them from it: a live bundle of format 4 once failed
+    its own verify on that order alone."""
+    import json
+
+    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    rows = [_row("page_lifetime", "a", "unsafe", "safe")]
+    written = class_status(page, rows, live=_live("safe")).notes
+    read_back = class_status(page, rows, live=json.loads(json.dumps(_live("safe"), sort_keys=True))).notes
+    assert written == read_back and "pristine unsafe, patched safe, reference safe" in written
+
+
 def _race_document(verdict: str, *, timeout: bool = False) -> dict:
     """One tree's live document as run_race writes it: three valid trials, both controls safe."""
     from backport.live.race import TOPOLOGY

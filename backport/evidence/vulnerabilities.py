@@ -190,6 +190,13 @@ class ClassStatus:
     tree: str = "patched"       # the tree the status speaks for (pristine in an exposure run)
 
 
+def _roles(row: dict) -> list[str]:
+    """A live row's roles in one order whatever its dict's order: the receipt is written with sorted
+    keys, so a note built in insertion order at `run` differed from the one `verify` rebuilt."""
+    order = ("pristine", "patched", "reference")
+    return sorted(row["verdicts"], key=lambda r: (order.index(r) if r in order else len(order), r))
+
+
 def class_status(
     row: dict, cases: list[dict], apply: dict | None = None, live: dict | None = None
 ) -> ClassStatus:
@@ -202,7 +209,7 @@ def class_status(
         return status
     role = status.tree
     seen = "; ".join(
-        f"{r['scenario']} " + ", ".join(f"{k} {v}{_timeout_note(r, k)}" for k, v in r["verdicts"].items())
+        f"{r['scenario']} " + ", ".join(f"{k} {r['verdicts'][k]}{_timeout_note(r, k)}" for k in _roles(r))
         for r in scenarios
     )
     unsafe = tuple(f"live/{r['scenario']}" for r in scenarios

@@ -55,16 +55,6 @@ def first_release(variant, pins: list[str]) -> Version:
     return next((Version(r) for r in pins if variant.applies(r)), Version("9999"))
 
 
-# sbp-bootstrap-auth's variants belong to another change under way (issue 44): these four pairs go
-# when it lands; the test fails once a pair is gone and still listed here, or when a new one appears.
-KNOWN_REPEATS = {
-    ("sbp-bootstrap-auth-0.5.17.patch", "sbp-bootstrap-auth-0.5.18.patch"),
-    ("sbp-bootstrap-auth-0.5.19.patch", "sbp-bootstrap-auth-0.5.20.patch"),
-    ("sbp-bootstrap-auth-0.5.20.patch", "sbp-bootstrap-auth-0.5.21.patch"),
-    ("sbp-bootstrap-auth-0.5.22.patch", "sbp-bootstrap-auth-0.5.23.patch"),
-}
-
-
 def test_no_two_adjacent_variants_have_identical_hunks():
     """A variant that only moves its predecessor's hunks is no variant: the predecessor's Applies-To
     widens over its releases instead (`refresh` does so; docs/decisions.md)."""
@@ -74,9 +64,7 @@ def test_no_two_adjacent_variants_have_identical_hunks():
     for fid in pack.series:
         ordered = sorted(pack.variants[fid], key=lambda pv: first_release(pv, pins))
         repeats |= {(a.name, b.name) for a, b in pairwise(ordered) if hunk_key(a) == hunk_key(b)}
-    assert repeats == KNOWN_REPEATS, (
-        f"repeating variants: {sorted(repeats - KNOWN_REPEATS)}; no longer repeating: "
-        f"{sorted(KNOWN_REPEATS - repeats)}")
+    assert not repeats, f"repeating variants: {sorted(repeats)}"
 
 
 def test_release_rows_do_not_restate_which_variants_serve_them():

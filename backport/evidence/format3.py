@@ -14,7 +14,6 @@ receipt here is internally consistent and every file matches its digest in predi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from backport.evidence.layout import (
 from backport.evidence.problem import Problem
 from backport.evidence.report import render_report
 from backport.evidence.statement import embedded, restate
-from backport.evidence.table import first_difference
+from backport.evidence.table import first_difference, read_canonical
 
 from . import artifacts
 
@@ -88,17 +87,11 @@ def _embedded_file_problems(bundle: Path, statement: dict, names: set[str], repo
         if want is None:
             problems.append(Problem(name, "unexpected", "the receipt embeds no such document"))
             continue
+        document, problem = read_canonical(bundle, name)
+        if problem:
+            problems.append(problem)
+            continue
         data = (bundle / name).read_bytes()
-        try:
-            document = json.loads(data)
-        except ValueError as exc:
-            problems.append(Problem(name, "inconsistent", f"not JSON ({exc})"))
-            continue
-        if data != canonical_json(document):
-            problems.append(
-                Problem(name, "inconsistent", "not in the canonical JSON form the receipt's digest covers")
-            )
-            continue
         if data == canonical_json(want):
             recorded = _recorded_digest(p, name)
             if recorded not in (None, sha256_bytes(data)):

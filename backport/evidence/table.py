@@ -79,16 +79,9 @@ def read_documents(bundle: Path, statement: dict) -> tuple[dict[str, Any], list[
             problems.append(Problem(RECEIPT, "inconsistent", f"predicate.files lists no {name}, which a "
                                     f"{p['mode']} run of its inputs.trees writes"))
             continue
-        data = path.read_bytes()
-        try:
-            document = json.loads(data)
-        except ValueError as exc:
-            problems.append(Problem(name, "inconsistent", f"not JSON ({exc})"))
-            continue
-        if data != canonical_json(document):
-            problems.append(
-                Problem(name, "inconsistent", "not in the canonical JSON form the receipt's digest covers")
-            )
+        document, problem = read_canonical(bundle, name)
+        if problem:
+            problems.append(problem)
             continue
         documents[name] = document
     for name in sorted(p["files"]):  # the files are as listed (integrity.py): the receipt says too much
@@ -117,6 +110,20 @@ def attach(statement: dict, documents: dict[str, Any]) -> dict:
     p["cases"] = [{**row, "expect": expects.get((row.get("probe"), row.get("case")), "")}
                   if isinstance(row, dict) else row for row in p["cases"]]
     return s
+
+
+def read_canonical(bundle: Path, name: str) -> tuple[Any, Problem | None]:
+    """The bundle file `name` as a JSON document and None, or None and why it is not one: its bytes
+    must be the canonical form the receipt's digest covers (formats 3 and 4 alike)."""
+    data = (bundle / name).read_bytes()
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
+        return None, Problem(name, "inconsistent", f"not JSON ({exc})")
+    if data != canonical_json(document):
+        return None, Problem(name, "inconsistent",
+                             "not in the canonical JSON form the receipt's digest covers")
+    return document, None
 
 
 def attached_from(bundle: Path, statement: dict) -> dict:

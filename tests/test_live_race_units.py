@@ -83,6 +83,17 @@ def test_judge_error_when_the_held_back_control_held_nothing():
     assert verdict == race.ERROR and "held_back" in observed and "not valid" in observed
 
 
+def test_a_hold_that_let_a_s_writes_through_is_no_control():
+    """Counted from the hold taking effect (the bytes that passed while tc changed the rate are
+    before it): 5% of A's KV or more through the held class and the control proves nothing."""
+    assert race.hold_leak({"hold_from_fraction": 0.14, "a_fraction_during_hold": 0.15}) is None
+    why = race.hold_leak({"hold_from_fraction": 0.10, "a_fraction_during_hold": 0.31})
+    assert why and "0.210" in why
+    controls = {**SAFE_CONTROLS, "held_back": _trial(True, why)}
+    verdict, observed = race.judge(controls, [_trial(False)])
+    assert verdict == race.ERROR and "not held back" in observed
+
+
 def test_judge_error_without_a_valid_trial():
     verdict, observed = race.judge(SAFE_CONTROLS, [_trial(False, "A's flow never reached the abort point")])
     assert verdict == race.ERROR and "no valid trial of 1" in observed

@@ -58,6 +58,7 @@ HOLD_RATE = "8bit"                      # the held-back control: one packet, the
 ABORT_AT = 0.10                         # of A's KV bytes through the shaped class
 # a tree that holds A's pages keeps B waiting until decode's 30 s timeout while A's writes are held
 HOLD_LIMIT = 60.0
+HOLD_LEAK = 0.05                        # of A's KV bytes passing while held: more, and the hold held nothing
 MAX_TRIALS, TRIALS_BUDGET = 3, 150.0
 START_TIMEOUT, REQUEST_TIMEOUT = 600.0, 120.0
 LOG_NEEDLES = ("Deferred KV release", "timed out", "ABORT", "Traceback", "leak", "Failed", "failed")
@@ -133,6 +134,9 @@ class Race:
                 out["invalid"] = "A's shaped flow never reached the abort point (A not shaped, or done)"
             if hold_back:
                 self.shaping.set_rate(HOLD_RATE)
+                # what passed while tc changed the rate (a loaded host: hundreds of ms) was before the
+                # hold; the hold is judged from here, where the abort is sent
+                out["hold_from_fraction"] = round((netns.shaped_bytes() - base) / a_bytes, 3)
             abort = requests.post(self.a.decode.url + "/abort_request", json={"rid": rid}, timeout=30)
             out["abort_status"] = abort.status_code
             b_started = time.monotonic()
@@ -143,6 +147,9 @@ class Race:
                 out["held_back_seconds"] = round(time.monotonic() - b_started, 2)
                 out["a_fraction_during_hold"] = round((netns.shaped_bytes() - base) / a_bytes, 3)
                 self.shaping.set_rate(RATE)
+                leak = hold_leak(out)
+                if out.get("invalid") is None and leak:
+                    out["invalid"] = leak
             reply = b_reply.result()
             out["a_fraction_when_b_answered"] = round((netns.shaped_bytes() - base) / a_bytes, 3)
             out.update(self.b_result(reply))
@@ -167,6 +174,15 @@ class Race:
                 break
             time.sleep(0.2)
         return last - base
+
+
+def hold_leak(held: dict) -> str | None:
+    """Why a held-back control held nothing back (HOLD_LEAK or more of A's KV passed from the hold
+    taking effect to B's answer), or None."""
+    leaked = held["a_fraction_during_hold"] - held["hold_from_fraction"]
+    if leaked < HOLD_LEAK:
+        return None
+    return f"A's writes were not held back: {leaked:.3f} of A's KV passed during the hold"
 
 
 def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[str, str]:

@@ -208,4 +208,4 @@ def test_the_variant_without_the_lock_is_caught(probe_python, release_tree, tmp_
     case = next(c for c in doc["cases"] if c["case"] == SEND_LOCK)
     assert case["verdict"] == "unsafe", case
     assert not any(p["lock_held"] for p in case["details"]["sequential_pushes"])
-    assert all(p["overlapped"] for p in case["details"]["raced_pushes"])
+    assert all(p["overlapped"] for p in case["details"]["raced_pushes"]), case["details"]

@@ -12,14 +12,13 @@ with its real ``_connect``, its real drain-ACK registry and ``_send_abort_ack``,
 Mooncake push methods called on it; the decode endpoint is a real ZMQ PULL socket on 127.0.0.1.
 Stand-in: the PUSH sockets ``_connect`` creates are a ``zmq.Socket`` subclass that records, for
 each push, whether its endpoint's send lock was held and whether another push on the same socket
-was still under way (each push lingers a moment, so pushes from two threads meet if nothing
-serialises them).
+was still under way (in the race, a push waits, bounded, for another push on its socket to begin:
+two unserialised pushes always meet, however loaded the machine; serialised ones never can).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +28,8 @@ from probes.standins import sg
 
 LOCALHOST = "127.0.0.1"
 LOCK_ROOM, RACE_ROOM = 721, 722
-PUSH_LINGER_S = 0.2  # how long each recorded push stays under way: two unserialised pushes overlap
+# the longest a racing push waits for the other thread's push to begin (the locked case waits it out)
+RACE_WAIT_S = 1.5
 # The Mooncake prefill's own pushes to a decode endpoint (present from 0.5.13; 0.5.22 renames the status
 # push).
 RELEASE_PUSHES = ("sync_status_to_decode_endpoint", "send_aux_data_to_endpoint", "_send_chunk_ready")
@@ -43,7 +43,8 @@ class PushRecorder:
         self.pushes: list[dict[str, Any]] = []
         self.sockets: list[Any] = []
         self._under_way: dict[int, int] = defaultdict(int)
-        self._guard = threading.Lock()
+        self._changed = threading.Condition()
+        self.racing = False  # set for the two-thread race: pushes then wait for each other
 
     def socket_class(self):
         import zmq
@@ -73,18 +74,22 @@ class PushRecorder:
     def push(self, sock, parts, send):
         locks = getattr(self.mgr, "_socket_send_locks", None) or {}
         lock = locks.get(sock.watched_endpoint)
-        with self._guard:
+        with self._changed:
             self._under_way[id(sock)] += 1
             overlapped = self._under_way[id(sock)] > 1
+            self._changed.notify_all()
         entry = {"head": bytes(parts[0])[:16].decode("ascii", "replace"), "endpoint": sock.watched_endpoint,
                  "thread": threading.current_thread().name,
                  # single-threaded pushes: held means held by this push's caller
                  "lock_held": bool(lock is not None and lock.locked()), "overlapped": overlapped}
         try:
-            time.sleep(PUSH_LINGER_S)
+            if self.racing:
+                with self._changed:
+                    met = self._changed.wait_for(lambda: self._under_way[id(sock)] > 1, timeout=RACE_WAIT_S)
+                entry["overlapped"] = entry["overlapped"] or met
             return send()
         finally:
-            with self._guard:
+            with self._changed:
                 self._under_way[id(sock)] -= 1
                 entry["overlapped"] = entry["overlapped"] or self._under_way[id(sock)] > 0
                 self.pushes.append(entry)
@@ -159,6 +164,7 @@ def abort_ack_sent_under_endpoint_lock(ctx) -> Outcome:
         sequential = list(recorder.pushes)
         rig.open_room(RACE_ROOM, [(LOCALHOST, port)])
         start = threading.Barrier(2)
+        recorder.racing = True
 
         def ack() -> None:
             start.wait(5)

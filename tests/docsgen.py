@@ -191,8 +191,45 @@ def vulnerabilities_page() -> str:
     return "".join(out)
 
 
+def live_page() -> str:
+    import backport.live.tier  # noqa: F401  (registers every scenario)
+    from backport.live.race import NAME as RACE
+    from backport.live.scenarios import REGISTRY
+    from backport.live.setups import serving_for
+    from backport.releases import load_releases
+    from tests.live_runs import load
+
+    records = load()
+    order = [s.name for s in REGISTRY] + [RACE]  # the order a run runs them in; unknown names last
+    recorded = {n for r in records.values() for n in r["scenarios"]}
+    names = [n for n in order if n in recorded] + sorted(recorded - set(order))
+    out = [HEADER.format(source="tests/data/live-runs.json (python -m tests.live_runs BUNDLE...)"),
+           "# Live tier, every pinned release\n\n",
+           "What each release's `run --live` bundle showed on a real PD deployment on this CPU (prefill, "
+           "decode, router, Mooncake over TCP, the tiny model): per scenario, pristine -> patched "
+           "(and the reference 0.5.22's verdict after the slash). A release without a bundle yet says so "
+           "and names the serving setup that serves it (docs/live-tier.md); the record keeps the receipt's "
+           "sha256 and the commit that wrote it, so whoever holds the bundle can check the row.\n\n",
+           "| release | setup | `run --live` | " + " | ".join(f"`{n}`" for n in names) + " | bundle |\n",
+           "|---|---|---|" + "---|" * len(names) + "---|\n"]
+    for version in load_releases():
+        row = records.get(version)
+        if row is None:
+            out.append(f"| {version} | `{serving_for(version).name}` | not run live yet |"
+                       + " |" * len(names) + " |\n")
+            continue
+        cells = []
+        for name in names:
+            v = row["scenarios"].get(name)
+            cells.append("" if v is None else f"{v['pristine']} -> {v['patched']} / {v['reference']}")
+        out.append(f"| {version} | `{row['setup']}` | {row['result']} ({row['finished'][:10]}) | "
+                   + " | ".join(cells) + f" | `{row['toolkit_commit'][:10]}`, receipt "
+                   f"`{row['receipt_sha256'][:12]}` |\n")
+    return "".join(out)
+
+
 PAGES = {"cli.md": cli_page, "bundle-format.md": bundle_page, "releases.md": releases_page,
-         "vulnerabilities.md": vulnerabilities_page}
+         "vulnerabilities.md": vulnerabilities_page, "live.md": live_page}
 
 
 def render() -> dict[str, str]:

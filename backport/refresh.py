@@ -60,6 +60,7 @@ from .pack.model import Fix, Pack, PatchVariant, parse_version
 from .releases import default_path, load_pins
 from .sources import clone_pristine, materialise
 from .tree import commit_all
+from .vocab import ApplyStatus
 
 STATE = "sglang-backport-refresh.json"  # in the clone's git dir: what --continue needs
 PLACED, CONFLICTED, WRITTEN = "placed", "conflict", "written"
@@ -162,7 +163,7 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
         deps = _closure(pack, fix_id, v)
         report = apply_series(tree.path, pack, str(v), package_prefix=tree.package_prefix, only=deps) \
             if deps else None
-        if report is not None and report.status == FAILED:
+        if report is not None and report.status == ApplyStatus.FAILED:
             bad = ", ".join(p.fix for p in report.patches if p.status == FAILED)
             raise BadInput(f"{fix_id}: its dependency {bad} does not apply to sglang {v}; refresh it first")
         base = gitops.read_ref(tree.path, "HEAD") or ""

@@ -47,6 +47,7 @@ none).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -56,11 +57,12 @@ from pathlib import Path
 from .. import gitops
 from ..errors import BadInput
 from ..pack.model import Pack, PatchVariant, check_rel_path, parse_version
+from ..vocab import ApplyStatus
 from .decide import Decision, decide
 from .journal import JOURNAL_NAME, NEXT_INDEX, recover
 from .leftovers import foreign_locks
 from .objects import Trees, base_tree_specs, read_loose_trees
-from .report import APPLIED, FAILED, NOTHING_TO_DO, ApplyReport, PatchResult
+from .report import ApplyReport
 from .write import PENDING_REF, write_series
 
 log = logging.getLogger("backport.engine")
@@ -247,15 +249,14 @@ def _untouchable(
 
 def _finish(repo: Path, git_dir: Path, prefix: str, version: str, base: str, check: bool, decision: Decision,
             trees: Trees, recovery: str) -> ApplyReport:
-    status = FAILED if decision.failed else (APPLIED if decision.pending else NOTHING_TO_DO)
+    status = (ApplyStatus.FAILED if decision.failed
+              else ApplyStatus.APPLIED if decision.pending else ApplyStatus.NOTHING_TO_DO)
     report = ApplyReport(str(repo.resolve()), version, base, base, status, decision.results, check, prefix,
                          recovery)
-    if status != APPLIED or check:
+    if status != ApplyStatus.APPLIED or check:
         return report
     commits = write_series(repo, git_dir, prefix, base, decision, trees)
     by_fix = dict(zip((f.id for f, _, _ in decision.pending), commits))
-    patches = tuple(
-        PatchResult(r.fix, r.variant, r.status, r.reason, r.hunks, by_fix.get(r.fix), r.variant_sha256)
-        for r in decision.results
-    )
+    # every field kept but the commit (the cause of a not-applicable fix too: readers judge by it)
+    patches = tuple(dataclasses.replace(r, commit=by_fix.get(r.fix)) for r in decision.results)
     return ApplyReport(report.tree, version, base, commits[-1], status, patches, check, prefix, recovery)

@@ -31,6 +31,7 @@ from types import MappingProxyType
 from packaging.version import Version
 
 from ..pack.model import Fix, Pack, PatchVariant
+from ..vocab import PatchStatus
 from .detect import fingerprint_match
 from .overlay import Overlay, patch_file, reverse_applies
 from .placement import CONFLICT
@@ -56,7 +57,7 @@ class Decision:
     results: tuple[PatchResult, ...]
     pending: tuple[Pending, ...]  # in series order
     overlay: Overlay  # the tree with every pending change (overlay.changes)
-    state: Mapping[str, str]  # fix id -> status
+    state: Mapping[str, PatchStatus]  # fix id -> status
 
     @property
     def failed(self) -> bool:
@@ -82,7 +83,7 @@ def decide(repo: Path, prefix: str, pack: Pack, v: Version, selected: Sequence[s
     must not touch it}. ``base_entries`` None: the tracked-by-git check is
     left to the caller (which decides again when a changed file is untracked)."""
     ov = Overlay(repo / prefix)
-    state: dict[str, str] = {}
+    state: dict[str, PatchStatus] = {}
     out_of_scope: set[str] = set()  # not-applicable because the pack has no backport for v
     results: list[PatchResult] = []
     pending: list[tuple[Fix, PatchVariant, dict[str, bytes | None]]] = []

@@ -33,11 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..pack.model import Hunk  # the patch's hunk; placement decides where it goes
+from ..vocab import HunkStatus
 
-EXACT = "exact"
-OFFSET = "offset"
-FUZZ = "fuzz"
-CONFLICT = "conflict"
+EXACT, OFFSET, FUZZ, CONFLICT = HunkStatus.EXACT, HunkStatus.OFFSET, HunkStatus.FUZZ, HunkStatus.CONFLICT
 
 MAX_FUZZ = 2
 
@@ -102,7 +100,7 @@ class Placement:
     line (after fuzz trimmed ``trim_lead`` lines); ``line`` is the 1-based line
     where the whole hunk starts (for a conflict: the nearest candidate)."""
 
-    status: str
+    status: HunkStatus
     offset: int = 0
     fuzz: int = 0
     line: int = 0

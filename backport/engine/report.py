@@ -10,22 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..vocab import ApplyStatus, Cause, HunkStatus, PatchStatus
 from .placement import CONFLICT
 
-APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
-NOTHING_TO_DO = "nothing-to-do"
+# The short names the engine's modules use (backport/vocab.py holds the vocabularies).
+APPLIED, PRESENT, NOT_APPLICABLE, FAILED = (PatchStatus.APPLIED, PatchStatus.PRESENT,
+                                            PatchStatus.NOT_APPLICABLE, PatchStatus.FAILED)
+NOTHING_TO_DO = ApplyStatus.NOTHING_TO_DO
 # Why a patch failed or does not apply, as a value (readers never parse `reason`: prose for people).
-# failed: no variant for the release; a dependency is not there; the variant does not place
-NO_VARIANT, MISSING_DEPENDENCY, DOES_NOT_PLACE = "no-variant", "missing-dependency", "does-not-place"
-# not-applicable: the release ships the fix; the pack has no backport for the release
-SHIPPED, OUT_OF_SCOPE = "shipped", "out-of-scope"
+NO_VARIANT, MISSING_DEPENDENCY = Cause.NO_VARIANT, Cause.MISSING_DEPENDENCY
+DOES_NOT_PLACE = Cause.DOES_NOT_PLACE
+SHIPPED, OUT_OF_SCOPE = Cause.SHIPPED, Cause.OUT_OF_SCOPE
 REPORT_SCHEMA = "sglang-backport/apply-report/1"
 
 
 @dataclass(frozen=True)
 class HunkResult:
     file: str  # path relative to the package root, as in the patch
-    status: str  # exact | offset | fuzz | conflict
+    status: HunkStatus
     offset: int = 0  # line delta from the line the hunk header states
     fuzz: int = 0
     line: int = 0  # 1-based line where the hunk went (conflict: nearest candidate; 0: file-level)
@@ -45,12 +47,12 @@ class HunkResult:
 class PatchResult:
     fix: str
     variant: str | None  # patch file name
-    status: str  # applied | already-present | not-applicable | failed
+    status: PatchStatus
     reason: str = ""
     hunks: tuple[HunkResult, ...] = ()
     commit: str | None = None
     variant_sha256: str | None = None
-    cause: str | None = None  # failed and not-applicable only: one of the values above
+    cause: Cause | None = None  # failed and not-applicable only
 
     def to_json(self) -> dict:
         d = {"fix": self.fix, "variant": self.variant, "variant_sha256": self.variant_sha256,
@@ -67,7 +69,7 @@ class ApplyReport:
     version: str
     base_commit: str
     head_commit: str
-    status: str  # applied | nothing-to-do | failed
+    status: ApplyStatus
     patches: tuple[PatchResult, ...]
     check: bool = False
     package_prefix: str = ""
@@ -75,7 +77,7 @@ class ApplyReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.status == FAILED else 0
+        return 1 if self.status == ApplyStatus.FAILED else 0
 
     def to_json(self) -> dict:
         """The report as a dict ready for ``json.dumps``::

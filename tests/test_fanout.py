@@ -60,7 +60,11 @@ def test_the_workflow_passes_actionlint_and_fans_out_and_in():
         "sglang-backport matrix --json",
         "fromJSON(needs.setup.outputs.matrix)",
         "fail-fast: false",
-        "hashFiles('probes/requirements-cpu.txt')",
+        "hashFiles('probes/requirements-cpu.txt', 'backport/live/requirements-*.txt')",
+        # the live tier on every release unless a dispatch asks for probes only; root for the race's namespace
+        "TIER: ${{ inputs.tier || 'live' }}",
+        'run $SPECS --export --live --no-upstream-tests',
+        "sudo --preserve-env=HOME,PATH",
         "~/.cache/sglang-backport/envs",
         "actions/upload-artifact",
         "actions/download-artifact",

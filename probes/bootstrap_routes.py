@@ -16,10 +16,14 @@ with its thread not started (old releases bind every interface), its aiohttp app
 constructor (which would register RDMA memory), its attributes those of one prefill rank
 (TP 1, DP 1, PP 1). Where the patched tree has ``ensure_bootstrap_auth_token``, the case runs it
 as the engine parent does, so the token is the one the patched code resolves. The attacker is a
-plain HTTP client on 127.0.0.1. Where the release gives NIXL its own bootstrap server and
-registrant (0.4.5.post3 - 0.4.6.post5), the refusal and the registration run on NIXL's too.
+plain HTTP client on 127.0.0.1. Where NIXL's bootstrap server or registrant is not Mooncake's
+(its own on 0.4.5.post3 - 0.4.6.post5; the common ones, CommonKVBootstrapServer and
+CommonKVManager's, on 0.4.7 - 0.5.2 while Mooncake keeps its own), the refusal and the
+registration run on NIXL's too; the common registrant through the common constructor NIXL's
+manager starts with (its prefill branch registers), not NIXL's remainder (a NIXL agent).
 Stand-ins: the runtime-context getters the registrant reads (one rank's parallel and serving
-settings) and the host lookups of old releases (127.0.0.1).
+settings), the host lookups of old releases (127.0.0.1) and the common constructor's free-port
+pick (rank 0's port).
 """
 
 from __future__ import annotations
@@ -98,9 +102,14 @@ def _kv_class(kind: str, backend: str = "MOONCAKE"):
     return utils.get_kv_class(getattr(utils.TransferBackend, backend), getattr(utils.KVClassType, kind))
 
 
+def _registrant(manager_cls):  # renamed register_to_bootstrap at 0.5.10
+    return getattr(manager_cls, "register_to_bootstrap", None) or manager_cls._register_to_bootstrap
+
+
 def _nixl_own() -> tuple[Any, Any] | None:
-    """NIXL's (bootstrap server, KV manager) where the release gives NIXL its own route handler and
-    registrant rather than the shared ones the Mooncake cases already drive; else None."""
+    """NIXL's (bootstrap server, KV manager) where its route handler or registrant is not the one
+    the Mooncake cases already drive (NIXL's own on 0.4.5.post3 - 0.4.6.post5, the common ones on
+    0.4.7 - 0.5.2); else None (no NIXL, or from 0.5.3 both inherit the common ones)."""
     utils = sg("disaggregation.utils")
     if not hasattr(utils.TransferBackend, "NIXL"):
         return None
@@ -108,7 +117,9 @@ def _nixl_own() -> tuple[Any, Any] | None:
         server, manager = _kv_class("BOOTSTRAP_SERVER", "NIXL"), _kv_class("MANAGER", "NIXL")
     except ImportError:  # a NIXL module this interpreter cannot import: nothing of NIXL's to drive
         return None
-    if "_handle_route" in vars(server) and "_register_to_bootstrap" in vars(manager):
+    mooncake_server, mooncake_manager = _kv_class("BOOTSTRAP_SERVER"), _kv_class("MANAGER")
+    if server._handle_route is not mooncake_server._handle_route or (
+            _registrant(manager) is not _registrant(mooncake_manager)):
         return server, manager
     return None
 
@@ -200,7 +211,10 @@ def register_rank(ctx, port: int, manager_cls=None) -> None:
 
     conn = sys.modules[manager_cls.__module__] if manager_cls else _conn()
     manager_cls = manager_cls or _kv_class("MANAGER")
-    method = getattr(manager_cls, "register_to_bootstrap", None) or manager_cls._register_to_bootstrap
+    method = _registrant(manager_cls)
+    if manager_cls is not _kv_class("MANAGER") and method.__qualname__.startswith("CommonKVManager."):
+        _register_by_common_constructor(ctx, port, manager_cls)
+        return
     for module in (conn, _optional("disaggregation.common.conn")):
         for getter in ("get_parallel", "get_serving", "get_disagg"):
             if module is not None and getter in module.__dict__:
@@ -229,6 +243,23 @@ def register_rank(ctx, port: int, manager_cls=None) -> None:
         agent=SimpleNamespace(name="probe"),  # NIXL's registrant sends its agent's name
     )
     method(shell)
+
+
+def _register_by_common_constructor(ctx, port: int, manager_cls) -> None:
+    """NIXL's registration where its manager inherits the common one (0.4.7 - 0.5.2): the common
+    constructor NIXL's own starts with (its prefill branch registers); not NIXL's remainder."""
+    import sys
+
+    common = sys.modules[_registrant(manager_cls).__module__]
+    for name, value in (("get_ip", "127.0.0.1"), ("get_local_ip_by_remote", PREFILL_RANK[0]),
+                        ("get_free_port", PREFILL_RANK[1])):
+        if name in common.__dict__:
+            ctx.patch(common, name, lambda *a, _v=value, **k: _v)
+    args = _Settings(**vars(_prefill_args()), host="127.0.0.1", disaggregation_bootstrap_port=port,
+                     dist_init_addr=None, enable_dp_attention=False)
+    shell = object.__new__(manager_cls)
+    common.CommonKVManager.__init__(shell, SimpleNamespace(engine_rank=0, page_size=1),
+                                    sg("disaggregation.utils").DisaggregationMode.PREFILL, args)
 
 
 def register_room_dp_rank(port: int) -> str:

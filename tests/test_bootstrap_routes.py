@@ -160,14 +160,15 @@ def test_the_fix_alone_refuses_route_poisoning(version, release_tree, probe_pyth
 
 @pytest.mark.probe_env
 @pytest.mark.network
-def test_the_probe_drives_nixls_own_bootstrap_server_where_a_release_has_one(release_tree, probe_python):
-    """0.4.5.post3 - 0.4.6.post5 give NIXL its own bootstrap server and registrant (not the handlers
-    Mooncake's cases drive): on the pristine 0.4.6.post5 the attacker's PUT /route rewrites NIXL's
-    table too, and NIXL's own registrant registers rank 0 there."""
+@pytest.mark.parametrize("version", ["0.4.6.post5", "0.4.7"])
+def test_the_probe_drives_nixls_bootstrap_server_where_not_mooncakes(version, release_tree, probe_python):
+    """NIXL's bootstrap server and registrant are not the handlers Mooncake's cases drive on
+    0.4.5.post3 - 0.4.6.post5 (NIXL's own) and on 0.4.7 - 0.5.2 (the common ones; Mooncake keeps
+    its own): on the pristine release the attacker's PUT /route rewrites NIXL's table too, and
+    NIXL's registrant (on 0.4.7 through the common constructor) registers rank 0 there."""
     from backport.probing import run_harness
 
-    doc = run_harness(probe_python, release_tree("0.4.6.post5").path, probes=["bootstrap_routes"],
-                      version="0.4.6.post5")
+    doc = run_harness(probe_python, release_tree(version).path, probes=["bootstrap_routes"], version=version)
     assert _verdicts(doc) == {**{k: "safe" for k in CASES}, "unauthenticated_route_update_refused": "unsafe"}
     by_case = {c["case"]: c["details"] for c in doc["cases"]}
     for label in ("without a token", "with a wrong token"):

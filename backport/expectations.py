@@ -35,12 +35,14 @@ from packaging.version import Version
 
 from backport import resources
 from backport.errors import BadInput
+from backport.vocab import PatchStatus, TreeVerdict
 
 if TYPE_CHECKING:  # releases.py imports this module
     from backport.releases import Release
 
-APPLIED, PRESENT, NOT_APPLICABLE, FAILED = "applied", "already-present", "not-applicable", "failed"
-SAFE, UNSAFE = "safe", "unsafe"
+APPLIED, PRESENT = PatchStatus.APPLIED, PatchStatus.PRESENT
+NOT_APPLICABLE, FAILED = PatchStatus.NOT_APPLICABLE, PatchStatus.FAILED
+SAFE, UNSAFE = TreeVerdict.SAFE, TreeVerdict.UNSAFE
 ROLES = ("pristine", "patched")
 
 
@@ -191,8 +193,9 @@ def derive(pack, version: str, exceptions: Sequence[StatedException] = (),
     for rule in rules:
         for role in ROLES:
             tree = has[role]
+            verdict: TreeVerdict
             if not all(v in spec for spec in rule.needs_releases) or not set(rule.needs_fixes) <= tree:
-                verdict = NOT_APPLICABLE
+                verdict = TreeVerdict.NOT_APPLICABLE
             elif not set(rule.proves) <= tree:
                 verdict = UNSAFE
             else:

@@ -26,10 +26,11 @@ from packaging.version import InvalidVersion, Version
 from backport import expectations, resources
 from backport.errors import BadInput
 from backport.expectations import StatedException
+from backport.vocab import PatchStatus, TreeVerdict
 
 RELEASES_ENV = "SGLANG_BACKPORT_RELEASES"
-APPLY_OUTCOMES = ("applied", "already-present", "not-applicable")
-TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
+APPLY_OUTCOMES = (PatchStatus.APPLIED, PatchStatus.PRESENT, PatchStatus.NOT_APPLICABLE)
+TREE_VERDICTS = tuple(TreeVerdict)
 ROW_KEYS = {"version": str, "wheel": dict, "tag": str, "measured": bool, "note": str, "exceptions": list}
 EXCEPTION_KEYS = {"case", "fix", "pristine", "patched", "apply", "reason"}
 REQUIRED = ("version", "wheel")
@@ -80,7 +81,7 @@ class Release:
         if self.derived is None:
             return MappingProxyType({})
         return MappingProxyType({key: verdict for (r, key), verdict in self.derived.verdicts.items()
-                                 if r == role and verdict != "safe"})
+                                 if r == role and verdict != TreeVerdict.SAFE})
 
     @property
     def pristine(self) -> Mapping[str, str]:
@@ -95,8 +96,8 @@ class Release:
     def expected(self, role: str, case: str) -> str:
         """The verdict the matrix expects for `probe/case` on the pristine or patched tree."""
         if self.derived is None:
-            return "safe"
-        return self.derived.verdicts.get((role, case), "safe")
+            return TreeVerdict.SAFE
+        return self.derived.verdicts.get((role, case), TreeVerdict.SAFE)
 
     @property
     def exposed(self) -> bool:
@@ -108,7 +109,7 @@ class Release:
     @property
     def applies_anything(self) -> bool:
         apply = self.apply or {}
-        return bool(apply) and any(v == "applied" for v in apply.values())
+        return bool(apply) and any(v == PatchStatus.APPLIED for v in apply.values())
 
 
 def _fail(path: Path, where: str, what: str) -> BadInput:

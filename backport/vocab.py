@@ -37,6 +37,13 @@ class PairVerdict(StrEnum):
     ERROR = "error"
 
 
+class RunResult(StrEnum):
+    """A run's result (the summary's `result`; REPORT.md and `run` print it in capitals)."""
+
+    PASS = "pass"
+    FAIL = "fail"
+
+
 class PatchStatus(StrEnum):
     """What the engine did with one fix (apply-report.json's `patches[].status`)."""
 

@@ -21,8 +21,9 @@ from backport.audit.code import (
 from backport.audit.servers import CHECKSUM_FLAG, PD_ROLES, ServerFacts
 from backport.export.label import same_build  # 0.5.19+backport.N is not a pristine or rolled-back 0.5.19
 from backport.pack import Pack
+from backport.vocab import GateVerdict, TreeVerdict
 
-PASS, WARN, UNKNOWN, FAIL = "pass", "warn", "unknown", "fail"
+PASS, WARN, UNKNOWN, FAIL = GateVerdict.PASS, GateVerdict.WARN, GateVerdict.UNKNOWN, GateVerdict.FAIL
 _RANK = {PASS: 0, WARN: 1, UNKNOWN: 2, FAIL: 3}
 NOT_PROVEN = ("HTTP 200 and transfer-complete prove neither that the transferred KV covers what decode "
               "reserved nor that decode read only what it received")
@@ -32,7 +33,7 @@ NOT_PROVEN = ("HTTP 200 and transfer-complete prove neither that the transferred
 class ServerVerdict:
     url: str
     role: str | None
-    verdict: str
+    verdict: GateVerdict
     evidence: str
 
     def to_json(self) -> dict:
@@ -43,7 +44,7 @@ class ServerVerdict:
 class GateResult:
     gate: int
     name: str
-    verdict: str
+    verdict: GateVerdict
     evidence: tuple[str, ...]
     servers: tuple[ServerVerdict, ...] = ()
     remedy: str | None = None
@@ -55,7 +56,7 @@ class GateResult:
                 "remedy": self.remedy, "details": self.details}
 
 
-def worst(verdicts) -> str:
+def worst(verdicts) -> GateVerdict:
     return max(verdicts, key=_RANK.__getitem__, default=UNKNOWN)
 
 
@@ -157,7 +158,7 @@ def _fixes_evidence(code: CodeFacts, pack: Pack, fixes) -> tuple[list[str], list
     return lines, missing
 
 
-def _probe_evidence(code: CodeFacts) -> tuple[list[str], str]:
+def _probe_evidence(code: CodeFacts) -> tuple[list[str], GateVerdict]:
     """(lines, worst verdict the probes allow): unsafe or error cases fail; an incident case
     that could not run leaves the gate unknown."""
     from backport.expectations import outside_release  # reads the probes' registry: only when probes ran
@@ -171,14 +172,14 @@ def _probe_evidence(code: CodeFacts) -> tuple[list[str], str]:
     for probe in ADMISSION_PROBES:
         mine = [c for c in cases if c["probe"] == probe]
         counts = {
-            v: sum(c["verdict"] == v for c in mine) for v in ("safe", "unsafe", "error", "not-applicable")
+            v: sum(c["verdict"] == v for c in mine) for v in TreeVerdict
         }
         lines.append(f"probe {probe}: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n))
         for c in mine:
-            if c["verdict"] in ("unsafe", "error"):
+            if c["verdict"] in (TreeVerdict.UNSAFE, TreeVerdict.ERROR):
                 verdict = FAIL
                 lines.append(f"  {c['verdict']}: {probe}/{c['case']}: {c['observed']}")
-            elif c["verdict"] == "not-applicable" and not c["must_preserve"]:
+            elif c["verdict"] == TreeVerdict.NOT_APPLICABLE and not c["must_preserve"]:
                 if outside_release(f"{probe}/{c['case']}", code.version):
                     continue  # the case's code is another release range's (its `needs`), not missing here
                 verdict = worst((verdict, UNKNOWN))
@@ -214,6 +215,7 @@ def gate_rejection_at_admission(code: CodeFacts | None, pack: Pack,
 
 
 def _checksum_state(s: ServerFacts) -> tuple[str, str]:
+    """(on | off | absent | unknown: the flag's state, not a verdict; evidence)."""
     if s.error:
         return UNKNOWN, f"not read: {s.error}"
     if s.kv_checksum is True:
@@ -225,7 +227,7 @@ def _checksum_state(s: ServerFacts) -> tuple[str, str]:
     return UNKNOWN, f"{CHECKSUM_FLAG} not reported and the document is not a full server-arguments dump"
 
 
-def _pack_coverage(code: CodeFacts | None, pd: list[ServerFacts]) -> tuple[str, str]:
+def _pack_coverage(code: CodeFacts | None, pd: list[ServerFacts]) -> tuple[GateVerdict, str]:
     """(verdict, evidence) for this pack's own coverage check (prefill records how far the KV it
     wrote reaches, decode refuses a handoff short of its reservation)."""
     found = code.detection(COVERAGE_FIX) if code else None

@@ -25,6 +25,7 @@ from backport.audit.fetch import Limits, Reply, describe, request
 from backport.audit.gates import FAIL, PASS, UNKNOWN, GateResult, worst
 from backport.audit.servers import ServerFacts, check_url, fetch_servers
 from backport.errors import BadInput
+from backport.vocab import GateVerdict
 
 MAX_COUNT = 10
 NEW_TOKENS = 4
@@ -147,7 +148,7 @@ def _baseline_problem(baseline: dict) -> str | None:
     return None
 
 
-def judge(case: dict) -> tuple[str, str, str | None]:
+def judge(case: dict) -> tuple[GateVerdict, str, str | None]:
     """(verdict, evidence line, remedy) from what the router answered."""
     if "skipped" in case:
         return UNKNOWN, f"live negative case not sent: {case['skipped']}", case.get("remedy")

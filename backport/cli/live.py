@@ -16,10 +16,11 @@ from pathlib import Path
 from backport import cache
 from backport.cli import emit
 from backport.errors import BadInput, Finding, Interrupted
+from backport.vocab import TreeVerdict
 
 WATCH_SECONDS = 1.0
 
-FINDINGS = ("unsafe", "error")
+FINDINGS = (TreeVerdict.UNSAFE, TreeVerdict.ERROR)
 
 
 def render(documents: list[dict]) -> str:

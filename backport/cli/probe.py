@@ -7,6 +7,7 @@ from pathlib import Path
 from backport import resources
 from backport.cli import emit
 from backport.errors import BadInput
+from backport.vocab import TreeVerdict
 
 
 def cmd_env(args) -> int:
@@ -34,7 +35,7 @@ def cmd_probe(args) -> int:
         run_harness(python, tree.package_root, args.probe or None, version=tree.version) for tree in trees
     ]
     unsafe = [(d["tree"], c["probe"], c["case"]) for d in documents for c in d["cases"]
-              if c["verdict"] in ("unsafe", "error")]
+              if c["verdict"] in (TreeVerdict.UNSAFE, TreeVerdict.ERROR)]
     lines = []
     for d in documents:
         lines.append(f"{d['tree']} (sglang {d['version']})")

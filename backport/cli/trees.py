@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from backport import cache, resources
 from backport.cli import emit
 from backport.errors import BadInput
+from backport.vocab import ApplyStatus
 
 if TYPE_CHECKING:  # the library is imported by the commands that use it: --help and bad input stay light
     from backport.tree import Tree
@@ -213,7 +214,7 @@ def cmd_apply(args) -> int:
     if not args.check and not is_checkout(args.target) and not args.out:
         lines.append(f"(a work clone under {cache.work_root()}; `sglang-backport gc` removes old ones)")
     emit(args, report.to_json(), "\n".join(lines))
-    return 1 if report.status == "failed" else 0
+    return 1 if report.status == ApplyStatus.FAILED else 0
 
 
 def cmd_gc(args) -> int:

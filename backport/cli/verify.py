@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from backport.errors import BadInput
+from backport.vocab import RunResult
 
 
 def _document(result, state: str) -> dict:
@@ -48,7 +49,7 @@ def cmd_verify(args) -> int:
     key = sign.load_public_key(Path(args.key)) if args.key else None  # a bad key is bad input, checked first
     documents = [_document(*verify_signed(path, key)) for path in paths]
     failed = [d["bundle"] for d in documents if d["integrity"] != "ok"]
-    not_pass = [d["bundle"] for d in documents if d["integrity"] == "ok" and d["result"] != "pass"]
+    not_pass = [d["bundle"] for d in documents if d["integrity"] == "ok" and d["result"] != RunResult.PASS]
     ok = not failed and not (args.require_pass and not_pass)
     if args.json:
         document = documents[0] if len(paths) == 1 else {

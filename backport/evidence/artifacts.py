@@ -25,6 +25,7 @@ from pathlib import Path
 from backport.evidence.layout import product_role, sha256_bytes
 from backport.evidence.problem import Problem
 from backport.tree import is_package_source
+from backport.vocab import PatchStatus
 
 TREE_SUBJECT = "patched-tree/sglang"
 
@@ -125,7 +126,8 @@ def statement_problems(statement: dict) -> list[str]:
             if files.get(item["file"]) != item["sha256"]:
                 problems.append(f"export.patches: {item['file']} sha256 {item['sha256']}, predicate.files "
                                 f"records {files.get(item['file'])}")
-        applied = [x for x in p.get("inputs", {}).get("patches") or [] if x.get("status") == "applied"]
+        applied = [x for x in p.get("inputs", {}).get("patches") or []
+                   if x.get("status") == PatchStatus.APPLIED]
         if len(export.get("patches") or []) != len(applied):
             problems.append(f"export.patches has {len(export.get('patches') or [])} files for "
                             f"{len(applied)} applied patches")

@@ -24,6 +24,7 @@ import json
 from backport import gitops
 from backport.evidence.layout import probe_file, product_role, sha256_bytes
 from backport.evidence.verdicts import ROLES
+from backport.vocab import PatchStatus, TreeVerdict
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -32,7 +33,7 @@ OPENVEX = "https://openvex.dev/ns/v0.2.0"
 BUILD_TYPE = "https://sglang-backport.dev/build/export-wheel/v1"
 BUILDER = "https://sglang-backport.dev/builder/sglang-backport"
 RECEIPT_LINES = "receipt.intoto.jsonl"
-_TEST_STATE = {"safe": "passedTests", "not-applicable": "warnedTests"}
+_TEST_STATE = {TreeVerdict.SAFE: "passedTests", TreeVerdict.NOT_APPLICABLE: "warnedTests"}
 
 
 def git_tree(tree) -> str | None:
@@ -95,7 +96,7 @@ def provenance(statement: dict) -> dict | None:
     ]
     dependencies += [{"name": f"patches/{item['path']}", "digest": {"sha256": item["sha256"]},
                       "annotations": {"fix": item["fix"]}}
-                     for item in p["inputs"]["patches"] if item.get("status") == "applied"]
+                     for item in p["inputs"]["patches"] if item.get("status") == PatchStatus.APPLIED]
     toolkit = p["toolkit"]
     builder_version = {"sglang-backport": str(toolkit.get("version"))}
     if toolkit.get("git_commit"):

@@ -32,6 +32,7 @@ from backport.evidence.identifiers import (
 )
 from backport.evidence.layout import canonical_json
 from backport.evidence.vulnerabilities import action_statement, class_status, issued
+from backport.vocab import VexStatus
 
 VEX_CDX = "vex.cdx.json"
 SBOM_VERSION = 1  # cyclonedx-python-lib writes every BOM as version 1
@@ -43,9 +44,9 @@ def _entry(row: dict, status, statement: dict, link: str) -> dict:
     p = statement["predicate"]
     primary = primary_id(row)
     analysis: dict = {"state": cyclonedx._STATES[status.status], "detail": status.notes}
-    if status.status == "not_affected":
+    if status.status == VexStatus.NOT_AFFECTED:
         analysis["justification"] = "code_not_present"
-    if status.status == "affected":
+    if status.status == VexStatus.AFFECTED:
         analysis["response"] = ["update"]
     entry = {
         "bom-ref": f"vulnerability:{row['id']}",
@@ -60,7 +61,7 @@ def _entry(row: dict, status, statement: dict, link: str) -> dict:
     }
     if not entry["references"]:
         del entry["references"]
-    if status.status == "affected":
+    if status.status == VexStatus.AFFECTED:
         entry["recommendation"] = action_statement(row, status, product_version(statement), p["apply"])
     return entry
 

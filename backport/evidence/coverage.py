@@ -9,6 +9,8 @@ and rendered for REPORT.md.
 
 from __future__ import annotations
 
+from backport.vocab import TreeVerdict
+
 
 def totals(patches: list[dict]) -> dict:
     added = sum(p["added"] for p in patches)
@@ -81,7 +83,8 @@ def _patch_problems(entry: dict, record: dict[str, list[str]] | None) -> list[st
 
 def _pristine_problems(coverage: dict, pristine: dict | None, fixes: set[str]) -> list[str]:
     unsafe = {
-        f"{c['probe']}/{c['case']}" for c in (pristine or {}).get("cases", []) if c.get("verdict") == "unsafe"
+        f"{c['probe']}/{c['case']}" for c in (pristine or {}).get("cases", [])
+        if c.get("verdict") == TreeVerdict.UNSAFE
     }
     found = []
     for f in coverage.get("pristine_functions") or []:

@@ -37,10 +37,11 @@ from backport.evidence.identifiers import (
 from backport.evidence.layout import HEAD, canonical_json, product_role
 from backport.evidence.problem import Problem
 from backport.evidence.vulnerabilities import action_statement, class_status, issued
+from backport.vocab import PatchStatus, VexStatus
 
 SBOM = "sbom.cdx.json"
-_STATES = {"fixed": "resolved_with_pedigree", "affected": "exploitable", "under_investigation": "in_triage",
-           "not_affected": "not_affected"}
+_STATES = {VexStatus.FIXED: "resolved_with_pedigree", VexStatus.AFFECTED: "exploitable",
+           VexStatus.UNDER_INVESTIGATION: "in_triage", VexStatus.NOT_AFFECTED: "not_affected"}
 
 
 def _component(statement: dict, standards: dict):
@@ -58,7 +59,7 @@ def _component(statement: dict, standards: dict):
     class_of = {fix: row for row in standards["classes"] for fix in row["fixes"]}
     patches = []
     for item in p["inputs"]["patches"]:
-        if item.get("status") != "applied":
+        if item.get("status") != PatchStatus.APPLIED:
             continue
         row = class_of.get(item["fix"])
         resolves = [
@@ -161,7 +162,7 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str, aliased: bool =
         ]
         detail = status.notes
         recommendation = None
-        if status.status == "affected":
+        if status.status == VexStatus.AFFECTED:
             recommendation = action_statement(row, status, product_version(statement), p["apply"])
         found.append(
             Vulnerability(
@@ -177,9 +178,10 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str, aliased: bool =
                     state=ImpactAnalysisState(_STATES[status.status]),
                     detail=detail,
                     justification=ImpactAnalysisJustification.CODE_NOT_PRESENT
-                    if status.status == "not_affected"
+                    if status.status == VexStatus.NOT_AFFECTED
                     else None,
-                    responses=[ImpactAnalysisResponse.UPDATE] if status.status == "affected" else None,
+                    responses=([ImpactAnalysisResponse.UPDATE] if status.status == VexStatus.AFFECTED
+                               else None),
                 ),
                 affects=[BomTarget(ref=ref)],
             )

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from backport.evidence.verdicts import BASE, HEAD, PAIR_VERDICTS, REFERENCE, ROLES, is_finding, pair_verdict
+from backport.vocab import RunResult, TreeVerdict
 
 LIVE_DIR = "live"
 
@@ -82,7 +83,8 @@ def race_setup(item: dict) -> dict | None:
             "unsafe": sum(1 for t in valid if not t.get("b_matches_reference")),
         },
         "controls": {
-            name: "safe" if c.get("b_matches_reference") else "unsafe" for name, c in controls.items()
+            name: TreeVerdict.SAFE if c.get("b_matches_reference") else TreeVerdict.UNSAFE
+            for name, c in controls.items()
         },
         "released_through_timeout": details.get("released_through_timeout"),
     }
@@ -106,7 +108,7 @@ def fold_summary(summary: dict, live: dict | None) -> dict:
         "live": {"scenarios": len(live["scenarios"]), "pair_verdicts": counts, "findings": found},
     }
     if found or not live["scenarios"]:
-        folded["result"] = "fail"
+        folded["result"] = RunResult.FAIL
     return folded
 
 

@@ -31,6 +31,7 @@ from backport.evidence import cdxvex, osv
 from backport.evidence.layout import ATTESTATION_SUFFIX, ENVELOPE, RECEIPT, canonical_json, write_readable
 from backport.evidence.table import attached_from
 from backport.evidence.vex import STANDARDS
+from backport.vocab import PatchStatus, RunResult
 
 OSV_FOLDER = osv.FOLDER
 _PRIVATE = ("document", "cdx", "standards", "cases")  # what a row carries for the merged files, not the table
@@ -39,7 +40,8 @@ MERGED_VEX = "vex.openvex.json"
 MERGED_CDX = "vex.cdx.json"
 MERGED_LINES = "attestations.intoto.jsonl"
 SUMMARY_JSON, SUMMARY_MD = "summary.json", "summary.md"
-_CELL = {"applied": "applied", "already-present": "present", "not-applicable": "-", "failed": "FAILED"}
+_CELL = {PatchStatus.APPLIED: "applied", PatchStatus.PRESENT: "present", PatchStatus.NOT_APPLICABLE: "-",
+         PatchStatus.FAILED: "FAILED"}
 
 
 def shards(versions: list[str], size: int) -> list[dict]:
@@ -256,7 +258,7 @@ def merge(bundles: list[Path], out: Path, expected: list[str] | None = None) -> 
                 "why": r["why"],
             }
             for r in rows
-            if r["result"] != "pass"
+            if r["result"] != RunResult.PASS
         ],
     }
     write_readable(out / SUMMARY_JSON, canonical_json(summary))

@@ -30,6 +30,7 @@ from backport import resources
 from backport.errors import Finding
 from backport.evidence import jsonschemas
 from backport.evidence.statement import first_schema_error, schema_place
+from backport.vocab import TreeVerdict, VexStatus
 
 SCHEMA_VERSION = "1.7.5"  # the OSV schema version of the vendored schema file (its docs/schema.md)
 FOLDER = "osv"
@@ -43,7 +44,7 @@ def record_id(class_id: str) -> str:
 def exposed_on_pristine(row: dict, cases: list[dict]) -> bool:
     """A case of the class outside the must-preserve set was unsafe on the upstream release."""
     return any(c["probe"] in row["probes"] and not c["must_preserve"]
-               and c["verdicts"].get("pristine") == "unsafe" for c in cases)
+               and c["verdicts"].get("pristine") == TreeVerdict.UNSAFE for c in cases)
 
 
 def _timestamp(day_or_time: str) -> str:
@@ -76,7 +77,7 @@ def records(bundles: list[dict]) -> dict[str, dict]:
             if not exposed_on_pristine(row, bundle["cases"]):
                 continue
             release, product = bundle["release"], bundle["product"]
-            fixed = product is not None and bundle["statuses"].get(row["id"]) == "fixed"
+            fixed = product is not None and bundle["statuses"].get(row["id"]) == VexStatus.FIXED
             events = [{"introduced": release}, {"fixed": product} if fixed else {"last_affected": release}]
             entry = {"package": dict(PACKAGE), "ranges": [{"type": "ECOSYSTEM", "events": events}],
                      "database_specific": {"release": release, "backport": product if fixed else None}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from backport.engine.report import DOES_NOT_PLACE, MISSING_DEPENDENCY, NO_VARIANT
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
+from backport.vocab import PatchStatus, TreeVerdict
 
 # Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
 STAND_INS = (
@@ -47,8 +48,8 @@ def reference_comparison(predicate: dict) -> str:
             1
             for r in rows
             if r["reference_agrees"] is None
-            and r["verdicts"].get(REFERENCE) not in ("safe", None)
-            and r["verdicts"].get("patched") == "safe"
+            and r["verdicts"].get(REFERENCE) not in (TreeVerdict.SAFE, None)
+            and r["verdicts"].get("patched") == TreeVerdict.SAFE
         )
         text += (f"; {own} case(s) of this pack's own checks are counted apart, not compared (the reference "
                  f"lacks them; {unsafe} of them safe on patched and unsafe on the reference, by design)")
@@ -172,7 +173,7 @@ def unserved_fixes(apply: dict | None) -> tuple[list[str], list[str]] | None:
     """The one reading of "the pack cannot serve this release" (apply-report.json's form):
     (fixes with no variant for it, fixes that failed only because they depend on one), or None
     when it can. A variant that exists and does not place is a defect of the pack, not this."""
-    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == "failed"]
+    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == PatchStatus.FAILED]
     lacking = [x["fix"] for x in failed if _failure(x) == NO_VARIANT]
     waiting = [x["fix"] for x in failed if _failure(x) == MISSING_DEPENDENCY]
     if not lacking or len(lacking) + len(waiting) != len(failed):
@@ -226,7 +227,8 @@ def exposure_lines(p: dict) -> list[str]:
 def rollout(statement: dict) -> list[str]:
     """What to deploy, in which order, and how to roll back (a backport run only)."""
     p = statement["predicate"]
-    if p["mode"] != "backport" or not any(x.get("status") == "applied" for x in p["inputs"]["patches"]):
+    applied = any(x.get("status") == PatchStatus.APPLIED for x in p["inputs"]["patches"])
+    if p["mode"] != "backport" or not applied:
         return []
     version = p["inputs"]["target"].get("version")
     export = p.get("export")

@@ -18,6 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backport.vocab import ApplyStatus
+
 if TYPE_CHECKING:  # jsonschema is imported where used, through jsonschemas.load (start-up stays light)
     import jsonschema
 
@@ -328,7 +330,7 @@ def _input_problems(p: dict, table: bool = True) -> list[str]:
     paired = p["mode"] == "upstream-pair"
     if (backport or exposure) != (apply is not None) or paired != (target.get("head") is not None):
         problems.append(f"mode {p['mode']!r} disagrees with the apply report and inputs.target.head")
-    if exposure != (HEAD not in trees) or (exposure and (apply or {}).get("status") != "failed"):
+    if exposure != (HEAD not in trees) or (exposure and (apply or {}).get("status") != ApplyStatus.FAILED):
         problems.append(
             f"mode {p['mode']!r} disagrees with inputs.trees (an exposure run, and only one, has no "
             f"patched tree, and its apply report failed)"

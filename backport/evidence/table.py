@@ -132,6 +132,14 @@ def attached_from(bundle: Path, statement: dict) -> dict:
     return attach(statement, documents)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON: of one JSON type (1, 1.0 and True differ) and equal; a vocabulary member
+    (backport/vocab.py, a `str` subclass) is the string it serialises as."""
+    def kind(x: Any) -> type:
+        return str if isinstance(x, str) else type(x)
+    return kind(a) is kind(b) and a == b
+
+
 def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | None:
     """(where, a's value, b's value) of the first difference between two JSON values, in key order."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -146,7 +154,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | N
             if found:
                 return found
         return None if len(a) == len(b) else (f"{path} (length)", len(a), len(b))
-    return None if (type(a) is type(b) and a == b) else (path, a, b)
+    return None if _same(a, b) else (path, a, b)
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
@@ -158,7 +166,7 @@ def differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
         if len(a) != len(b):
             return [(f"{path} (length)", len(a), len(b))]
         return [d for index, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{index}]")]
-    return [] if (type(a) is type(b) and a == b) else [(path, a, b)]
+    return [] if _same(a, b) else [(path, a, b)]
 
 
 def _sources(where: str, recorded: dict, derived: dict, documents: dict[str, Any]) -> list[str]:

@@ -24,11 +24,12 @@ A fix has upstream evidence when one of its files passed or failed on the patche
 from __future__ import annotations
 
 from backport.evidence.layout import BASE, HEAD
+from backport.vocab import PatchStatus, UpstreamPair
 
 FILE_ORDER = ("refused", "unavailable", "failed", "stale-test", "incompatible", "passed", "skipped")
-UPSTREAM_PAIRS = ("fixed", "held", "passed", "still-failing", "regressed", "refused", "inconclusive")
-_FINDING_PAIRS = ("regressed", "refused")
-_HAS_FIX = ("applied", "already-present")
+UPSTREAM_PAIRS = tuple(UpstreamPair)
+_FINDING_PAIRS = (UpstreamPair.REGRESSED, UpstreamPair.REFUSED)
+_HAS_FIX = (PatchStatus.APPLIED, PatchStatus.PRESENT)
 
 
 def file_outcome(outcomes: list[str]) -> str:
@@ -37,14 +38,16 @@ def file_outcome(outcomes: list[str]) -> str:
     return next((o for o in FILE_ORDER if o in seen), "skipped")
 
 
-def upstream_pair(base: str | None, head: str | None) -> str:
+def upstream_pair(base: str | None, head: str | None) -> UpstreamPair:
+    """The pair verdict of one test file from its outcomes on base and head (junit.py's outcomes)."""
     if head == "passed":
-        return {"failed": "fixed", "passed": "held"}.get(base or "", "passed")
+        return {"failed": UpstreamPair.FIXED, "passed": UpstreamPair.HELD}.get(base or "",
+                                                                               UpstreamPair.PASSED)
     if head == "failed":
-        return "regressed" if base == "passed" else "still-failing"
+        return UpstreamPair.REGRESSED if base == "passed" else UpstreamPair.STILL_FAILING
     if head == "refused":
-        return "refused"
-    return "inconclusive"
+        return UpstreamPair.REFUSED
+    return UpstreamPair.INCONCLUSIVE
 
 
 def _fix_status(apply: dict | None) -> dict[str, str]:
@@ -81,7 +84,7 @@ def file_rows(upstream: dict | None, apply: dict | None = None) -> list[dict]:
         fix_status = status.get(row["fix"]) if apply is not None else "given"
         row["fix_status"] = fix_status
         row["finding"] = row["pair"] in _FINDING_PAIRS or (
-            row["pair"] == "still-failing" and (apply is None or fix_status in _HAS_FIX))
+            row["pair"] == UpstreamPair.STILL_FAILING and (apply is None or fix_status in _HAS_FIX))
         out.append(row)
     return sorted(out, key=lambda r: (str(r["fix"]), str(r["file"]), str(r["rev"])))
 

@@ -37,33 +37,36 @@ that no release has yet, or carry later changes), not a pass/fail criterion.
 from __future__ import annotations
 
 from backport.evidence.layout import BASE, HEAD, REFERENCE, ROLES, product_role
+from backport.vocab import PairVerdict, RunResult, TreeVerdict
 
 from . import coverage as cov
 
-TREE_VERDICTS = ("safe", "unsafe", "error", "not-applicable")
-PAIR_VERDICTS = ("fixed", "held", "still-unsafe", "regressed", "added", "not-applicable", "error")
-PASSING = {"fixed", "held", "added", "not-applicable"}
+TREE_VERDICTS = tuple(TreeVerdict)
+PAIR_VERDICTS = tuple(PairVerdict)
+PASSING = {PairVerdict.FIXED, PairVerdict.HELD, PairVerdict.ADDED, PairVerdict.NOT_APPLICABLE}
 
-_PAIR_TABLE: dict[tuple[str | None, str | None], str] = {
-    ("safe", "safe"): "held",
-    ("safe", "unsafe"): "regressed",
-    ("unsafe", "safe"): "fixed",
-    ("unsafe", "unsafe"): "still-unsafe",
-    ("not-applicable", "safe"): "added",
-    ("not-applicable", "unsafe"): "regressed",
-    ("not-applicable", "not-applicable"): "not-applicable",
+_S, _U, _NA = TreeVerdict.SAFE, TreeVerdict.UNSAFE, TreeVerdict.NOT_APPLICABLE
+_PAIR_TABLE: dict[tuple[str | None, str | None], PairVerdict] = {
+    (_S, _S): PairVerdict.HELD,
+    (_S, _U): PairVerdict.REGRESSED,
+    (_U, _S): PairVerdict.FIXED,
+    (_U, _U): PairVerdict.STILL_UNSAFE,
+    (_NA, _S): PairVerdict.ADDED,
+    (_NA, _U): PairVerdict.REGRESSED,
+    (_NA, _NA): PairVerdict.NOT_APPLICABLE,
 }
 
 
-def pair_verdict(base: str | None, head: str | None) -> str:
-    """The pair verdict of one case from its base and head verdicts (None: the tree did not report it)."""
-    return _PAIR_TABLE.get((base, head), "error")
+def pair_verdict(base: str | None, head: str | None) -> PairVerdict:
+    """The pair verdict of one case from its base and head verdicts (None: the tree did not report it;
+    the verdicts are read from JSON, so any string: one outside the vocabulary is an error)."""
+    return _PAIR_TABLE.get((base, head), PairVerdict.ERROR)
 
 
 def is_finding(pair: str, must_preserve: bool) -> bool:
-    if pair in ("regressed", "error"):
+    if pair in (PairVerdict.REGRESSED, PairVerdict.ERROR):
         return True
-    return pair == "still-unsafe" and not must_preserve
+    return pair == PairVerdict.STILL_UNSAFE and not must_preserve
 
 
 def case_rows(probes: dict[str, dict]) -> list[dict]:
@@ -155,8 +158,8 @@ def summarise(rows: list[dict], probes: dict[str, dict], upstream: dict | None, 
         "upstream_evidence": upstream_evidence,
         "coverage": cov.summary(coverage),
         "result": (
-            "fail"
+            RunResult.FAIL
             if findings or upstream_evidence["findings"] or not rows or cov.below_floor(coverage)
-            else "pass"
+            else RunResult.PASS
         ),
     }

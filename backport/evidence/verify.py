@@ -34,6 +34,7 @@ from backport.evidence.live import bundle_problems as live_bundle_problems
 from backport.evidence.problem import Problem, VerifyResult
 from backport.evidence.report import render_report
 from backport.evidence.statement import check_statement, schema_errors
+from backport.vocab import RunResult
 
 from . import artifacts, formats, table, vex
 
@@ -134,7 +135,7 @@ def verify_signed(bundle: Path | str, key=None) -> tuple[VerifyResult, str]:
 
 def finding_reason(summary: dict) -> str | None:
     """Why a verified bundle's run is not a pass, in a few words (None for a pass)."""
-    if summary.get("result") == "pass":
+    if summary.get("result") == RunResult.PASS:
         return None
     parts = [f"{n} {pair}" for pair, n in Counter(f["pair"] for f in summary.get("findings") or []).items()]
     live = summary.get("live")

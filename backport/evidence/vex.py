@@ -24,6 +24,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backport.vocab import VexStatus
+
 if TYPE_CHECKING:  # jsonschema is imported where used, through jsonschemas.load (start-up stays light)
     import jsonschema
 
@@ -90,9 +92,9 @@ def build_vex(statement: dict, standards: dict, aliased: bool = True) -> dict:
         item = {"vulnerability": vulnerability, "products": products(statement), "status": status.status,
                 "status_notes": f"{status.notes}. Fixes of the class: {', '.join(row['fixes'])}. "
                                 f"References: {' '.join(row['references'])}"}
-        if status.status == "affected":
+        if status.status == VexStatus.AFFECTED:
             item["action_statement"] = action_statement(row, status, version, p["apply"])
-        if status.status == "not_affected":
+        if status.status == VexStatus.NOT_AFFECTED:
             item["justification"] = "vulnerable_code_not_present"
         statements.append(item)
     return {

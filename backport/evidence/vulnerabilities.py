@@ -37,8 +37,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from backport.engine.report import SHIPPED
 from backport.errors import BadInput
+from backport.vocab import Cause, PairVerdict, PatchStatus, TreeVerdict, VexStatus
 
 FILE = "vulnerabilities.toml"
 BUNDLE_FILE = "vulnerabilities.json"
@@ -49,7 +49,7 @@ _KEYS = {"id": str, "name": str, "title": str, "description": str, "fixes": list
 # introduced_with: the fix whose code brings the vulnerable code (see the docstring); live: the live
 # tier's scenarios that show the class on a real PD deployment (cited, and an unsafe one is an exposure)
 _OPTIONAL = {"introduced_with": str, "live": list}
-_CLEAN = {"fixed", "held", "added", "not-applicable"}
+_CLEAN = {PairVerdict.FIXED, PairVerdict.HELD, PairVerdict.ADDED, PairVerdict.NOT_APPLICABLE}
 
 
 def _fail(path: Path, where: str, what: str) -> BadInput:
@@ -183,7 +183,7 @@ def issued(statement: dict, standards: dict) -> str:
 
 @dataclass(frozen=True)
 class ClassStatus:
-    status: str                 # an OpenVEX status
+    status: VexStatus           # an OpenVEX status
     cases: tuple[str, ...]      # probe/case of the class, in receipt order
     notes: str                  # how the status follows from the cases
     unsafe: tuple[str, ...] = ()
@@ -213,10 +213,11 @@ def class_status(
         for r in scenarios
     )
     unsafe = tuple(f"live/{r['scenario']}" for r in scenarios
-                   if not r["must_preserve"] and r["verdicts"].get(role) == "unsafe")
-    if unsafe and status.status != "affected":
-        return ClassStatus("affected", status.cases, f"{len(unsafe)} live scenario(s) unsafe on the {role} "
-                           f"deployment (first: {unsafe[0]}); live tier: {seen}; probes: {status.notes}",
+                   if not r["must_preserve"] and r["verdicts"].get(role) == TreeVerdict.UNSAFE)
+    if unsafe and status.status != VexStatus.AFFECTED:
+        return ClassStatus(VexStatus.AFFECTED, status.cases,
+                           f"{len(unsafe)} live scenario(s) unsafe on the {role} deployment "
+                           f"(first: {unsafe[0]}); live tier: {seen}; probes: {status.notes}",
                            unsafe, role)
     return dataclasses.replace(status, notes=f"{status.notes}; live tier: {seen}")
 
@@ -238,31 +239,32 @@ def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassSta
     for c in own:
         by_pair.setdefault(c["pair"], []).append(f"{c['probe']}/{c['case']}")
     counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_pair.items()))
-    errored = [f"{c['probe']}/{c['case']}" for c in own if c["pair"] == "error"]
+    errored = [f"{c['probe']}/{c['case']}" for c in own if c["pair"] == PairVerdict.ERROR]
     role = _product(own)
     exposed = [f"{c['probe']}/{c['case']}" for c in own
-               if not c["must_preserve"] and c["verdicts"].get(role) == "unsafe"]
+               if not c["must_preserve"] and c["verdicts"].get(role) == TreeVerdict.UNSAFE]
     broken = [f"{c['probe']}/{c['case']}" for c in own if c["must_preserve"] and c["pair"] not in _CLEAN]
-    ran = [c for c in own if c["pair"] != "not-applicable"]
+    ran = [c for c in own if c["pair"] != PairVerdict.NOT_APPLICABLE]
     if exposed:  # an unsafe case shows the exposure whatever another case could not judge
         unjudged = f"; {len(errored)} case(s) could not be judged (first: {errored[0]})" if errored else ""
-        return ClassStatus("affected", names, f"{len(exposed)} case(s) unsafe on the {role} tree "
+        return ClassStatus(VexStatus.AFFECTED, names, f"{len(exposed)} case(s) unsafe on the {role} tree "
                            f"(first: {exposed[0]}){unjudged}; cases: {counts}", tuple(exposed), role)
     if errored:
-        return ClassStatus("under_investigation", names, f"{len(errored)} case(s) could not be judged "
-                           f"(first: {errored[0]}); cases: {counts}")
+        return ClassStatus(VexStatus.UNDER_INVESTIGATION, names,
+                           f"{len(errored)} case(s) could not be judged (first: {errored[0]}); "
+                           f"cases: {counts}")
     if broken:
-        return ClassStatus("under_investigation", names, f"must-preserve case(s) regressed (first: "
+        return ClassStatus(VexStatus.UNDER_INVESTIGATION, names, f"must-preserve case(s) regressed (first: "
                            f"{broken[0]}); cases: {counts}")
     if not ran:
         absent = _code_absent(row.get("introduced_with"), apply)
         if absent:
-            return ClassStatus("not_affected", names, f"vulnerable code not present: {absent}; the "
+            return ClassStatus(VexStatus.NOT_AFFECTED, names, f"vulnerable code not present: {absent}; the "
                                f"{len(own)} case(s) of the class need it and did not run", tree=role)
-        return ClassStatus("under_investigation", names, "no case of this class ran on these trees "
+        return ClassStatus(VexStatus.UNDER_INVESTIGATION, names, "no case of this class ran on these trees "
                            f"({len(own)} not-applicable)")
     return ClassStatus(
-        "fixed", names, f"every case of the class is fixed or held on the {role} tree: {counts}"
+        VexStatus.FIXED, names, f"every case of the class is fixed or held on the {role} tree: {counts}"
     )
 
 
@@ -272,13 +274,19 @@ def _code_absent(fix: str | None, apply: dict | None) -> str:
     entry = next((p for p in (apply or {}).get("patches", []) if p.get("fix") == fix), None)
     if fix is None or entry is None:
         return ""
-    # the release ships the fix: the report's cause (reports written before it said so only in prose)
-    shipped = entry.get("status") == "not-applicable" and (
-        entry.get("cause") == SHIPPED if "cause" in entry else "fixed_in" in (entry.get("reason") or "")
-    )
-    if shipped or entry.get("status") in ("applied", "already-present"):
+    if _ships(entry) or entry.get("status") in (PatchStatus.APPLIED, PatchStatus.PRESENT):
         return ""
     return f"the tree has no {fix} code (the release does not ship it; the pack: {entry.get('status')})"
+
+
+def _ships(entry: dict) -> bool:
+    """The release ships the fix (apply-report.json's entry): its `cause`. Only a report written
+    before the cause existed is read by its prose (the engine wrote "is in fixed_in" then)."""
+    if entry.get("status") != PatchStatus.NOT_APPLICABLE:
+        return False
+    if "cause" in entry:
+        return entry["cause"] == Cause.SHIPPED
+    return "fixed_in" in (entry.get("reason") or "")
 
 
 def _product(cases: list[dict]) -> str:
@@ -293,8 +301,8 @@ def action_statement(row: dict, status: ClassStatus, version: str, apply_report:
         for p in (apply_report or {}).get("patches", [])
         if p.get("fix") in row["fixes"]
         and (
-            (p.get("status") == "not-applicable" and "fixed_in" not in (p.get("reason") or ""))
-            or (p.get("status") == "failed" and not p.get("variant"))
+            (p.get("status") == PatchStatus.NOT_APPLICABLE and not _ships(p))
+            or (p.get("status") == PatchStatus.FAILED and not p.get("variant"))
         )
     ]
     parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]

@@ -37,6 +37,7 @@ from backport.errors import BadInput
 from backport.evidence.coverage import totals
 from backport.gitops import blame_commits
 from backport.pack import Pack
+from backport.vocab import PatchStatus, TreeVerdict
 
 EXCLUSIONS = "coverage-exclusions.toml"
 
@@ -148,8 +149,8 @@ def _excluded(exclusions: list[Exclusion], patch: dict, rel: str, commits: list[
 
 def touched_files(apply_json: dict | None) -> list[str]:
     """Every file (relative to the package root) an applied patch changes."""
-    files = {h["file"] for p in (apply_json or {}).get("patches", []) if p.get("status") == "applied"
-             for h in p.get("hunks", [])}
+    files = {h["file"] for p in (apply_json or {}).get("patches", [])
+             if p.get("status") == PatchStatus.APPLIED for h in p.get("hunks", [])}
     return sorted(files)
 
 
@@ -194,7 +195,7 @@ def patch_coverage(
     patches = []
     by_upstream: dict[str, list[str]] = {}
     for patch in (apply_json or {}).get("patches", []):
-        if patch.get("status") != "applied" or not patch.get("commit"):
+        if patch.get("status") != PatchStatus.APPLIED or not patch.get("commit"):
             continue
         fix = pack.fixes.get(patch["fix"])
         exclusions = fix.coverage_exclude if fix is not None else ()
@@ -328,12 +329,13 @@ def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str
     unsafe on the pristine tree ran, and which of those cases ran any."""
     measured = pristine_doc.get("coverage")
     unsafe = [
-        f"{c['probe']}/{c['case']}" for c in pristine_doc.get("cases", []) if c.get("verdict") == "unsafe"
+        f"{c['probe']}/{c['case']}" for c in pristine_doc.get("cases", [])
+        if c.get("verdict") == TreeVerdict.UNSAFE
     ]
     entries: list[dict] = []
     sources: dict[str, list[tuple[str, int, int, int]]] = {}
     for patch in (apply_json or {}).get("patches", []):
-        if patch.get("status") != "applied" or not patch.get("commit"):
+        if patch.get("status") != PatchStatus.APPLIED or not patch.get("commit"):
             continue
         for rel, name in changed_functions(tree_path, package_prefix, patch["commit"]):
             path = Path(pristine_root) / rel

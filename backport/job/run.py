@@ -34,6 +34,7 @@ from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
 from backport.sources import clone_pristine, materialise
 from backport.tree import Tree, clone_commit, decided_version, tree_digest
+from backport.vocab import ApplyStatus, PatchStatus, RunResult
 
 log = logging.getLogger("backport.job")
 
@@ -133,8 +134,8 @@ def clone(source: Tree) -> Tree:
 
 def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
     report = apply_series(tree.path, the_plan.pack, tree.version, package_prefix=tree.package_prefix)
-    if report.status == "failed":
-        failed = [p for p in report.patches if p.status == "failed"]
+    if report.status == ApplyStatus.FAILED:
+        failed = [p for p in report.patches if p.status == PatchStatus.FAILED]
         first = failed[0] if failed else None
         what = "" if first is None else f": {first.fix} ({first.variant or 'no variant'}) {first.reason}"
         raise SeriesDoesNotApply(
@@ -306,7 +307,7 @@ def export_files(run: Prepared) -> evidence.Exported | None:
     if run.exposure:
         log.warning("--export: the pack cannot serve %s; nothing to export", run.plan.options.spec)
         return None
-    if not any(p.get("status") == "applied" for p in (run.apply_json or {}).get("patches", [])):
+    if not any(p.get("status") == PatchStatus.APPLIED for p in (run.apply_json or {}).get("patches", [])):
         log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
         return None
     tree_path = run.trees["patched"].tree_path
@@ -386,7 +387,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             ),
         )
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
-    code = 0 if bundle.summary["result"] == "pass" else 1
+    code = 0 if bundle.summary["result"] == RunResult.PASS else 1
     return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),
                       placed.previous)
 

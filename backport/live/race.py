@@ -42,8 +42,10 @@ from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
 from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
 from backport.live.setups import pythonpath_extras, server_environment, serving_for
+from backport.vocab import TreeVerdict
 
-SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
+SAFE, UNSAFE = TreeVerdict.SAFE, TreeVerdict.UNSAFE
+ERROR, NOT_APPLICABLE = TreeVerdict.ERROR, TreeVerdict.NOT_APPLICABLE
 NAME = "aborted_transfer_pages_not_reused"
 EXPECT = ("a request aborted at decode while its KV is still in flight never lets its late writes reach the "
           "next request's pages: B (other prefill, on A's freed pages) gets exactly the reference tokens")

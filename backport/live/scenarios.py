@@ -16,8 +16,10 @@ from backport.live import load, traffic
 from backport.live.deployment import DECODE_POOL, DEFERRED_RELEASE_TIMEOUT, PREFILL_POOL, Deployment
 from backport.live.model import PROMPTS, TinyModel
 from backport.live.reply import Reply, WordTokenizer
+from backport.vocab import TreeVerdict
 
-SAFE, UNSAFE, ERROR, NOT_APPLICABLE = "safe", "unsafe", "error", "not-applicable"
+SAFE, UNSAFE = TreeVerdict.SAFE, TreeVerdict.UNSAFE
+ERROR, NOT_APPLICABLE = TreeVerdict.ERROR, TreeVerdict.NOT_APPLICABLE
 # what the servers log about a rejected or short-prefilled request
 FLUSH_HAZARD = ("this tree's decode frees a deferred hold's pages twice when flushed during the hold "
                 "(sbp-flush-holds): the flush is not sent right after a refused request")

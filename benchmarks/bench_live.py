@@ -1,9 +1,13 @@
-"""Benchmark: the live tier per tree against the floor of one `launch_server` start, in the same run.
+"""Benchmark: the live tier per tree against the floor of one `launch_server` start, per serving setup.
 
     python benchmarks/bench_live.py TREE [TREE ...] [--race] [--json]
 
-First the floor: one plain (non-PD) `launch_server` of the tiny model on the first tree, timed from
-spawn to its /health answering 200, then stopped; started twice, the faster start counts. Then per tree, the
+First the floors: per serving setup among the trees (backport/live/setups.py: the old releases
+start with stand-ins, add-ons and their own environment, and some answer /health before their
+warmup), one plain (non-PD) `launch_server` of the tiny model on the setup's first tree, with the
+setup's environment and PYTHONPATH, timed from spawn to ready as the pair is (/health 200, and the
+warmup's log line where /health answers first), then stopped; started twice, the faster start
+counts. Then per tree, the
 live tier as `live` runs it: pair start-up (prefill and decode started together, then the router) and the
 scenarios' time, and the peak resident memory of the deployment's process groups while the scenarios run
 (sampled every second from /proc). With --race, per tree the 2P1D page-lifetime race too (its own
@@ -27,9 +31,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backport.live import REGISTRY, ensure_model, ensure_serving_env
-from backport.live.deployment import COMMON_FLAGS, SERVER_ENV, deployed
+from backport.live.deployment import (
+    COMMON_FLAGS,
+    RESERVED_DECODE_TOKENS,
+    SERVER_ENV,
+    SERVER_START_TIMEOUT,
+    deployed,
+    wait_warmed_up,
+)
 from backport.live.race import run_race
 from backport.live.servers import LOOPBACK, Processes, free_port, wait_ready
+from backport.live.setups import pythonpath_extras, server_environment, serving_for
 from backport.live.tier import run_scenario
 from backport.tree import open_tree
 
@@ -60,9 +72,13 @@ class PeakMemory(threading.Thread):
 
 
 def floor_seconds(env, model, tree, workdir: Path) -> float:
+    """One plain launch_server of the tiny model on `tree`, started as its serving setup starts servers."""
     workdir.mkdir(parents=True, exist_ok=True)
+    setup = serving_for(tree.version)
     port = free_port()
-    server_env = {**os.environ, **SERVER_ENV, "PYTHONPATH": env.pythonpath(Path(tree.package_root))}
+    server_env = {**os.environ, **SERVER_ENV, **server_environment(setup, RESERVED_DECODE_TOKENS),
+                  "PYTHONNOUSERSITE": "1",
+                  "PYTHONPATH": env.pythonpath(Path(tree.package_root), pythonpath_extras(setup))}
     argv = [
         str(env.python),
         "-m",
@@ -74,11 +90,14 @@ def floor_seconds(env, model, tree, workdir: Path) -> float:
         "--port",
         str(port),
         *COMMON_FLAGS,
+        *(("--nccl-port", str(free_port())) if setup.nccl_port else ()),
     ]
     with Processes(workdir) as processes:
         started = time.monotonic()
         server = processes.start("floor", argv, url=f"http://{LOOPBACK}:{port}", env=server_env)
-        wait_ready([server], "/health", 600)
+        wait_ready([server], "/health", SERVER_START_TIMEOUT)
+        if setup.health_before_warmup:
+            wait_warmed_up([server], SERVER_START_TIMEOUT)
         return time.monotonic() - started
 
 
@@ -138,7 +157,8 @@ def tree_figures(env, model, tree, workdir: Path) -> dict:
         scenarios = time.monotonic() - started
         sampler.done.set()
         sampler.join()
-    return {"tree": str(tree.path), "version": tree.version, "startup_seconds": round(dep.startup_seconds, 1),
+    return {"tree": str(tree.path), "version": tree.version, "setup": serving_for(tree.version).name,
+            "startup_seconds": round(dep.startup_seconds, 1),
             "scenario_seconds": round(scenarios, 1), "peak_rss_gib": round(sampler.peak / 2**30, 2),
             "verdicts": verdicts}
 
@@ -152,42 +172,47 @@ def main() -> int:
     trees = [open_tree(Path(t)) for t in args.trees]
     env = ensure_serving_env()
     model = ensure_model(env.python)
+    setups = {}  # setup name -> its first tree (the floor's tree)
+    for tree in trees:
+        setups.setdefault(serving_for(tree.version).name, tree)
     with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
         # the faster of two starts: the first also pays the cold page cache of torch and the tree
-        floor = min(floor_seconds(env, model, trees[0], Path(tmp) / f"floor-{n}") for n in (1, 2))
+        floors = {name: min(floor_seconds(env, model, tree, Path(tmp) / f"floor-{name}-{n}") for n in (1, 2))
+                  for name, tree in setups.items()}
         rows = [tree_figures(env, model, tree, Path(tmp) / f"{i}") for i, tree in enumerate(trees)]
         races = (
             [race_figures(env, tree, Path(tmp) / f"race-{i}") for i, tree in enumerate(trees)]
             if args.race
             else []
         )
-    total = sum(r["startup_seconds"] + r["scenario_seconds"] for r in rows)
-    result = {
-        "floor_seconds": round(floor, 1),
-        "trees": rows,
-        "total_seconds": round(total, 1),
-        "total_over_floor": round(total / floor, 2),
-        "goal": f"total under {2 * len(rows)} x floor (2x {len(rows)} server starts)",
-        "race_2p1d": races,
-    }
+    per_setup = []
+    for name, floor in floors.items():
+        mine = [r for r in rows if r["setup"] == name]
+        total = sum(r["startup_seconds"] + r["scenario_seconds"] for r in mine)
+        per_setup.append({"setup": name, "floor_seconds": round(floor, 1), "trees": len(mine),
+                          "total_seconds": round(total, 1), "total_over_floor": round(total / floor, 2),
+                          "goal": f"total under {2 * len(mine)} x floor (2x {len(mine)} server starts)"})
+    result = {"setups": per_setup, "trees": rows, "race_2p1d": races}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"floor: one launch_server start {floor:.1f} s")
-    print(f"{'version':10} {'start s':>8} {'x floor':>8} {'scen. s':>8} {'peak GiB':>9}  verdicts")
-    for r in rows:
-        print(f"{r['version']:10} {r['startup_seconds']:8.1f} {r['startup_seconds'] / floor:8.2f} "
-              f"{r['scenario_seconds']:8.1f} {r['peak_rss_gib']:9.2f}  "
-              + ", ".join(f"{k}={v}" for k, v in r["verdicts"].items()))
-    print(f"total {total:.1f} s = {total / floor:.2f} x floor; goal: under {2 * len(rows)} x floor")
+    for group in per_setup:
+        floor = group["floor_seconds"]
+        print(f"setup {group['setup']}: floor, one launch_server start {floor:.1f} s")
+        print(f"  {'version':12} {'start s':>8} {'x floor':>8} {'scen. s':>8} {'peak GiB':>9}  verdicts")
+        for r in (r for r in rows if r["setup"] == group["setup"]):
+            print(f"  {r['version']:12} {r['startup_seconds']:8.1f} {r['startup_seconds'] / floor:8.2f} "
+                  f"{r['scenario_seconds']:8.1f} {r['peak_rss_gib']:9.2f}  "
+                  + ", ".join(f"{k}={v}" for k, v in r["verdicts"].items()))
+        print(f"  total {group['total_seconds']:.1f} s = {group['total_over_floor']:.2f} x floor; "
+              f"goal: under {2 * group['trees']} x floor")
     for r in races:
         print(
-            f"2P1D race {r['version']:10} start {r['startup_seconds']:.1f} s, scenario "
+            f"2P1D race {r['version']:12} start {r['startup_seconds']:.1f} s, scenario "
             f"{r['scenario_seconds']:.1f} s, "
             f"peak {r['peak_rss_gib']:.2f} GiB: {r['verdict']} ({r['observed']})"
         )
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

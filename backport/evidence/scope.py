@@ -181,7 +181,7 @@ def unserved_fixes(apply: dict | None) -> tuple[list[str], list[str]] | None:
     return lacking, waiting
 
 
-def _failure(patch: dict) -> str:
+def _failure(patch: dict) -> str:  # a Cause's value (a later report's may be new to this reader)
     """Why a failed patch failed: the report's `cause`; reports written before it had one say it by
     their shape (no variant; a variant not tried: no hunk; a variant that did not place)."""
     if patch.get("cause"):

@@ -42,6 +42,7 @@ from backport.live.deployment import Deployment
 from backport.live.model import TinyModel
 from backport.live.scenarios import ERROR, SAFE, UNSAFE, Outcome, ask, scenario
 from backport.live.servers import LOOPBACK
+from backport.vocab import TreeVerdict
 
 HTTP_TIMEOUT = 5.0           # each bootstrap call; the server answers in milliseconds
 NEXT_REQUEST_TIMEOUT = 60.0  # the valid prompt sent while the table may point at the sink
@@ -207,7 +208,7 @@ def _served(reply: dict | None, reference: list[int]) -> str | None:
     return None if reply["tokens"] == reference else "other tokens than the reference"
 
 
-def judge(details: dict[str, Any], reference: list[int]) -> tuple[str, str]:
+def judge(details: dict[str, Any], reference: list[int]) -> tuple[TreeVerdict, str]:
     """The verdict from the recorded answers. `safe` only when every write was refused with
     401/403, every read-back shows the original entry, the sink saw nothing and both valid
     prompts got the reference tokens; a bootstrap that does not answer is `error`."""

@@ -187,7 +187,7 @@ def hold_leak(held: dict) -> str | None:
     return f"A's writes were not held back: {leaked:.3f} of A's KV passed during the hold"
 
 
-def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[str, str]:
+def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[TreeVerdict, str]:
     """The verdict from the controls and the trials' results (pure: unit-tested)."""
     broken = [name for name, c in controls.items() if not c.get("b_matches_reference")]
     if broken:

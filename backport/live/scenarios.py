@@ -32,7 +32,7 @@ LOG_NEEDLES = ("exceeds the maximum allowed length", "#new-token: 1,", "Abort", 
 
 @dataclass
 class Outcome:
-    verdict: str
+    verdict: TreeVerdict
     observed: str
     details: dict[str, Any] = field(default_factory=dict)
 

@@ -204,3 +204,45 @@ def test_decode_load_unknown_shapes_are_none():
     assert load.from_document({"loads": [{"dp_rank": 0}]}, "/v1/loads") is None
     assert load.from_document({"detail": "Not Found"}, "/get_load") is None
     assert load.from_document([], "/get_load") is None
+
+
+def test_the_races_requests_read_a_text_only_reply(tmp_path, tok):
+    """The 2P1D race asks prefill and decode directly (backport/live/race.py, Pair.send); on 0.4.7 -
+    0.4.10.post2 decode answers with text only. Measured on pristine 0.4.10.post2 before this: B's
+    answer was unrecoverable, so both controls read "not safe" and the race was `error` on a tree
+    that serves. A stand-in server on 127.0.0.1 answers as those releases do."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from backport.live import race
+
+    prompt, generated = race.PROMPTS["b"][0], [401, 1, 3, 77]
+
+    class TextOnly(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps(shape_text_only(prompt, generated)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TextOnly)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        stand_in = SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}")
+        with ThreadPoolExecutor(2) as pool:
+            read = race.Pair(stand_in, 1, stand_in, tok).send(pool, "b", "b-1")[1].result()
+            unread = race.Pair(stand_in, 1, stand_in).send(pool, "b", "b-2")[1].result()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert read.status == 200 and read.tokens == generated
+    assert unread.status == 200 and unread.tokens == [] and unread.to_json().get("tokens_unrecoverable")

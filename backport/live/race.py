@@ -40,6 +40,7 @@ from backport.live.deployment import (
 )
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
+from backport.live.reply import WordTokenizer
 from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
 from backport.live.setups import pythonpath_extras, server_environment, serving_for
 from backport.vocab import TreeVerdict
@@ -88,6 +89,7 @@ class Pair:
     prefill: Server
     bootstrap_port: int
     decode: Server
+    tokenizer: WordTokenizer | None = None  # reads a text-only reply (0.4.7 - 0.4.10.post2: no output_ids)
 
     def send(self, pool: ThreadPoolExecutor, name: str, rid: str) -> tuple[Future, Future]:
         """Prefill and decode halves of one request, as the router sends them: (prefill, decode)."""
@@ -95,7 +97,8 @@ class Pair:
         extra = {"rid": rid, "bootstrap_host": LOOPBACK, "bootstrap_port": self.bootstrap_port,
                  "bootstrap_room": random.getrandbits(62)}
         halves = [
-            pool.submit(generate, server.url, ids, max_new_tokens=new, timeout=REQUEST_TIMEOUT, extra=extra)
+            pool.submit(generate, server.url, ids, max_new_tokens=new, timeout=REQUEST_TIMEOUT, extra=extra,
+                        tokenizer=self.tokenizer)
             for server in (self.prefill, self.decode)
         ]
         return halves[0], halves[1]
@@ -263,7 +266,7 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
                      "--disaggregation-bootstrap-port", str(boot), *nccl())
             server = processes.start(name, server_argv(env, model, flags, port), url=f"http://{LOOPBACK}:{port}",
                                      env=server_env)
-            pairs.append(Pair(server, boot, decode))
+            pairs.append(Pair(server, boot, decode, WordTokenizer.load(model.path)))
         wait_ready([p.prefill for p in pairs] + [decode], "/health", START_TIMEOUT)
         if setup.health_before_warmup:
             wait_warmed_up([p.prefill for p in pairs] + [decode], START_TIMEOUT)

@@ -16,7 +16,15 @@ from __future__ import annotations
 from enum import StrEnum
 
 
-class TreeVerdict(StrEnum):
+class Vocabulary(StrEnum):
+    """A member reads as its value everywhere text is made of it, `repr` too: a message built with
+    `{value!r}` (verify's problems, bad-input lines) says 'safe' as it did when it was a str."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class TreeVerdict(Vocabulary):
     """A probe case's (or a live scenario's) verdict on one tree."""
 
     SAFE = "safe"
@@ -25,7 +33,7 @@ class TreeVerdict(StrEnum):
     NOT_APPLICABLE = "not-applicable"  # the code path the case drives is not in the tree
 
 
-class PairVerdict(StrEnum):
+class PairVerdict(Vocabulary):
     """A case's verdict from pristine to patched (evidence/verdicts.py has the table)."""
 
     FIXED = "fixed"
@@ -37,14 +45,14 @@ class PairVerdict(StrEnum):
     ERROR = "error"
 
 
-class RunResult(StrEnum):
+class RunResult(Vocabulary):
     """A run's result (the summary's `result`; REPORT.md and `run` print it in capitals)."""
 
     PASS = "pass"
     FAIL = "fail"
 
 
-class PatchStatus(StrEnum):
+class PatchStatus(Vocabulary):
     """What the engine did with one fix (apply-report.json's `patches[].status`)."""
 
     APPLIED = "applied"
@@ -53,7 +61,7 @@ class PatchStatus(StrEnum):
     FAILED = "failed"
 
 
-class ApplyStatus(StrEnum):
+class ApplyStatus(Vocabulary):
     """How a whole apply ended (apply-report.json's top-level `status`)."""
 
     APPLIED = "applied"
@@ -61,7 +69,7 @@ class ApplyStatus(StrEnum):
     FAILED = "failed"
 
 
-class Cause(StrEnum):
+class Cause(Vocabulary):
     """Why a patch failed or does not apply (apply-report.json's `cause`); readers never parse `reason`."""
 
     # failed: no variant for the release; a dependency is not there; the variant does not place
@@ -73,7 +81,7 @@ class Cause(StrEnum):
     OUT_OF_SCOPE = "out-of-scope"
 
 
-class HunkStatus(StrEnum):
+class HunkStatus(Vocabulary):
     """Where one hunk went (apply-report.json's `hunks[].status`)."""
 
     EXACT = "exact"
@@ -82,7 +90,7 @@ class HunkStatus(StrEnum):
     CONFLICT = "conflict"
 
 
-class VexStatus(StrEnum):
+class VexStatus(Vocabulary):
     """A vulnerability class's status (OpenVEX spelling; cyclonedx.py maps it to CycloneDX's states)."""
 
     AFFECTED = "affected"
@@ -91,7 +99,7 @@ class VexStatus(StrEnum):
     UNDER_INVESTIGATION = "under_investigation"
 
 
-class GateVerdict(StrEnum):
+class GateVerdict(Vocabulary):
     """An audit gate's (or one server's) result, best first."""
 
     PASS = "pass"
@@ -100,7 +108,7 @@ class GateVerdict(StrEnum):
     FAIL = "fail"
 
 
-class UpstreamPair(StrEnum):
+class UpstreamPair(Vocabulary):
     """An upstream test's verdict from pristine to patched (evidence/upstream_verdicts.py)."""
 
     FIXED = "fixed"

@@ -3,6 +3,7 @@ what it must do), `verify` over many bundles, and `merge` (aggregate OpenVEX, at
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -322,7 +323,9 @@ class _SessionFailed(Exception):
     pass
 
 
+@functools.cache
 def _noxfile():
+    """noxfile.py loaded once: nox's registry warns (and will refuse) when its sessions register twice."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("noxfile_under_test", REPO / "noxfile.py")

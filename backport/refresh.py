@@ -52,7 +52,7 @@ from packaging.version import Version
 from . import gitops
 from .engine import apply_series
 from .engine.overlay import Overlay, patch_file
-from .engine.placement import CONFLICT, EXACT, OFFSET, FileImage, apply_hunks, place_hunks
+from .engine.placement import CONFLICT, EXACT, FUZZ, OFFSET, FileImage, apply_hunks, place_hunks
 from .engine.report import FAILED, HunkResult
 from .errors import BadInput
 from .pack.load import load_variant
@@ -291,13 +291,13 @@ def _place(
 def _summary(hunks: tuple[HunkResult, ...]) -> str:
     """'2 of 8 hunks exact, 5 of 8 at offset -51/+3, 1 of 8 with fuzz 2 at offset +4'."""
     parts = []
-    for status, label in (("exact", "hunks exact"), ("offset", "at offset"), ("fuzz", "with fuzz")):
+    for status, label in ((EXACT, "hunks exact"), (OFFSET, "at offset"), (FUZZ, "with fuzz")):
         if mine := [h for h in hunks if h.status == status]:
             offsets = "/".join(f"{o:+d}" for o in sorted({h.offset for h in mine}))
             fuzz = f" {max(h.fuzz for h in mine)} at offset {offsets}"
             parts.append(
                 f"{len(mine)} of {len(hunks)} {label}"
-                + {"exact": "", "offset": f" {offsets}"}.get(status, fuzz)
+                + {EXACT: "", OFFSET: f" {offsets}"}.get(status, fuzz)
             )
     return ", ".join(parts)
 

@@ -322,12 +322,15 @@ def unauthenticated_route_update_refused(ctx) -> Outcome:
     # fail closed: a bootstrap server that resolved no token (started outside the engine's launch,
     # which settles one) refuses every update rather than accepting them all
     ctx.setenv(TOKEN_ENV, None)
-    with bootstrap_server(ctx) as (server, port):
-        status, _ = _http(port, "PUT", "/route", poison)
-        after = _route(port)
-        details["put to a server without a token configured"] = {"status": status, "route_after": after}
+    for label, cls in (("", None), *((("NIXL's ", nixl[0]),) if nixl else ())):
+        with bootstrap_server(ctx, cls) as (server, port):
+            status, _ = _http(port, "PUT", "/route", poison)
+            after = _route(port)
+        details[f"{label}put to a server without a token configured"] = {"status": status,
+                                                                          "route_after": after}
         if after is not None:
-            problems.append(f"a server with no token configured took a PUT /route without one ({status})")
+            problems.append(f"{label or 'a '}server with no token configured took a PUT /route without "
+                            f"one ({status})")
     return judged(
         problems,
         "every route update without the token refused; the table still holds prefill's own endpoint.",

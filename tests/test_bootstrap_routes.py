@@ -22,17 +22,18 @@ from backport.tree import clone_tree
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-bootstrap-auth"
 CLASS = "SBP-2026-0005"
-SERVED = ("0.5.3", "0.5.3.post1", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.4.post1", "0.5.4.post2",
-          "0.5.4.post3", "0.5.5",
-          "0.5.5.post1", "0.5.5.post2", "0.5.5.post3", "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7",
+SERVED = ("0.5.1", "0.5.1.post1", "0.5.1.post2", "0.5.1.post3", "0.5.2",
+          "0.5.3", "0.5.3.post1", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.4.post1", "0.5.4.post2",
+          "0.5.4.post3", "0.5.5", "0.5.5.post1", "0.5.5.post2", "0.5.5.post3", "0.5.6", "0.5.6.post1",
+          "0.5.6.post2", "0.5.7",
           "0.5.8", "0.5.8.post1", "0.5.9", "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1",
           "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
           "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 # -0.5.22 serves 0.5.22 - 0.5.23, -0.5.19 0.5.19 - 0.5.21, -0.5.17 0.5.17 - 0.5.18 (offsets only);
 # -0.5.16 serves 0.5.16, -0.5.15 0.5.13 - 0.5.15.post1,
 # -0.5.12.post1 serves 0.5.12 too, -0.5.11 0.5.10 - 0.5.10.post1, -0.5.9 0.5.5.post3 - 0.5.8.post1,
-# -0.5.5.post2 0.5.4.post3 - 0.5.5.post1 and -0.5.4.post1 0.5.3 - 0.5.4
-VARIANTS = ("0.5.4.post1", "0.5.4.post2", "0.5.5.post2", "0.5.9", "0.5.11", "0.5.12.post1",
+# -0.5.5.post2 0.5.4.post3 - 0.5.5.post1, -0.5.4.post1 0.5.3 - 0.5.4 and -0.5.2 0.5.1 - 0.5.2
+VARIANTS = ("0.5.2", "0.5.4.post1", "0.5.4.post2", "0.5.5.post2", "0.5.9", "0.5.11", "0.5.12.post1",
             "0.5.15", "0.5.16", "0.5.17", "0.5.19", "0.5.22")
 CASES = {"unauthenticated_route_update_refused": False, "authenticated_registration_accepted": True,
          "decode_rendezvous_reads_open": True}
@@ -171,7 +172,7 @@ def test_the_probe_drives_nixls_bootstrap_server_where_not_mooncakes(version, re
     doc = run_harness(probe_python, release_tree(version).path, probes=["bootstrap_routes"], version=version)
     assert _verdicts(doc) == {**{k: "safe" for k in CASES}, "unauthenticated_route_update_refused": "unsafe"}
     by_case = {c["case"]: c["details"] for c in doc["cases"]}
-    for label in ("without a token", "with a wrong token"):
+    for label in ("without a token", "with a wrong token", "to a server without a token configured"):
         assert by_case["unauthenticated_route_update_refused"][f"NIXL's put {label}"] == {
             "status": 200, "route_after": ["203.0.113.66", 6666]}
     assert by_case["authenticated_registration_accepted"]["NIXL's route"] == ["10.0.0.1", 17000]

@@ -108,6 +108,21 @@ class GateVerdict(Vocabulary):
     FAIL = "fail"
 
 
+class TestOutcome(Vocabulary):
+    """One upstream test's outcome on one tree (upstream-tests.json; upstream/junit.py says each)."""
+
+    __test__ = False  # pytest: not a test class despite its name
+
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"
+    SKIPPED = "skipped"
+    INCOMPATIBLE = "incompatible"
+    STALE_TEST = "stale-test"
+    UNAVAILABLE = "unavailable"
+    REFUSED = "refused"
+
+
 class UpstreamPair(Vocabulary):
     """An upstream test's verdict from pristine to patched (evidence/upstream_verdicts.py)."""
 

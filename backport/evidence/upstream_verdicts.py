@@ -24,28 +24,30 @@ A fix has upstream evidence when one of its files passed or failed on the patche
 from __future__ import annotations
 
 from backport.evidence.layout import BASE, HEAD
-from backport.vocab import PatchStatus, UpstreamPair
+from backport.vocab import PatchStatus, TestOutcome, UpstreamPair
 
-FILE_ORDER = ("refused", "unavailable", "failed", "stale-test", "incompatible", "passed", "skipped")
+_O = TestOutcome
+FILE_ORDER = (_O.REFUSED, _O.UNAVAILABLE, _O.FAILED, _O.STALE_TEST, _O.INCOMPATIBLE, _O.PASSED, _O.SKIPPED)
 UPSTREAM_PAIRS = tuple(UpstreamPair)
 _FINDING_PAIRS = (UpstreamPair.REGRESSED, UpstreamPair.REFUSED)
 _HAS_FIX = (PatchStatus.APPLIED, PatchStatus.PRESENT)
 
 
-def file_outcome(outcomes: list[str]) -> str:
+def file_outcome(outcomes: list[str]) -> TestOutcome:
     """One file's outcome on one tree from its tests' outcomes."""
-    seen = {"failed" if o == "error" else o for o in outcomes}
-    return next((o for o in FILE_ORDER if o in seen), "skipped")
+    seen = {_O.FAILED if o == _O.ERROR else o for o in outcomes}
+    return next((o for o in FILE_ORDER if o in seen), _O.SKIPPED)
 
 
 def upstream_pair(base: str | None, head: str | None) -> UpstreamPair:
     """The pair verdict of one test file from its outcomes on base and head (junit.py's outcomes)."""
-    if head == "passed":
-        return {"failed": UpstreamPair.FIXED, "passed": UpstreamPair.HELD}.get(base or "",
-                                                                               UpstreamPair.PASSED)
-    if head == "failed":
-        return UpstreamPair.REGRESSED if base == "passed" else UpstreamPair.STILL_FAILING
-    if head == "refused":
+    if head == _O.PASSED:
+        if base == _O.FAILED:
+            return UpstreamPair.FIXED
+        return UpstreamPair.HELD if base == _O.PASSED else UpstreamPair.PASSED
+    if head == _O.FAILED:
+        return UpstreamPair.REGRESSED if base == _O.PASSED else UpstreamPair.STILL_FAILING
+    if head == _O.REFUSED:
         return UpstreamPair.REFUSED
     return UpstreamPair.INCONCLUSIVE
 
@@ -71,7 +73,7 @@ def file_rows(upstream: dict | None, apply: dict | None = None) -> list[dict]:
             counts: dict[str, int] = {}
             for test in tests:
                 counts[str(test.get("outcome"))] = counts.get(str(test.get("outcome")), 0) + 1
-            reason = next((t.get("reason") for t in tests if t.get("outcome") not in ("passed", "skipped")
+            reason = next((t.get("reason") for t in tests if t.get("outcome") not in (_O.PASSED, _O.SKIPPED)
                            and t.get("reason")), None)
             row["trees"][role] = {"outcome": file_outcome([str(t.get("outcome")) for t in tests]),
                                   "counts": dict(sorted(counts.items())),
@@ -100,7 +102,7 @@ def evidence_summary(upstream: dict | None, apply: dict | None = None) -> dict:
     with_evidence = []
     for fix in fixes:
         mine = [r for r in rows if r["fix"] == fix]
-        if any(r["trees"].get(HEAD, {}).get("outcome") in ("passed", "failed") for r in mine):
+        if any(r["trees"].get(HEAD, {}).get("outcome") in (_O.PASSED, _O.FAILED) for r in mine):
             with_evidence.append(fix)
         elif fix not in listed:
             without[fix] = "fixes.toml lists no readable upstream test for it"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from backport.upstream.doubles import bare_instances, namespace_double
 from backport.upstream.names import Missing, TreeNames, missing_name
+from backport.vocab import TestOutcome
 
 REASON_LIMIT = 400
 
@@ -122,7 +123,7 @@ def _mock_never_called(kind: str, text: str, names: TreeNames) -> Missing | None
 
 def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_names: frozenset[str],
            standins: frozenset[str], source: str = "", has_fix: bool | None = None,
-           own_names: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+           own_names: frozenset[str] = frozenset()) -> tuple[TestOutcome, str] | None:
     """(outcome, evidence) for a signature or stand-in failure; None for anything else."""
     in_tree = bool(site and site.startswith("sglang/"))
     at = f" at {site}" if site else ""
@@ -135,15 +136,17 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
             parts = [p for p in callee.split(".") if p != "<locals>"]
             owner = parts[-2] if len(parts) > 1 else parts[-1]
             if owner in standins and (in_tree or not names.word_anywhere(owner)):
-                return "stale-test", f"the test's stand-in {callee} does not take the call made{at}"
+                return TestOutcome.STALE_TEST, f"the test's stand-in {callee} does not take the call made{at}"
             if in_tree or not site or not names.word_anywhere(parts[-1]):
                 # The tree calling its own code wrongly is a real failure; a callee neither the
                 # test's nor the tree's is not judged here.
                 return None
             keyword = match.group(2) if "keyword argument" in pattern.pattern else None
             if keyword and keyword in fix_names:
-                return "failed", f"the tree's {callee} has no keyword {keyword}, which the fixes add"
-            return "stale-test", f"the test calls {callee} with a signature this release does not have{at}"
+                return (TestOutcome.FAILED,
+                        f"the tree's {callee} has no keyword {keyword}, which the fixes add")
+            return (TestOutcome.STALE_TEST,
+                    f"the test calls {callee} with a signature this release does not have{at}")
         return None
     if kind == "AttributeError":
         for pattern in _STANDIN_ATTRIBUTE_RES:
@@ -153,7 +156,7 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
             if match and match.group(1) in standins and in_tree:
                 owner, name = match.groups()
                 return (
-                    "stale-test",
+                    TestOutcome.STALE_TEST,
                     f"the test's stand-in {owner} has no {name}, which this release reads{at}",
                 )
             # The test's hand-made doubles, judged only where the tree has the file's fix: on a tree
@@ -168,20 +171,21 @@ def _stale(kind: str, text: str, *, site: str | None, names: TreeNames, fix_name
                 described = (f"bare {owner} (built with {owner}.__new__, attributes set by hand)"
                              if owner in bare_instances(source) else None)
             if described and name in own_names:
-                return "stale-test", (f"the test's double {described} has no {name}, which only this pack's "
-                                      f"own fix adds (no upstream release has it){at}")
+                return TestOutcome.STALE_TEST, (
+                    f"the test's double {described} has no {name}, which only this pack's "
+                    f"own fix adds (no upstream release has it){at}")
             if described and name not in fix_names:
                 return (
-                    "stale-test",
+                    TestOutcome.STALE_TEST,
                     f"the test's double {described} has no {name}, which this release reads{at}",
                 )
     return None
 
 
-def classify(outcome: str, message: str, body: str, *, names: TreeNames, fix_names: frozenset[str],
+def classify(outcome: TestOutcome, message: str, body: str, *, names: TreeNames, fix_names: frozenset[str],
              static: list[Missing] | None, tmp: str, standins: frozenset[str] = frozenset(),
              source: str = "", has_fix: bool | None = None,
-             own_names: frozenset[str] = frozenset()) -> tuple[str, str]:
+             own_names: frozenset[str] = frozenset()) -> tuple[TestOutcome, str]:
     """Final (outcome, reason) for a failed or errored test case."""
     tree = names.root
     found = last_exception(message, body)
@@ -200,10 +204,11 @@ def classify(outcome: str, message: str, body: str, *, names: TreeNames, fix_nam
         listed = ", ".join(m.name for m in related)
         extra = (f"; it also lacks {', '.join(m.name for m in unrelated)} (code newer than the tree)"
                  if unrelated else "")
-        return "failed", scrub(f"the tree lacks {listed}, which the fixes add{extra} ({line})", tmp, tree)
+        return TestOutcome.FAILED, scrub(f"the tree lacks {listed}, which the fixes add{extra} ({line})", tmp,
+                                         tree)
     if unrelated:
         listed = ", ".join(m.name for m in unrelated)
-        return "incompatible", scrub(
+        return TestOutcome.INCOMPATIBLE, scrub(
             f"the tree has no {listed}: the test needs code this tree does not have ({line})", tmp, tree)
     if found:
         judged = _stale(found[0], found[1], site=crash_site(body, tree, tmp), names=names,

@@ -9,14 +9,15 @@ from pathlib import Path, PurePosixPath
 from backport.upstream.classify import classify, scrub, stand_ins
 from backport.upstream.fetch import Fetched
 from backport.upstream.names import TreeNames, static_missing_imports
+from backport.vocab import TestOutcome
 
 # `stale-test`: the test's own stand-ins or a signature the release predates; never a pass.
 # `unavailable`: the file was not fetched (the reason says why); `refused`: its bytes did not
 # match the pin (or changed, or are not Python) and it was never run. Both are per file.
-OUTCOMES = ("passed", "failed", "error", "skipped", "incompatible", "stale-test", "unavailable", "refused")
+OUTCOMES = tuple(TestOutcome)
 
 
-def entry(fetched: Fetched, nodeid: str, outcome: str, reason: str | None) -> dict:
+def entry(fetched: Fetched, nodeid: str, outcome: TestOutcome, reason: str | None) -> dict:
     """One test's result, the shape `upstream-tests.json` carries."""
     assert outcome in OUTCOMES
     return {"file": fetched.ref.path, "rev": fetched.ref.rev, "sha256": fetched.sha256,
@@ -54,7 +55,7 @@ def parse_junit(xml_path: Path, fetched: Fetched, *, names: TreeNames, fix_names
         errors = case.findall("error")
         skipped = case.find("skipped")
         if failures or errors:
-            outcome = "failed" if failures else "error"
+            outcome = TestOutcome.FAILED if failures else TestOutcome.ERROR
             first = (failures or errors)[0]
             message, body = first.get("message", ""), first.text or ""
             static = static_missing_imports(source, names) if collection else None
@@ -62,13 +63,13 @@ def parse_junit(xml_path: Path, fetched: Fetched, *, names: TreeNames, fix_names
                                        static=static, tmp=tmp, standins=standins, source=source,
                                        has_fix=has_fix, own_names=fetched.ref.own_names)
             count = len(failures) + len(errors)
-            if count > 1 and outcome in ("failed", "error"):
+            if count > 1 and outcome in (TestOutcome.FAILED, TestOutcome.ERROR):
                 reason = f"{count} failures (subtests or teardown); first: {reason}"
-            if collection and outcome == "error":
+            if collection and outcome == TestOutcome.ERROR:
                 reason = f"collection error: {reason}"
         elif skipped is not None:
-            outcome, reason = "skipped", scrub(_skip_reason(skipped), tmp, names.root)
+            outcome, reason = TestOutcome.SKIPPED, scrub(_skip_reason(skipped), tmp, names.root)
         else:
-            outcome, reason = "passed", None
+            outcome, reason = TestOutcome.PASSED, None
         results.append(entry(fetched, nodeid, outcome, reason))
     return results

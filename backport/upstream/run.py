@@ -26,6 +26,7 @@ from backport.upstream.fetch import Fetched, fetch_refs, package_roots
 from backport.upstream.junit import entry, parse_junit
 from backport.upstream.names import TreeNames
 from backport.upstream.refs import TestRef
+from backport.vocab import TestOutcome
 
 PYTEST_TIMEOUT = 1800.0          # seconds for one file on one tree
 # pytest's last line counts unittest subTest()s apart from tests ("8 passed, 12 subtests passed");
@@ -137,7 +138,7 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
                 ).items():
                     executed.setdefault(rel, set()).update(lines)
         except subprocess.TimeoutExpired:
-            return [entry(fetched, fetched.ref.path, "error",
+            return [entry(fetched, fetched.ref.path, TestOutcome.ERROR,
                           f"pytest did not finish within {timeout:.0f} s on this tree")]
         except OSError as exc:
             raise BadInput(f"{python}: cannot run pytest ({exc.strerror})") from None
@@ -145,7 +146,7 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
             tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
             if "No module named pytest" in proc.stderr:
                 raise BadInput(f"{python}: pytest is not installed in the probe interpreter")
-            return [entry(fetched, fetched.ref.path, "error",
+            return [entry(fetched, fetched.ref.path, TestOutcome.ERROR,
                           scrub(f"pytest exited {proc.returncode} without a JUnit report: {tail[0]}", tmp))]
         counted = subtest_counts(proc.stdout)
         if counted and subtests is not None:
@@ -153,7 +154,7 @@ def run_file(python: str, package_root: Path, fetched: Fetched, *, names: TreeNa
         results = parse_junit(junit, fetched, names=names, fix_names=fetched.ref.fix_names, tmp=tmp,
                               has_fix=has_fix)
         if not results:
-            return [entry(fetched, fetched.ref.path, "error",
+            return [entry(fetched, fetched.ref.path, TestOutcome.ERROR,
                           f"no tests collected (pytest exit {proc.returncode})")]
         return results
 
@@ -207,11 +208,12 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
         subtests: dict[str, dict] = {}
         for item in fetched:
             if item.error:
-                tests.append(entry(item, item.ref.path, "error", item.error))
+                tests.append(entry(item, item.ref.path, TestOutcome.ERROR, item.error))
             elif item.refused:
-                tests.append(entry(item, item.ref.path, "refused", item.refused))
+                tests.append(entry(item, item.ref.path, TestOutcome.REFUSED, item.refused))
             elif item.unavailable:
-                tests.append(entry(item, item.ref.path, "unavailable", f"not fetched: {item.unavailable}"))
+                tests.append(entry(item, item.ref.path, TestOutcome.UNAVAILABLE,
+                                   f"not fetched: {item.unavailable}"))
             else:
                 log.info("upstream-tests: %s@%s on %s ...", item.ref.path, item.ref.rev[:12], label)
                 try:
@@ -219,7 +221,8 @@ def run_upstream_tests(trees: list[tuple[str, Path]], refs: list[TestRef], *, py
                                           coverage=measure if measurable else None, executed=executed,
                                           subtests=subtests, has_fix=tree_has_fix(root, item.ref)))
                 except (OSError, subprocess.SubprocessError) as exc:  # this file's outcome, not the run's
-                    tests.append(entry(item, item.ref.path, "error", f"could not run pytest: {exc}"))
+                    tests.append(entry(item, item.ref.path, TestOutcome.ERROR,
+                                       f"could not run pytest: {exc}"))
         result: dict = {"tree": label, "tests": tests}
         if subtests:
             result["subtests"] = subtests

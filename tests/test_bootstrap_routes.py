@@ -22,7 +22,9 @@ from backport.tree import clone_tree
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-bootstrap-auth"
 CLASS = "SBP-2026-0005"
-SERVED = ("0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9", "0.4.9.post1", "0.4.9.post2",
+SERVED = ("0.4.5.post1", "0.4.5.post2", "0.4.5.post3", "0.4.6", "0.4.6.post1", "0.4.6.post2",
+          "0.4.6.post3", "0.4.6.post4", "0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1",
+          "0.4.9", "0.4.9.post1", "0.4.9.post2",
           "0.4.9.post3", "0.4.9.post4", "0.4.9.post5", "0.4.9.post6", "0.4.10", "0.4.10.post1",
           "0.4.10.post2", "0.5.1", "0.5.1.post1", "0.5.1.post2", "0.5.1.post3", "0.5.2",
           "0.5.3", "0.5.3.post1", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.4.post1", "0.5.4.post2",
@@ -36,8 +38,11 @@ SERVED = ("0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9", "0.4.9.post1"
 # -0.5.12.post1 serves 0.5.12 too, -0.5.11 0.5.10 - 0.5.10.post1, -0.5.9 0.5.5.post3 - 0.5.8.post1,
 # -0.5.5.post2 0.5.4.post3 - 0.5.5.post1, -0.5.4.post1 0.5.3 - 0.5.4, -0.5.2 0.5.1 - 0.5.2;
 # -0.4.10.post2 serves 0.4.10.post2, -0.4.10.post1 0.4.9.post2 - 0.4.10.post1, -0.4.9.post1
-# 0.4.8 - 0.4.9.post1, -0.4.7.post1 and -0.4.7 their own release
-VARIANTS = ("0.4.7", "0.4.7.post1", "0.4.9.post1", "0.4.10.post1", "0.4.10.post2", "0.5.2",
+# 0.4.8 - 0.4.9.post1, -0.4.7.post1 and -0.4.7 their own release; -0.4.6.post5 serves 0.4.6.post3 -
+# 0.4.6.post5, -0.4.6.post2 0.4.6 - 0.4.6.post2, -0.4.5.post3 0.4.5.post3 alone (NIXL's own server first
+# appears), -0.4.5.post2 0.4.5.post1 - 0.4.5.post2 (offsets only)
+VARIANTS = ("0.4.5.post2", "0.4.5.post3", "0.4.6.post2", "0.4.6.post5",
+            "0.4.7", "0.4.7.post1", "0.4.9.post1", "0.4.10.post1", "0.4.10.post2", "0.5.2",
             "0.5.4.post1", "0.5.4.post2", "0.5.5.post2", "0.5.9", "0.5.11", "0.5.12.post1",
             "0.5.15", "0.5.16", "0.5.17", "0.5.19", "0.5.22")
 CASES = {"unauthenticated_route_update_refused": False, "authenticated_registration_accepted": True,

@@ -107,9 +107,13 @@ def _plan(pack: Pack, fix_id: str, version: str) -> tuple[Version, PatchVariant,
     if not ranked:
         raise BadInput(f"{fix_id}: no variant covers a pinned release; nothing to refresh from")
     source = ranked[0][2]
-    later = [r for r in pins[at + 1:] if Version(r).base_version != v.base_version]
-    covered = [r for r in later if fix.is_fixed_in(r) or any(pv.applies(r) for pv in pack.variants[fix_id])]
-    upper = (covered or later)[0] if covered or later else None
+    after = pins[at + 1:]
+    # the first later release something already serves ends the fork, a post release of X's own
+    # included (skipping those claimed one twice: -0.4.10.post1 wrote <0.5.1 over -0.4.10.post2's
+    # 0.4.10.post2); with none served, the fork reaches the next base version
+    later = [r for r in after if Version(r).base_version != v.base_version]
+    covered = [r for r in after if fix.is_fixed_in(r) or any(pv.applies(r) for pv in pack.variants[fix_id])]
+    upper = covered[0] if covered else (later[0] if later else None)
     applies = f">={v},<{upper}" if upper else f">={v}"
     narrowed = refusal = ""
     if source.applies(v):

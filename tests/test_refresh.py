@@ -199,3 +199,23 @@ def test_continue_refuses_a_tree_refresh_did_not_leave(pack_copy, capsys, tmp_pa
     code, doc = _refresh(capsys, "pr36988", "--release", "0.5.16", "--series", str(pack_copy),
                          "--continue", str(tmp_path / "other"))
     assert code == 2 and "not a work tree left by" in doc["error"]["message"]
+
+
+def test_a_fork_ends_where_a_post_release_of_its_own_base_is_served(pack_copy):
+    """A fork's Applies-To stops at the first later release another variant serves, a post release of
+    the same base included (it wrote >=0.4.10.post1,<0.5.1 over -0.4.10.post2's 0.4.10.post2: two
+    variants claimed one release)."""
+    from backport.refresh import _plan
+
+    folder = pack_copy / "sbp-bootstrap-auth"
+    older = folder / "sbp-bootstrap-auth-0.4.10.patch"
+    (folder / "sbp-bootstrap-auth-0.4.10.post1.patch").rename(older)
+    _applies_to(older, ">=0.4.9.post2,<0.4.10.post1")  # 0.4.10.post1 served by no variant of the copy
+    _, _, applies, narrowed, refusal = _plan(load_pack(pack_copy), "sbp-bootstrap-auth", "0.4.10.post1")
+    assert applies == ">=0.4.10.post1,<0.4.10.post2", applies
+    assert (narrowed, refusal) == ("", "")
+    # with the post release unserved, the fork reaches the first later release something serves
+    (folder / "sbp-bootstrap-auth-0.4.10.post2.patch").unlink()
+    _applies_to(folder / "sbp-bootstrap-auth-0.5.2.patch", ">=0.5.1.post1,<0.5.3")
+    applies = _plan(load_pack(pack_copy), "sbp-bootstrap-auth", "0.4.10.post1")[2]
+    assert applies == ">=0.4.10.post1,<0.5.1.post1", applies

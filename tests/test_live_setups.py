@@ -108,6 +108,8 @@ def test_patched_pair_serves(serving, patched_tree, tmp_path, version):
 
 
 CODE_FACT_RELEASES = (
+    "0.5.23",   # --nccl-port from ServerArgs' annotation (0.5.14 on)
+    "0.5.16",
     "0.5.8",
     "0.5.7",
     "0.5.3",
@@ -140,10 +142,17 @@ def test_each_setup_field_is_what_the_trees_code_says(release_tree, version):
         return (srt / relative).read_text(errors="replace")
 
     server_args, decode = read("server_args.py"), read("disaggregation/decode.py")
+
+    # 0.5.14 on make flags from ServerArgs' `field: A[...]` annotations (0.5.20 on in arg_groups/fields/)
+    groups = sorted(srt.glob("arg_groups/**/*.py"))
+    declared = server_args + "".join(p.read_text(errors="replace") for p in groups)
+
+    def has_flag(flag: str) -> bool:
+        field = flag.removeprefix("--").replace("-", "_")
+        return flag in server_args or re.search(rf"^\s+{field}: A\[", declared, re.M) is not None
     assert ("vllm.model_executor.layers.activation" in read("layers/activation.py")) == setup.vllm_layers
-    if setup.vllm_layers:
-        assert ("--nccl-port" in server_args) == setup.nccl_port
-    flag = "--num-reserved-decode-tokens" in server_args
+    assert has_flag("--nccl-port") == setup.nccl_port
+    flag = has_flag("--num-reserved-decode-tokens")
     assert flag == (not setup.reserved_tokens_env and not setup.decode_pool_extra)
     assert flag or ("SGLANG_NUM_RESERVED_DECODE_TOKENS" in decode) == setup.reserved_tokens_env
     assert ("cpu_count // 4" in read("disaggregation/mooncake/conn.py")) == bool(setup.stand_in_cpus)

@@ -41,7 +41,7 @@ from backport.live.deployment import (
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
 from backport.live.reply import WordTokenizer
-from backport.live.servers import LOOPBACK, Processes, Server, free_port, wait_ready
+from backport.live.servers import LOOPBACK, Launch, Processes, Server, serve
 from backport.live.setups import pythonpath_extras, server_environment, serving_for
 from backport.vocab import TreeVerdict
 
@@ -248,26 +248,34 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
         "PYTHONNOUSERSITE": "1",
     }
 
-    def nccl() -> tuple[str, ...]:
-        return ("--nccl-port", str(free_port())) if setup.nccl_port else ()
+    nccl = ("nccl",) if setup.nccl_port else ()  # a free port of its own, retried as the others
+
+    def with_nccl(role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
+        return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
+
+    def decode_argv(ports: dict[str, int]) -> list[str]:
+        pool = str(DECODE_POOL + setup.decode_pool_extra)
+        role = (*decode_flags(package_root, setup), "--max-total-tokens", pool)
+        return server_argv(env, model, with_nccl(role, ports), ports["decode"])
+
+    def prefill_argv(ports: dict[str, int]) -> list[str]:
+        role = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL),
+                "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
+        return server_argv(env, model, with_nccl(role, ports), ports["prefill"])
 
     started = time.monotonic()
     netns.set_port_range(*netns.OTHER_RANGE)
     with Processes(workdir) as processes:
-        decode_role = (*decode_flags(package_root, setup), "--max-total-tokens",
-                       str(DECODE_POOL + setup.decode_pool_extra), *nccl())
-        port = free_port()
-        decode = processes.start("decode", server_argv(env, model, decode_role, port),
-                                 url=f"http://{LOOPBACK}:{port}", env=server_env)
-        pairs = []
-        for name in ("prefill_a", "prefill_b"):
-            port, boot = free_port(), free_port()
-            flags = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL),
-                     "--disaggregation-bootstrap-port", str(boot), *nccl())
-            server = processes.start(name, server_argv(env, model, flags, port), url=f"http://{LOOPBACK}:{port}",
-                                     env=server_env)
-            pairs.append(Pair(server, boot, decode, WordTokenizer.load(model.path)))
-        wait_ready([p.prefill for p in pairs] + [decode], "/health", START_TIMEOUT)
+        # each on free ports, started again on others when one was taken meanwhile (three servers
+        # starting at once in one namespace: pristine 0.5.16's decode died in torch's rendezvous)
+        servers = serve(processes, [
+            Launch("decode", decode_argv, ("decode", *nccl), server_env),
+            *(Launch(name, prefill_argv, ("prefill", "bootstrap", *nccl), server_env)
+              for name in ("prefill_a", "prefill_b")),
+        ], "/health", START_TIMEOUT)
+        decode, tokenizer = servers["decode"], WordTokenizer.load(model.path)
+        # a prefill's ports are (its HTTP port, its bootstrap port[, nccl])
+        pairs = [Pair(servers[n], servers[n].ports[1], decode, tokenizer) for n in ("prefill_a", "prefill_b")]
         if setup.health_before_warmup:
             wait_warmed_up([p.prefill for p in pairs] + [decode], START_TIMEOUT)
         a, b = pairs

@@ -56,8 +56,8 @@ _VLLM = (
     "without AMX (no vLLM CPU wheel for torch 2.13): computing plain-torch stand-ins"
 )
 _TORCHAO = "torchao (in requirements-serve.txt, --no-deps; imports with torch 2.13)"
-_NCCL = "--nccl-port on a free port: the torch-distributed port they pick at random raced (a decode died " \
-        "on EADDRINUSE)"
+_NCCL = ("--nccl-port on a free port: the torch-distributed port they pick at random raced (a decode of "
+         "0.5.2 - 0.5.7 died on EADDRINUSE; pristine 0.5.16's 2P1D decode died in torch's rendezvous)")
 
 _ADDONS = ("the probes' add-ons (probes/addons.py) in every server process, through a sitecustomize: "
            "torch._C._cpu._is_amx_tile_supported (0.4.8 - 0.5.1 call it at import) and triton's cache-dir "
@@ -66,8 +66,8 @@ _RESERVED = ("SGLANG_NUM_RESERVED_DECODE_TOKENS=16 in the servers' environment: 
              "--num-reserved-decode-tokens flag starts at 0.4.7.post1; decode.py reads the variable")
 
 SETUPS = (
-    ServingSetup("0.5.8+", ">=0.5.8"),
-    ServingSetup("vllm-layers", ">=0.5.2,<0.5.8", (_VLLM, _TORCHAO, _NCCL), vllm_layers=True, nccl_port=True),
+    ServingSetup("0.5.8+", ">=0.5.8", (_NCCL,), nccl_port=True),
+    ServingSetup("vllm-layers", ">=0.5.2,<0.5.8", (_VLLM, _TORCHAO), vllm_layers=True, nccl_port=True),
     ServingSetup("addons", ">=0.4.7.post1,<0.5.2", (_ADDONS,), vllm_layers=True, nccl_port=True, addons=True),
     ServingSetup("reserved-tokens-env", ">=0.4.5.post1,<0.4.7.post1", (_RESERVED,),
                  vllm_layers=True, addons=True, reserved_tokens_env=True),

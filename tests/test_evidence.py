@@ -556,6 +556,11 @@ def test_write_bundle_replaces_only_bundles(tmp_path):
     assert placed.previous is None and (bundle / evidence.RECEIPT).read_bytes() != first
     assert evidence.verify(bundle).ok
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+    # an empty folder made for the bundle is written into, nothing set aside for it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert evidence.place_bundle(empty, fixture_run(tmp_path / "r")).previous is None
+    assert evidence.verify(empty).ok and not list(tmp_path.glob("empty.previous-*"))
 
 
 def test_a_folder_with_someones_sha256sums_is_not_a_bundle(tmp_path):

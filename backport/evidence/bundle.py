@@ -23,6 +23,7 @@ times, durations, import times, absolute paths of temporary trees) lives in the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -291,6 +292,11 @@ def place_bundle(out: Path, bundle: Bundle, *, replace: bool = False) -> Written
                 handle.flush()
                 os.fsync(handle.fileno())
         old = None
+        if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+            # an empty folder (made for the bundle) holds nothing to keep aside; rmdir refuses one
+            # that gained a file meanwhile, which is then kept aside whole below
+            with contextlib.suppress(OSError):
+                out.rmdir()
         if out.exists():
             own = _own_files(out)
             if own is not None and own <= set(bundle.files):

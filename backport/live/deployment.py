@@ -187,6 +187,16 @@ def server_argv(env: ServingEnv, model: TinyModel, role_flags: tuple[str, ...], 
     ]
 
 
+def nccl_port_names(setup: ServingSetup) -> tuple[str, ...]:
+    """The extra port a server of `setup` is started on: its torch-distributed port, a free one
+    chosen (and retried) as the others, where the setup passes --nccl-port."""
+    return ("nccl",) if setup.nccl_port else ()
+
+
+def with_nccl_port(setup: ServingSetup, role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
+    return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
+
+
 @contextlib.contextmanager
 def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel,
              workdir: Path) -> Iterator[Deployment]:
@@ -199,14 +209,11 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
                   "PYTHONPATH": env.pythonpath(package_root, pythonpath_extras(setup))}
     started = time.monotonic()
     decode_role = decode_flags(package_root, setup)
-    nccl = ("nccl",) if setup.nccl_port else ()  # a free port of its own, chosen (and retried) as the others
-
-    def with_nccl(role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
-        return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
+    nccl = nccl_port_names(setup)
 
     def prefill_argv(ports: dict[str, int]) -> list[str]:
         role = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        return server_argv(env, model, with_nccl(role, ports), ports["prefill"])
+        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["prefill"])
 
     def router_argv(ports: dict[str, int]) -> list[str]:
         return [
@@ -236,7 +243,8 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
                 Launch("prefill", prefill_argv, ("prefill", "bootstrap", *nccl), server_env),
                 Launch(
                     "decode",
-                    lambda ports: server_argv(env, model, with_nccl(decode_role, ports), ports["decode"]),
+                    lambda ports: server_argv(env, model, with_nccl_port(setup, decode_role, ports),
+                                              ports["decode"]),
                     ("decode", *nccl),
                     server_env,
                 ),

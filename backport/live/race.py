@@ -35,8 +35,10 @@ from backport.live.deployment import (
     Reply,
     decode_flags,
     generate,
+    nccl_port_names,
     server_argv,
     wait_warmed_up,
+    with_nccl_port,
 )
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
@@ -248,20 +250,16 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
         "PYTHONNOUSERSITE": "1",
     }
 
-    nccl = ("nccl",) if setup.nccl_port else ()  # a free port of its own, retried as the others
-
-    def with_nccl(role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
-        return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
-
+    nccl = nccl_port_names(setup)
     def decode_argv(ports: dict[str, int]) -> list[str]:
         pool = str(DECODE_POOL + setup.decode_pool_extra)
         role = (*decode_flags(package_root, setup), "--max-total-tokens", pool)
-        return server_argv(env, model, with_nccl(role, ports), ports["decode"])
+        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["decode"])
 
     def prefill_argv(ports: dict[str, int]) -> list[str]:
         role = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL),
                 "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        return server_argv(env, model, with_nccl(role, ports), ports["prefill"])
+        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["prefill"])
 
     started = time.monotonic()
     netns.set_port_range(*netns.OTHER_RANGE)

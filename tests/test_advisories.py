@@ -10,7 +10,6 @@ real `/server_info` document built by the tree's own code.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -270,8 +269,8 @@ def test_report_md_section_from_real_trees(tmp_path, monkeypatch, release_tree):
     root19 = release_tree("0.5.19").package_root
     section = advisories.bundle_section(PACK, {"pristine": (root19, "0.5.19"), "patched": (root19, "0.5.19"),
                                                "reference": (release_tree("0.5.22").package_root, "0.5.22")})
-    monkeypatch.setattr(evidence, "assemble", functools.partial(evidence.assemble, advisories=section))
-    bundle = evidence.write_bundle(tmp_path / "bundle", test_evidence.fixture_run(tmp_path / "run"))
+    bundle = evidence.write_bundle(tmp_path / "bundle",
+                                   test_evidence.fixture_run(tmp_path / "run", advisories=section))
     statement = json.loads((bundle / "receipt.json").read_text())
     jsonschema.Draft202012Validator(test_evidence.SCHEMA).validate(statement)
     report = (bundle / "REPORT.md").read_text()

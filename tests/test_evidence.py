@@ -119,8 +119,9 @@ def fixture_coverage() -> dict:
 
 
 def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+00:00",
-                import_seconds=8.5, reference=True) -> evidence.Bundle:
-    """A run's raw outputs as the real parts print them, with this run's temporary paths."""
+                import_seconds=8.5, reference=True, **record_fields) -> evidence.Bundle:
+    """A run's raw outputs as the real parts print them, with this run's temporary paths.
+    `record_fields`: more of the run's record (RunRecord), e.g. `live=` or `vulnerabilities=`."""
     pristine = tmp / "cache" / "trees" / f"wheel-{D[1]}" / "tree"
     patched = tmp / "cache" / "work" / "sglang-0.5.19-x1y2z3"
     ref = tmp / "cache" / "trees" / f"wheel-{D[2]}" / "tree"
@@ -216,7 +217,7 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         "toolkit_python": "3.11.7",
         "toolkit_packages": {"gitpython": "3.1.45"},
     }
-    return evidence.assemble(
+    return evidence.assemble(evidence.RunRecord(
         mode="backport",
         target={"spec": "sglang==0.5.19", "kind": "wheel", "version": "0.5.19", "artifact_sha256": D[1],
                 "commit": None, "unpinned": False, "head": None},
@@ -230,7 +231,8 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
                                                            "wheel": "sglang_backport-0.1.0-py3-none-any.whl",
                                                            "wheel_sha256": "ae" * 32}},
         timestamps=timestamps, reference_choice="default",
-        extra_paths=[(series, ""), (tmp / "cache", "<cache>"), (link, "probes")], coverage=fixture_coverage())
+        extra_paths=((series, ""), (tmp / "cache", "<cache>"), (link, "probes")), coverage=fixture_coverage(),
+        **record_fields))
 
 
 @pytest.fixture
@@ -500,10 +502,10 @@ def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
         for role, t in p["inputs"]["trees"].items()
     }
     docs = {role: {**evidence.statement.embedded(p, f"probes/{role}.json"), "tree": "/x"} for role in trees}
-    bundle = evidence.assemble(
+    bundle = evidence.assemble(evidence.RunRecord(
         mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
         probe_docs=docs, apply_report=None, patches=[], series_files=[], upstream_tests=None,
-        environment=p["environment"], toolkit=p["toolkit"], timestamps=p["timestamps"])
+        environment=p["environment"], toolkit=p["toolkit"], timestamps=p["timestamps"]))
     out = evidence.write_bundle(tmp_path / "pair", bundle)
     assert "apply-report.json" not in _files(out)
     assert "No patch applied (the head tree is given" in (out / "REPORT.md").read_text()

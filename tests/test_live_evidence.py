@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 
 from backport import evidence
@@ -51,8 +50,7 @@ CLOSED = {"over_decode_pool_prompt_rejected": "not-applicable"}
 def _bundle(tmp_path, monkeypatch, patched=CLOSED):
     docs = {"pristine": _live_doc("pristine", INCIDENT), "patched": _live_doc("patched", patched),
             "reference": _live_doc("reference", CLOSED)}
-    monkeypatch.setattr(evidence, "assemble", functools.partial(evidence.assemble, live=docs))
-    return evidence.write_bundle(tmp_path / "bundle", fixture_run(tmp_path / "run"))
+    return evidence.write_bundle(tmp_path / "bundle", fixture_run(tmp_path / "run", live=docs))
 
 
 def test_live_bundle_verifies_and_counts_the_pairs(tmp_path, monkeypatch):

@@ -30,18 +30,7 @@ def classes() -> list[dict]:
 
 def vex_run(tmp: Path, classes, **kwargs) -> evidence.Bundle:
     """The evidence fixture run, with the pack's classes (as the main job passes them)."""
-    import backport.evidence.bundle as bundle_module
-
-    original = bundle_module.assemble
-
-    def with_classes(**kw):
-        return original(**kw, vulnerabilities=classes)
-
-    bundle_module.assemble, evidence.assemble = with_classes, with_classes
-    try:
-        return fixture_run(tmp, **kwargs)
-    finally:
-        bundle_module.assemble, evidence.assemble = original, original
+    return fixture_run(tmp, vulnerabilities=classes, **kwargs)
 
 
 @pytest.fixture
@@ -66,8 +55,8 @@ def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
     assert sorted(fixes) == sorted(pack.fixes)
     # a probe is a module of probes/ or a package of scenario modules (probes/prefill_drain/): its top-level
     # name
-    probe_modules = sorted({p.relative_to(REPO / "probes").parts[0].removesuffix(".py")
-                            for p in (REPO / "probes").rglob("*.py") if "\n@case(" in p.read_text()})
+    probe_modules = sorted({p.relative_to(REPO / "probes" / "cases").parts[0].removesuffix(".py")
+                            for p in (REPO / "probes" / "cases").rglob("*.py") if "\n@case(" in p.read_text()})
     assert sorted(p for c in classes for p in c["probes"]) == probe_modules
     for c in (
         classes

@@ -39,9 +39,10 @@ from backport.evidence.layout import (
     sums_text,
 )
 from backport.evidence.problem import Problem, VerifyResult
+from backport.evidence.record import RunRecord, TreeInput
 from backport.evidence.report import render_report
 from backport.evidence.scope import exposure_line, unserved_fixes
-from backport.evidence.statement import PREDICATE_TYPE, STATEMENT_TYPE, TreeInput, check_statement
+from backport.evidence.statement import PREDICATE_TYPE, STATEMENT_TYPE, check_statement
 from backport.evidence.verdicts import PAIR_VERDICTS, PASSING, ROLES, TREE_VERDICTS, is_finding, pair_verdict
 from backport.evidence.verify import verify
 
@@ -62,6 +63,7 @@ __all__ = [
     "Bundle",
     "Exported",
     "Problem",
+    "RunRecord",
     "TreeInput",
     "VerifyResult",
     "Written",

@@ -30,13 +30,11 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from backport import cache
 from backport.errors import BadInput
-from backport.evidence.artifacts import Exported
 from backport.evidence.attestations import git_trees
 from backport.evidence.layout import (
     APPLY_REPORT,
@@ -55,10 +53,10 @@ from backport.evidence.layout import (
     sums_text,
 )
 from backport.evidence.live import live_file
-from backport.evidence.live import section as live_section
+from backport.evidence.record import RunRecord, TreeInput
 from backport.evidence.report import render_report
 from backport.evidence.scrub import normalise_document, normalise_probe
-from backport.evidence.statement import PREDICATE_TYPE, TreeInput, build_statement
+from backport.evidence.statement import PREDICATE_TYPE, build_statement
 from backport.evidence.table import pointed
 from backport.evidence.verdicts import ROLES
 
@@ -85,17 +83,11 @@ def _tree_paths(trees: dict[str, TreeInput]) -> list[tuple[Path, str]]:
             and t.tree_path is not None and t.package_root != t.tree_path]
 
 
-def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs: dict[str, dict],
-             apply_report: dict | None, patches: list[dict], series_files: list[dict],
-             upstream_tests: dict | None, environment: dict, toolkit: dict, timestamps: dict,
-             reference_choice: str | None = None, extra_paths: Iterable[tuple[str | Path, str]] = (),
-             coverage: dict | None = None, export: Exported | None = None,
-             vulnerabilities: list[dict] | None = None, live: dict[str, dict] | None = None,
-             advisories: dict | None = None) -> Bundle:
+def assemble(record: RunRecord) -> Bundle:
     """Normalise the raw outputs of a run and lay out every file of its bundle (in memory).
 
     Each tree's package root becomes its role name and its top directory `<role>-tree`; the
-    toolkit's own `probes` package becomes `probes`. `extra_paths` names every other absolute
+    toolkit's own `probes` package becomes `probes`. `record.extra_paths` names every other absolute
     path the raw documents may hold, as (path, replacement) pairs, longest first; an empty
     replacement makes paths under it relative. This module guesses no path: the caller passes
     at least the series directory (``""``) and the cache root (``"<cache>"``), and any
@@ -103,20 +95,20 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     link through which the harness imported `probes` before it returns a document; a caller
     that keeps such a link passes ``(link, "probes")``).
     """
-    extra_paths = list(extra_paths)
-    git = git_trees(trees)  # once: the subjects and standards.json both name them
-    trees = {role: dataclasses.replace(tree, git_tree=git.get(role)) for role, tree in trees.items()}
-    timestamps = dict(timestamps)
+    extra_paths = list(record.extra_paths)
+    git = git_trees(record.trees)  # once: the subjects and standards.json both name them
+    trees = {role: dataclasses.replace(tree, git_tree=git.get(role)) for role, tree in record.trees.items()}
+    timestamps = dict(record.timestamps)
     import_seconds = dict(timestamps.get("import_seconds") or {})
     paths = dict(timestamps.get("paths") or {})
     tree_paths = _tree_paths(trees)
     probes: dict[str, dict] = {}
     for role in ROLES:
-        if role not in probe_docs:
+        if role not in record.probe_docs:
             continue
         tree = trees[role]
-        root = tree.package_root or Path(probe_docs[role].get("tree", "/"))
-        doc, volatile = normalise_probe(probe_docs[role], role, root, [*extra_paths, *tree_paths])
+        root = tree.package_root or Path(record.probe_docs[role].get("tree", "/"))
+        doc, volatile = normalise_probe(record.probe_docs[role], role, root, [*extra_paths, *tree_paths])
         probes[role] = doc
         if "import_seconds" in volatile:
             import_seconds[role] = volatile["import_seconds"]
@@ -126,8 +118,8 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     replacements: list[tuple[str | Path, str]] = [
         *((t.package_root, role) for role, t in trees.items() if t.package_root), *tree_paths, *extra_paths
     ]
-    apply_doc = normalise_document(apply_report, replacements)
-    upstream = normalise_document(upstream_tests or {"skipped": "not run", "trees": []}, replacements)
+    apply_doc = normalise_document(record.apply_report, replacements)
+    upstream = normalise_document(record.upstream_tests or {"skipped": "not run", "trees": []}, replacements)
     upstream.setdefault("skipped", None)
     upstream.setdefault("trees", [])
     # Where a test file came from (the network, a checkout, the cache) changes from run to run;
@@ -140,6 +132,9 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
                 sources[f"{item.get('path')}@{item.get('rev')}"] = source
     if sources:
         timestamps["upstream_test_sources"] = sources
+    normalised = dataclasses.replace(record, trees=trees, probe_docs=probes, apply_report=apply_doc,
+                                     upstream_tests=upstream, timestamps=timestamps)
+    export, live = record.export, record.live
 
     files: dict[str, bytes] = {probe_file(role): canonical_json(doc) for role, doc in probes.items()}
     if apply_doc is not None:
@@ -154,31 +149,12 @@ def assemble(*, mode: str, target: dict, trees: dict[str, TreeInput], probe_docs
     def statement_for(report: bytes | None) -> dict:
         digests = {name: sha256_bytes(data) for name, data in files.items()}
         digests[REPORT] = sha256_bytes(report) if report is not None else "0" * 64
-        return build_statement(
-            mode=mode,
-            target=target,
-            trees=trees,
-            probes=probes,
-            apply_report=apply_doc,
-            patches=patches,
-            series_files=series_files,
-            upstream_tests=upstream,
-            environment=environment,
-            toolkit=toolkit,
-            files=digests,
-            timestamps=timestamps,
-            reference_choice=reference_choice,
-            coverage=coverage,
-            export=None if export is None else export.record,
-            live=None if live is None else live_section(live),
-            advisories=advisories,
-        )
+        return build_statement(normalised, digests)
 
-    if (
-        vulnerabilities is not None
-    ):  # the VEX documents (vex.py): a function of the statement, which they do not change
+    # the VEX documents (vex.py): a function of the statement, which they do not change
+    if record.vulnerabilities is not None:
         files.update(
-            vex.bundle_files(statement_for(None), vex.standards_document(vulnerabilities, git))
+            vex.bundle_files(statement_for(None), vex.standards_document(record.vulnerabilities, git))
         )
     # REPORT.md is rendered from the statement (which does not depend on its digest), then listed.
     report = render_report(statement_for(None)).encode()

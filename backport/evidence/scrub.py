@@ -6,7 +6,7 @@ its role, a directory by ``""`` to make its paths relative); volatile numbers mo
 (``import_seconds`` goes to the receipt's ``timestamps``).
 
 This module knows no path by itself except the toolkit's own ``probes`` package: the caller
-names every other path to replace (see ``bundle.assemble``'s ``extra_paths``).
+names every other path to replace (see ``RunRecord.extra_paths``, record.py).
 """
 
 from __future__ import annotations

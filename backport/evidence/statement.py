@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from backport.vocab import ApplyStatus
@@ -34,6 +32,7 @@ from backport.evidence.layout import (
     product_role,
     role_of,
 )
+from backport.evidence.record import RunRecord
 from backport.evidence.table import embed
 from backport.evidence.verdicts import REFERENCE, ROLES, case_rows, reference_differences, summarise
 
@@ -50,100 +49,53 @@ PREDICATE_TYPE = "https://sglang-backport.dev/receipt/v1"
 _EMBEDDING_KEYS = ("file", "sha256")
 
 
-@dataclass(frozen=True)
-class TreeInput:
-    """One probed tree as the receipt records it (paths are for normalisation only)."""
-
-    role: str
-    spec: str
-    version: str
-    tree_digest: str
-    commit: str | None = None
-    artifact_sha256: str | None = None
-    unpinned: bool = False
-    git_tree: str | None = None  # its sglang/'s git tree id (attestations.git_tree); None: not a git tree
-    package_root: Path | None = None
-    tree_path: Path | None = None
-
-    def root(self) -> Path:
-        """The package root of a tree this run built (always set then; optional for a receipt read back)."""
-        assert self.package_root is not None, f"{self.role}: no package root"
-        return self.package_root
-
-    def to_input(self) -> dict:
-        return {"spec": self.spec, "version": self.version, "tree_digest": self.tree_digest,
-                "commit": self.commit, "artifact_sha256": self.artifact_sha256, "unpinned": self.unpinned,
-                "git_tree": self.git_tree}
-
-
-
-
-
-def build_statement(
-    *,
-    mode: str,
-    target: dict,
-    trees: dict[str, TreeInput],
-    probes: dict[str, dict],
-    apply_report: dict | None,
-    patches: list[dict],
-    series_files: list[dict],
-    upstream_tests: dict,
-    environment: dict,
-    toolkit: dict,
-    files: dict[str, str],
-    timestamps: dict,
-    reference_choice: str | None = None,
-    coverage: dict | None = None,
-    export: dict | None = None,
-    live: dict | None = None,
-    advisories: dict | None = None,
-) -> dict:
-    """`live`: predicate.live (evidence/live.py), when the run had a live tier. `files`: every bundle file
+def build_statement(record: RunRecord, files: dict[str, str]) -> dict:
+    """`record`: the run, normalised (bundle.assemble). `files`: every bundle file
     but the receipt and SHA256SUMS, with its sha256. The subjects are the artifacts (artifacts.py): the
     patched tree and, with `export`, the exported files. The statement is the attached one (the module
     docstring): `table.pointed` of it is what receipt.json holds."""
+    r = record
+    probes, trees, upstream = r.probe_docs, r.trees, r.upstream_tests or {}
+    export = None if r.export is None else r.export.record
+    live = None if r.live is None else live_evidence.section(r.live)
     rows = case_rows(probes)
     reference = trees.get(REFERENCE)
+    chosen = None if reference is None else {**reference.to_input(), "chosen": r.reference_choice}
     predicate = {
         "schema_version": formats.current(),
-        "mode": mode,
-        "toolkit": toolkit,
-        "environment": environment,
+        "mode": r.mode,
+        "toolkit": r.toolkit,
+        "environment": r.environment,
         "inputs": {
-            "target": target,
-            "series": series_files,
-            "patches": patches,
+            "target": r.target,
+            "series": r.series_files,
+            "patches": r.patches,
             "trees": {role: trees[role].to_input() for role in ROLES if role in trees},
-            "reference": None if reference is None else {**reference.to_input(), "chosen": reference_choice},
+            "reference": chosen,
         },
-        "apply": apply_report,
+        "apply": r.apply_report,
         "probes": {role: embed(probes[role], probe_file(role)) for role in ROLES if role in probes},
         "cases": rows,
         "reference_differences": reference_differences(rows),
-        "upstream_tests": embed(upstream_tests, UPSTREAM_TESTS),
+        "upstream_tests": embed(upstream, UPSTREAM_TESTS),
         "summary": live_evidence.fold_summary(
-            summarise(rows, probes, upstream_tests, coverage, apply=apply_report), live
+            summarise(rows, probes, upstream, r.coverage, apply=r.apply_report), live
         ),
         "files": dict(sorted(files.items())),
         "export": export,
-        "timestamps": timestamps,
+        "timestamps": r.timestamps,
     }
-    if coverage is not None:
-        predicate["coverage"] = coverage
+    if r.coverage is not None:
+        predicate["coverage"] = r.coverage
     if live is not None:
         predicate["live"] = live
-    if advisories is not None:  # what else is open on the release (backport/advisories.py)
-        predicate["advisories"] = advisories
+    if r.advisories is not None:  # what else is open on the release (backport/advisories.py)
+        predicate["advisories"] = r.advisories
+    product = trees[product_role(trees)]
     return {
         "_type": STATEMENT_TYPE,
-        "subject": artifacts.subjects(
-            trees[product_role(trees)].tree_digest,
-            trees[product_role(trees)].version,
-            export,
-            role=product_role(trees),
-            git_tree=trees[product_role(trees)].git_tree,
-        ),
+        "subject": artifacts.subjects(product.tree_digest, product.version, export,
+                                      role=product_role(trees), git_tree=product.git_tree),
         "predicateType": PREDICATE_TYPE,
         "predicate": predicate,
     }

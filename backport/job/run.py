@@ -344,7 +344,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
     with progress.step("bundle", "writing the evidence bundle"):
         exported = export_files(run)
         source, trees = run.source, run.trees
-        bundle = evidence.assemble(
+        bundle = evidence.assemble(evidence.RunRecord(
             mode=run.mode,
             target={
                 "spec": options.spec,
@@ -377,7 +377,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
                 },
             },
             reference_choice=None if run.exposure else the_plan.reference_choice,
-            extra_paths=[(the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")],
+            extra_paths=((the_plan.series_dir.resolve(), ""), (cache.cache_root(), "<cache>")),
             coverage=coverage,
             export=exported,
             live=live,
@@ -385,7 +385,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             advisories=bundle_section(
                 the_plan.pack, {role: (t.package_root, t.version) for role, t in trees.items()}
             ),
-        )
+        ))
         placed = evidence.place_bundle(run.out, bundle, replace=options.replace_bundle)
     code = 0 if bundle.summary["result"] == RunResult.PASS else 1
     return RunOutcome(bundle, placed.path, code, hashlib.sha256(bundle.files[evidence.RECEIPT]).hexdigest(),

@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backport.errors import BadInput, Finding
 from backport.evidence.layout import ENVELOPE, RECEIPT, canonical_json, write_readable
 from backport.evidence.problem import Problem
+
+if TYPE_CHECKING:  # securesystemslib is imported where used (start-up stays light)
+    from securesystemslib.signer import SSlibKey
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 
@@ -57,7 +61,7 @@ def load_signer(path: Path):
         raise BadInput(f"{path}: unsupported key ({exc})") from None
 
 
-def load_public_key(path: Path):
+def load_public_key(path: Path) -> SSlibKey:
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
     from securesystemslib.signer import SSlibKey
 
@@ -122,7 +126,7 @@ def signature_state(bundle: Path) -> str:
     return "signed" if (Path(bundle) / ENVELOPE).exists() else "unsigned"
 
 
-def envelope_problems(bundle: Path, key=None) -> list[Problem]:
+def envelope_problems(bundle: Path, key: SSlibKey | None = None) -> list[Problem]:
     """Why the bundle's envelope does not hold for `key` (an SSlibKey); [] when it does. The file
     must be the canonical form of what it parses to, so that no edited byte (whitespace, a
     base64 padding bit) passes unnoticed. Without a key everything but the signatures is checked

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backport.errors import BadInput
 from backport.evidence.format3 import agreement_problems
@@ -37,6 +38,9 @@ from backport.evidence.statement import check_statement, schema_errors
 from backport.vocab import RunResult
 
 from . import artifacts, formats, table, vex
+
+if TYPE_CHECKING:
+    from securesystemslib.signer import SSlibKey
 
 
 def _pointed_problems(bundle: Path, statement: dict, names: set[str]) -> tuple[list[Problem], dict]:
@@ -113,7 +117,7 @@ def verify(bundle: Path | str) -> VerifyResult:
     return VerifyResult(bundle, actual, tuple(problems), summary)
 
 
-def verify_signed(bundle: Path | str, key=None) -> tuple[VerifyResult, str]:
+def verify_signed(bundle: Path | str, key: SSlibKey | None = None) -> tuple[VerifyResult, str]:
     """verify(), then the envelope and attestations (signatures only with `key`, an SSlibKey):
     the result and the signature state said to the user."""
     from backport.evidence import sign

@@ -210,7 +210,7 @@ def signals_held():
     return handling((signal.SIGINT, signal.SIGTERM), signal.SIG_IGN)
 
 
-def sigterm_raises():
+def sigterm_raises() -> contextlib.AbstractContextManager[None]:
     """SIGTERM raises Interrupted in the main thread, so `with Processes(...)` stops its servers
     and the CLI names the signal (exit 143, not Ctrl-C's 130)."""
 

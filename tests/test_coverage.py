@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import git
 import pytest
 
+from backport.engine.report import ApplyReport, HunkResult, PatchResult
 from backport.errors import BadInput
 from backport.evidence.coverage import problems, render
 from backport.job.coverage import (
@@ -28,6 +29,7 @@ from backport.job.coverage import (
     upstream_lines,
 )
 from backport.upstream import TestRef, run_upstream_tests
+from backport.vocab import ApplyStatus, HunkStatus, PatchStatus
 from tests import test_upstream_tests as shared
 from tests.test_upstream_tests import BEHAVIOUR, PYTHON, REV, UNIT, UTILS_PATCHED, UTILS_PRISTINE, make_tree
 
@@ -60,8 +62,10 @@ def run_inputs(tmp_path):
     commit = _commit(repo, "pr38935")
     trees = {role: SimpleNamespace(package_root=root, tree_path=root)
              for role, root in (("pristine", pristine), ("patched", patched))}
-    apply_json = {"patches": [{"fix": "pr38935", "variant": "pr38935-0.5.19.patch", "status": "applied",
-                               "commit": commit, "hunks": [{"file": UTILS}]}]}
+    apply_json = ApplyReport(tree=str(patched), version="0.5.19", base_commit=commit, head_commit=commit,
+                             status=ApplyStatus.APPLIED, patches=(PatchResult(
+                                 fix="pr38935", variant="pr38935-0.5.19.patch", status=PatchStatus.APPLIED,
+                                 commit=commit, hunks=(HunkResult(file=UTILS, status=HunkStatus.EXACT),)),))
     probe_docs = {
         "patched": {"cases": [], "coverage": {UTILS: {"statements": PATCHED_STATEMENTS,
                                                       "executed": [1, 4, 5, 6, 7, 10, 14, 16, 18, 19]}}},
@@ -151,7 +155,7 @@ def test_the_sections_contradictions_are_found(run_inputs):
 
 def test_pristine_functions_name_what_a_fix_changes_and_what_the_unsafe_cases_ran(run_inputs):
     trees, apply_json, probe_docs = run_inputs
-    commit = apply_json["patches"][0]["commit"]
+    commit = apply_json.patches[0].commit
     # The hunk that inserts `is_unadmitted_reject` lands between functions: only admit is changed.
     assert changed_functions(trees["patched"].tree_path, "", commit) == [(UTILS, "admit")]
     (entry,) = pristine_functions(trees["pristine"].package_root, trees["patched"].tree_path, "", apply_json,

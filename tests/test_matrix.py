@@ -186,7 +186,7 @@ def matrix_doc(probe_python, release_tree, patched_tree):
                 (release_tree(v) if r == "pristine" else patched_tree(v)[0]).package_root for v, r in keys
             ]
             files = sorted(
-                {f for v, r in keys if r == "patched" for f in touched_files(patched_tree(v)[1].to_json())}
+                {f for v, r in keys if r == "patched" for f in touched_files(patched_tree(v)[1])}
             )
             docs.update(zip(keys, run_matrix(probe_python, roots, coverage=files), strict=True))
         return docs[(version, role)]

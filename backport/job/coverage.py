@@ -33,6 +33,7 @@ from pathlib import Path
 from unidiff import PatchSet
 
 from backport import gitops
+from backport.engine.report import ApplyReport, PatchResult
 from backport.errors import BadInput
 from backport.evidence.coverage import totals
 from backport.gitops import blame_commits
@@ -133,24 +134,29 @@ def stale_exclusions(pack) -> list[str]:
     return found
 
 
-def _excluded(exclusions: list[Exclusion], patch: dict, rel: str, commits: list[str], lines: list[str]
+def _excluded(exclusions: list[Exclusion], patch: PatchResult, rel: str, commits: list[str], lines: list[str]
               ) -> dict[int, str]:
     """Line number -> reason, for the runs of this patch's own lines in `rel` that an entry names."""
     found: dict[int, str] = {}
     for e in exclusions:
-        if e.fix != patch["fix"] or patch.get("variant") not in e.variants or e.file != rel:
+        if e.fix != patch.fix or patch.variant not in e.variants or e.file != rel:
             continue
         for start in _runs(lines, e.lines, e.after):
             numbers = range(start + 1, start + 1 + len(e.lines))
-            if all(n <= len(commits) and commits[n - 1] == patch["commit"] for n in numbers):
+            if all(n <= len(commits) and commits[n - 1] == patch.commit for n in numbers):
                 found.update((n, e.reason) for n in numbers)
     return found
 
 
-def touched_files(apply_json: dict | None) -> list[str]:
+def _applied(report: ApplyReport | None) -> list[PatchResult]:
+    """The patches the engine applied with a commit of their own (none without a report)."""
+    return [p for p in (report.patches if report else ()) if p.status == PatchStatus.APPLIED and p.commit]
+
+
+def touched_files(report: ApplyReport | None) -> list[str]:
     """Every file (relative to the package root) an applied patch changes."""
-    files = {h["file"] for p in (apply_json or {}).get("patches", [])
-             if p.get("status") == PatchStatus.APPLIED for h in p.get("hunks", [])}
+    files = {h.file for p in (report.patches if report else ()) if p.status == PatchStatus.APPLIED
+             for h in p.hunks}
     return sorted(files)
 
 
@@ -173,7 +179,7 @@ def upstream_lines(
 def patch_coverage(
     tree_path: Path,
     package_prefix: str,
-    apply_json: dict | None,
+    report: ApplyReport | None,
     pack: Pack,
     probe_doc: dict,
     min_percent: float | None = None,
@@ -194,17 +200,15 @@ def patch_coverage(
     blamed: dict[str, tuple[list[str], list[str]]] = {}  # file -> (commit per line, its lines), read once
     patches = []
     by_upstream: dict[str, list[str]] = {}
-    for patch in (apply_json or {}).get("patches", []):
-        if patch.get("status") != PatchStatus.APPLIED or not patch.get("commit"):
-            continue
-        fix = pack.fixes.get(patch["fix"])
+    for patch in _applied(report):
+        fix = pack.fixes.get(patch.fix)
         exclusions = fix.coverage_exclude if fix is not None else ()
         added = executed = 0
         excluded: list[dict] = []
         not_executed: list[str] = []
         only_upstream: list[str] = []
         upstream_hits: list[str] = []
-        for rel in sorted({h["file"] for h in patch.get("hunks", [])}):
+        for rel in sorted({h.file for h in patch.hunks}):
             if rel not in blamed:
                 blamed[rel] = (
                     blame_commits(tree_path, f"{package_prefix}{rel}"),
@@ -216,7 +220,7 @@ def patch_coverage(
             ran_upstream = (upstream_ran or {}).get(rel, set())
             reviewed = _excluded(listed, patch, rel, commits, lines)
             for number, commit in enumerate(commits, 1):
-                if commit != patch["commit"] or number not in statements:
+                if commit != patch.commit or number not in statements:
                     continue
                 text = lines[number - 1] if number <= len(lines) else ""
                 reason = reviewed.get(number) or next((x.reason for x in exclusions
@@ -235,8 +239,8 @@ def patch_coverage(
                 else:
                     not_executed.append(where)
         if upstream_ran is not None:
-            by_upstream[patch["fix"]] = upstream_hits
-        patches.append({"fix": patch["fix"], "variant": patch.get("variant"), "added": added,
+            by_upstream[patch.fix] = upstream_hits
+        patches.append({"fix": patch.fix, "variant": patch.variant, "added": added,
                         "executed_by_probes": executed,
                         "executed_by_upstream_tests": None if upstream_ran is None else len(upstream_hits),
                         "executed_only_by_upstream_tests": only_upstream,
@@ -323,7 +327,7 @@ def changed_functions(tree_path: Path, package_prefix: str, commit: str) -> list
     return sorted((rel, name) for rel, name in touched if name)
 
 
-def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str, apply_json: dict | None,
+def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str, report: ApplyReport | None,
                        pristine_doc: dict) -> list[dict]:
     """Per fix, each pristine function it changes: its executable lines, how many of them the cases
     unsafe on the pristine tree ran, and which of those cases ran any."""
@@ -334,10 +338,9 @@ def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str
     ]
     entries: list[dict] = []
     sources: dict[str, list[tuple[str, int, int, int]]] = {}
-    for patch in (apply_json or {}).get("patches", []):
-        if patch.get("status") != PatchStatus.APPLIED or not patch.get("commit"):
-            continue
-        for rel, name in changed_functions(tree_path, package_prefix, patch["commit"]):
+    for patch in _applied(report):
+        assert patch.commit is not None  # _applied keeps those with a commit
+        for rel, name in changed_functions(tree_path, package_prefix, patch.commit):
             path = Path(pristine_root) / rel
             if rel not in sources:
                 sources[rel] = _functions(path.read_text(errors="replace")) if path.is_file() else []
@@ -345,7 +348,7 @@ def pristine_functions(pristine_root: Path, tree_path: Path, package_prefix: str
             if span is None:
                 continue  # a function an earlier patch added: not pristine code
             entry = {
-                "fix": patch["fix"],
+                "fix": patch.fix,
                 "file": rel,
                 "function": name,
                 "first_line": span[0],
@@ -373,21 +376,21 @@ def pristine_reason(pristine_doc: dict) -> str | None:
     return None
 
 
-def measure(trees: dict, apply_json: dict | None, pack: Pack, probe_docs: dict[str, dict],
+def measure(trees: dict, report: ApplyReport | None, pack: Pack, probe_docs: dict[str, dict],
             min_percent: float | None, upstream_doc: dict | None) -> dict | None:
     """The run's coverage section (None: nothing was applied). The raw per-file line lists are not
     kept (every tree's document would carry thousands of line numbers the section summarises): the
     probe documents lose theirs, and upstream's record for the patched tree becomes, per fix, the
     added lines its tests ran (`added_lines_executed`), which `verify` checks the section against."""
     section = None
-    if apply_json is not None and "patched" in probe_docs:
+    if report is not None and "patched" in probe_docs:
         patched = trees["patched"]
         prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
         prefix = f"{prefix}/" if prefix else ""
         section, by_upstream = patch_coverage(
             patched.tree_path,
             prefix,
-            apply_json,
+            report,
             pack,
             probe_docs["patched"],
             min_percent,
@@ -396,7 +399,7 @@ def measure(trees: dict, apply_json: dict | None, pack: Pack, probe_docs: dict[s
         if section["measured"] and "pristine" in probe_docs:
             pristine = probe_docs["pristine"]
             section["pristine_functions"] = pristine_functions(
-                trees["pristine"].package_root, patched.tree_path, prefix, apply_json, pristine
+                trees["pristine"].package_root, patched.tree_path, prefix, report, pristine
             )
             section["pristine_reason"] = pristine_reason(pristine)
         for entry in (upstream_doc or {}).get("trees") or []:

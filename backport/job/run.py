@@ -187,27 +187,27 @@ def series_files(the_plan: Plan) -> list[dict]:
             if path.is_file()]
 
 
-def patch_inputs(the_plan: Plan, report_json: dict) -> list[dict]:
+def patch_inputs(the_plan: Plan, report: ApplyReport) -> list[dict]:
     pack = the_plan.pack
     by_name = {pv.name: pv for variants in pack.variants.values() for pv in variants}
     patches = []
-    for patch in report_json.get("patches", []):
-        variant = patch.get("variant")
+    for patch in report.patches:
+        variant = patch.variant
         if not variant:
             continue
         pv = by_name.get(variant)
-        path = Path(pv.path) if pv is not None else pack.root / patch["fix"] / variant
-        digest = evidence.sha256_file(path) if path.is_file() else patch.get("variant_sha256")
-        if patch.get("variant_sha256") and digest != patch["variant_sha256"]:
+        path = Path(pv.path) if pv is not None else pack.root / patch.fix / variant
+        digest = evidence.sha256_file(path) if path.is_file() else patch.variant_sha256
+        if patch.variant_sha256 and digest != patch.variant_sha256:
             raise Finding(
-                f"{path}: sha256 {digest} differs from the {patch['variant_sha256']} the engine applied"
+                f"{path}: sha256 {digest} differs from the {patch.variant_sha256} the engine applied"
             )
         try:
             rel = path.resolve().relative_to(Path(pack.root).resolve()).as_posix()
         except ValueError:
             rel = path.name
-        patches.append({"fix": patch["fix"], "variant": variant, "path": rel, "sha256": digest,
-                        "status": patch.get("status")})
+        patches.append({"fix": patch.fix, "variant": variant, "path": rel, "sha256": digest,
+                        "status": patch.status})
     return patches
 
 
@@ -225,7 +225,7 @@ class Prepared:
     source: Tree
     out: Path
     trees: dict[str, evidence.TreeInput]
-    apply_json: dict | None
+    apply: ApplyReport | None  # the engine's report: apply-report.json (its to_json) in the bundle
     patches: list[dict]
     work: list[Path]
     mode: str = "backport"             # the plan's mode, or "exposure": the pack could not serve the release
@@ -249,7 +249,9 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
                 source, the_plan.kind, (head, the_plan.head_kind) if head else None, options.bundle_root)
             evidence.check_bundle_target(out, replace=options.replace_bundle)
         trees = {"pristine": tree_input("pristine", source, digest=pristine_digest)}
-        apply_json, patches, mode = None, [], the_plan.mode
+        applied: ApplyReport | None = None
+        patches: list[dict] = []
+        mode = the_plan.mode
         if head is None:
             with progress.step("clone", "cloning a fresh work tree"):
                 patched = clone(source)
@@ -263,12 +265,12 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
                 if not unserved(refused.report):
                     raise
                 # No patched tree: the release is probed as shipped, to show what it stays exposed to.
-                apply_json, mode = refused.report.to_json(), "exposure"
+                applied, mode = refused.report, "exposure"
                 discard([patched.path], keep=False)
                 work.remove(patched.path)
             else:
-                apply_json = report.to_json()
-                patches = patch_inputs(the_plan, apply_json)
+                applied = report
+                patches = patch_inputs(the_plan, report)
                 trees["patched"] = tree_input("patched", patched, commit=report.head_commit)
         else:
             trees["patched"] = tree_input("patched", head)
@@ -279,7 +281,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
         discard(work, keep=False)
         raise
     return Prepared(
-        the_plan, progress, started_at, started, source, out, trees, apply_json, patches, work, mode
+        the_plan, progress, started_at, started, source, out, trees, applied, patches, work, mode
     )
 
 
@@ -287,7 +289,7 @@ def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> 
     """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
     roots = [t.root() for run in runs for t in run.trees.values()]
     labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
-    files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply_json)})
+    files = sorted({f for run in runs if not run.exposure for f in touched_files(run.apply)})
     first = runs[0].progress
     with first.step("probe", f"probing {len(set(roots))} tree(s) in one probe matrix"):
         documents = iter(run_matrix(python, roots, jobs=jobs, labels=labels, coverage=files,
@@ -307,7 +309,7 @@ def export_files(run: Prepared) -> evidence.Exported | None:
     if run.exposure:
         log.warning("--export: the pack cannot serve %s; nothing to export", run.plan.options.spec)
         return None
-    if not any(p.get("status") == PatchStatus.APPLIED for p in (run.apply_json or {}).get("patches", [])):
+    if not any(p.status == PatchStatus.APPLIED for p in (run.apply.patches if run.apply else ())):
         log.warning("--export: no patch applies to %s; nothing to export", run.plan.options.spec)
         return None
     tree_path = run.trees["patched"].tree_path
@@ -337,10 +339,10 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
     elif options.upstream_tests:
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
             upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
-                                      touched_files(run.apply_json))
+                                      touched_files(run.apply))
     check_probed(run.trees, probe_docs)
     # the patches' executed lines and the pristine functions the fixes change; drops the raw line lists
-    coverage = measure(run.trees, run.apply_json, the_plan.pack, probe_docs, options.min_coverage, upstream)
+    coverage = measure(run.trees, run.apply, the_plan.pack, probe_docs, options.min_coverage, upstream)
     with progress.step("bundle", "writing the evidence bundle"):
         exported = export_files(run)
         source, trees = run.source, run.trees
@@ -357,7 +359,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             },
             trees=trees,
             probe_docs=probe_docs,
-            apply_report=run.apply_json,
+            apply_report=None if run.apply is None else run.apply.to_json(),
             patches=run.patches,
             series_files=series_files(the_plan),
             upstream_tests=upstream,

@@ -4,7 +4,7 @@ The repository keeps its folders where tests and README expect them (`patches/`,
 `evidence/receipt.schema.json`); the installed distribution gives them names of their own, so
 that nothing collides with another project's top-level `probes`:
 
-    probes/                      -> sglang_backport_probes/ (with requirements-cpu.txt, shims/)
+    probes/                      -> sglang_backport_probes/ (with requirements-cpu.txt, standins/shims/)
     evidence/receipt.schema.json -> sglang_backport_data/receipt.schema.json
     patches/                     -> sglang_backport_data/patches/
 
@@ -17,8 +17,9 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["backport", "backport.*"])
     + ["sglang_backport_probes", "sglang_backport_data", "sglang_backport_data.patches"]
-    # the probes that are packages of scenario modules (probes/page_lifetime/, probes/prefill_drain/)
-    + ["sglang_backport_probes.page_lifetime", "sglang_backport_probes.prefill_drain"],
+    # probes/ by kind, and the probes that are packages of scenario modules (probes/cases/prefill_drain/, ...)
+    + [f"sglang_backport_probes.{sub}" for sub in ("cases", "rigs", "standins", "runtime")]
+    + ["sglang_backport_probes.cases.page_lifetime", "sglang_backport_probes.cases.prefill_drain"],
     package_dir={
         "sglang_backport_probes": "probes",
         "sglang_backport_data": "evidence",
@@ -26,7 +27,8 @@ setup(
     },
     package_data={
         "backport.live": ["requirements-*.txt", "standins/**/*.py"],
-        "sglang_backport_probes": ["requirements-cpu.txt", "shims/**/*.py"],
+        "sglang_backport_probes": ["requirements-cpu.txt"],
+        "sglang_backport_probes.standins": ["shims/**/*.py"],
         "sglang_backport_data": ["receipt.schema.json", "receipt-format-3.schema.json", "openvex.schema.json",
                                  "osv.schema.json"],
         "sglang_backport_data.patches": ["series", "*.toml", "*/*.patch"],

@@ -88,7 +88,7 @@ def main() -> int:
         floor_s = 0.0
         with tempfile.TemporaryDirectory(prefix="bench-floor-") as link:
             link_probes(Path(link))
-            bare = [python, "-c", ("import importlib\nfrom probes.harness import CORE_MODULES\n"
+            bare = [python, "-c", ("import importlib\nfrom probes.runtime.harness import CORE_MODULES\n"
                                   "for m in CORE_MODULES: importlib.import_module(m)")]
             for root in roots:
                 started = time.perf_counter()

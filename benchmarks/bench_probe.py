@@ -3,7 +3,7 @@
 Importing SGLang's disaggregation and scheduler modules dominates a probe run (~8 s on a CPU);
 the probes themselves should add little on top. For one tree this runs, alternately and
 `--repeat` times each, (a) a fresh interpreter that only imports the harness's modules and
-(b) a fresh interpreter that runs every probe (`python -m probes.harness`), both as the
+(b) a fresh interpreter that runs every probe (`python -m probes.runtime.harness`), both as the
 toolkit runs them (same PYTHONPATH, same environment), and prints the median wall times and
 their ratio. Goal: at most 1.5x. It also times (c) the probe run with `--coverage` over every
 file the pack touches, as `run` does, against (b). Goal: at most 1.3x.
@@ -49,9 +49,9 @@ def main() -> int:
         (Path(tmp) / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
         env = probe_environ(python, tree.package_root, Path(tmp))
         # the harness's own module list, imported in the child (importing `probes` costs nothing)
-        bare = [python, "-c", ("import importlib\nfrom probes.harness import CORE_MODULES\n"
+        bare = [python, "-c", ("import importlib\nfrom probes.runtime.harness import CORE_MODULES\n"
                                "for m in CORE_MODULES: importlib.import_module(m)")]
-        probe = [python, "-m", "probes.harness", "--tree", str(tree.package_root)]
+        probe = [python, "-m", "probes.runtime.harness", "--tree", str(tree.package_root)]
         files = sorted({fp.path for variants in load_pack(pack_dir()).variants.values() for v in variants
                         for fp in v.files})
         covered = probe + [a for f in files for a in ("--coverage", f)]

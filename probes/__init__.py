@@ -3,17 +3,25 @@
 CPU scenarios that import the real SGLang modules of ONE tree (the only
 ``sglang`` on ``sys.path``) and drive them through the steps of the 2026 PD
 cross-request KV exposure. Each probe lists cases (registered with ``@case``); each case
-states the safe behaviour and reports what it observed. A probe is a module of ``probes`` or, where
-its scenarios outgrow one module, a package whose ``__init__`` imports its scenario modules in
-order (``probes/prefill_drain/``): every case is named ``probe/case`` either way. Rigs and
-stand-ins (``*_rig.py``, ``standins*.py``) register no cases.
+states the safe behaviour and reports what it observed. The package is sorted by kind
+(docs/decisions.md, "probes/ by kind"):
+
+- ``cases/``: the probes, what a reviewer checks against an upstream PR. A probe is a module of
+  ``probes.cases`` or, where its scenarios outgrow one module, a package whose ``__init__`` imports
+  its scenario modules in order (``probes/cases/prefill_drain/``): every case is named
+  ``probe/case`` either way. No case module imports another (tests/test_probe_layout.py).
+- ``rigs/``: scaffolding that builds the tree's own objects for a scenario and drives them
+  (a prefill door, a transfer manager, a handoff); shared by cases, registers no case.
+- ``standins/``: what stands for a GPU, RDMA, a model or a missing package (ledgers, recording
+  senders, stand-in engines, ``shims/`` put on the path, ``addons``).
+- ``runtime/``: the child process itself (the harness, the matrix runner, its code caches).
 
 This package runs inside the probe virtualenv, never in the toolkit's: it uses
 only the standard library, torch and the tree under test. It never imports
-``backport``. Entry point: ``python -m probes.harness --tree PKGROOT``.
+``backport``. Entry point: ``python -m probes.runtime.harness --tree PKGROOT``.
 
 The shared case machinery lives here (not in ``harness``) because the harness
-runs as ``__main__``: probe modules importing ``probes.harness`` would get a
+runs as ``__main__``: probe modules importing ``probes.runtime.harness`` would get a
 second copy of these classes.
 """
 
@@ -99,7 +107,8 @@ REGISTRY: dict[str, list[Case]] = {}
 def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, proves: tuple[str, ...] = (),
          needs: tuple[str, ...] = ()) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
     """Register the decorated function as a case of the probe whose module defines it (for a probe
-    that is a package, the package: ``probes.prefill_drain.drain_ack`` registers into ``prefill_drain``).
+    that is a package, the package: ``probes.cases.prefill_drain.drain_ack`` registers into
+    ``prefill_drain``).
 
     The case's name is the function's name; `expect` states the safe behaviour; a
     must-preserve case is one that a fix must not break (safe on every tree) and proves no fix.
@@ -112,7 +121,10 @@ def case(*, must_preserve: bool, expect: str, beyond_upstream: bool = False, pro
         raise ValueError("a must-preserve case proves no fix: it is safe on every tree that has its code")
 
     def register(run: Callable[..., Outcome]) -> Callable[..., Outcome]:
-        probe = run.__module__.removeprefix(f"{__name__}.").split(".")[0]
+        # rigs, stand-ins and the runtime register no case
+        if not run.__module__.startswith(f"{__name__}.cases."):
+            raise ValueError(f"{run.__module__}.{run.__name__}: a case lives under {__name__}.cases")
+        probe = run.__module__.removeprefix(f"{__name__}.cases.").split(".")[0]
         cases = REGISTRY.setdefault(probe, [])
         if any(c.name == run.__name__ for c in cases):
             raise ValueError(f"probe {probe} registers case {run.__name__} twice")
@@ -126,7 +138,7 @@ def cases_of(probe: str) -> list[Case]:
     """The registered cases of one probe (its module or package imported here so that its decorators run)."""
     import importlib
 
-    importlib.import_module(f"{__name__}.{probe}")
+    importlib.import_module(f"{__name__}.cases.{probe}")
     return list(REGISTRY.get(probe, ()))
 
 

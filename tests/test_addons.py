@@ -1,4 +1,4 @@
-"""probes/addons.py: names older releases read from real packages, set only where a module lacks them."""
+"""probes/standins/addons.py: names older releases read from real packages, set only where a module lacks them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.addons import ADDONS, AddOn, install
+from probes.standins.addons import ADDONS, AddOn, install
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_in_the_probe_environment_only_the_missing_names_are_added(probe_python)
     and every name torch and triton have is the same object after install() as before."""
     script = (
         "import json, torch, torch.cpu, triton.runtime.cache as cache\n"
-        "from probes.addons import ADDONS, install, _resolve\n"
+        "from probes.standins.addons import ADDONS, install, _resolve\n"
         "before = {(a.module, a.name): getattr(_resolve(a.module), a.name, None) for a in ADDONS}\n"
         "own = {n: getattr(cache, n) for n in dir(cache)}\n"
         "added = install()\n"
@@ -85,7 +85,7 @@ def test_the_3fs_client_is_stood_in_for_only_where_its_cpp_source_is_missing(tmp
     there does the finder answer; a tree with the source (0.4.10.post2) imports its own module."""
     import importlib.util
 
-    from probes.addons import HF3FS_CLIENT, Hf3fsClientModuleFinder
+    from probes.standins.addons import HF3FS_CLIENT, Hf3fsClientModuleFinder
 
     finder = Hf3fsClientModuleFinder()
     (tmp_path / "client_hf3fs.py").write_text("raise AssertionError('the tree module ran')\n")

@@ -2,7 +2,7 @@
 
 The fast tests drive the gate logic on small documents shaped like `/server_info` and on code
 facts built directly; each fails if its rule breaks. The `probe_env` tests build the
-`/server_info` documents with each tree's own code (`probes/server_info.py`: its ServerArgs,
+`/server_info` documents with each tree's own code (`probes/runtime/server_info.py`: its ServerArgs,
 worker and scheduler start-up report, and HTTP handler) in the CPU probe environment, serve them
 from 127.0.0.1 and run `sglang-backport audit` on them, with the real trees as the code.
 """
@@ -364,12 +364,12 @@ def test_bad_input_without_json_is_one_line(capsys):
 
 
 def build_server_info(python: str, tree: Path, *nodes: str, backend: str = "mooncake") -> list[dict]:
-    """`probes.server_info` for one tree in the probe environment: one document per node."""
+    """`probes.runtime.server_info` for one tree in the probe environment: one document per node."""
     from backport.probing.harness import probe_environ
 
     with tempfile.TemporaryDirectory(prefix="audit-probe-") as tmp:
         (Path(tmp) / "probes").symlink_to(REPO / "probes", target_is_directory=True)
-        cmd = [python, "-m", "probes.server_info", "--tree", str(tree), "--context-length",
+        cmd = [python, "-m", "probes.runtime.server_info", "--tree", str(tree), "--context-length",
                str(INCIDENT_CONTEXT), "--page-size", "64", "--backend", backend]
         for node in nodes:
             cmd += ["--node", node]

@@ -1,4 +1,4 @@
-"""The probe children's cache of compiled modules (probes/bytecode.py): keyed by content, never by path."""
+"""The probe children's cache of compiled modules (probes/runtime/bytecode.py): keyed by content, never by path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from probes import bytecode
+from probes.runtime import bytecode
 
 
 @pytest.fixture

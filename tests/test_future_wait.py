@@ -1,4 +1,4 @@
-"""The proof that a call waits on a pending future (probes/future_wait.py), on the standard library's own
+"""The proof that a call waits on a pending future (probes/rigs/future_wait.py), on the standard library's own
 waits: it must fire for an untimed wait only a pending future can end, and never for a call that
 returns, a timed wait, or a wait begun before anything completed."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from probes.future_wait import PendingFutureWait, RecordingPool
+from probes.rigs.future_wait import PendingFutureWait, RecordingPool
 
 
 def _drive(waiter) -> tuple[bool, bool, list[int]]:

@@ -1,5 +1,5 @@
 """The probe children's cache of the code dataclasses and typing compile from text
-(probes/generated_code.py)."""
+(probes/runtime/generated_code.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import marshal
 import typing
 
-from probes import generated_code
+from probes.runtime import generated_code
 
 TEXT = "def __create_fn__(x):\n def f(self, y: int) -> None:\n  self.y = y + x\n return f"
 

@@ -92,7 +92,7 @@ def test_rejected_request_reads_another_requests_prompt_only_on_pristine(live_re
 
 # The live tier's finding (README, Live tier): a decode flushed during a deferred hold freed the
 # held pages twice and died ("pool memory leak detected"). The patched tree carries sbp-flush-holds
-# (flush refused during a hold: probes/flush_holds.py proves it); on 0.5.22 the scenarios do not
+# (flush refused during a hold: probes/cases/flush_holds.py proves it); on 0.5.22 the scenarios do not
 # flush right after a refused request (Deployment.flush_frees_held_pages).
 def test_patched_rejected_request_is_refused_every_time_and_decode_survives(live_results):
     result = live_results["patched-0.5.19"]["scenarios"]["rejected_request_reads_no_other_request"]

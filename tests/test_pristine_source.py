@@ -211,7 +211,7 @@ def test_a_mistyped_release_spec_suggests_the_double_equals(typo, tmp_path, cach
 
 
 def test_the_harness_reports_the_given_version_never_the_fallback(tmp_path):
-    """probes.harness --version: the document and the cases get the toolkit's version; without it, an
+    """probes.runtime.harness --version: the document and the cases get the toolkit's version; without it, an
     upstream checkout's 0.0.0.dev0 is reported as unknown (a case reading it errors, never skips)."""
     import subprocess
 
@@ -227,7 +227,7 @@ def test_the_harness_reports_the_given_version_never_the_fallback(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "probes.harness",
+                "probes.runtime.harness",
                 "--tree",
                 str(co / "python"),
                 "--probe",

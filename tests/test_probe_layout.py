@@ -5,6 +5,7 @@ gave it before probes/ was sorted into cases/, rigs/, standins/ and runtime/."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import probes
@@ -17,3 +18,56 @@ def test_case_ids_are_unchanged():
     ids = [f"{c.probe}/{c.name}" for p in probes.PROBE_NAMES for c in probes.cases_of(p)]
     assert ids == IDS.read_text().split()
     assert sorted(probes.REGISTRY) == sorted(probes.PROBE_NAMES)  # no case registers under a stray name
+
+
+def _imported_modules(path: Path, package: str | None = None) -> set[str]:
+    """Every module `path` imports (absolute, or relative resolved against its package), at any depth
+    (the probes import lazily inside functions too)."""
+    if package is None:
+        package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}  # `from probes.cases import x`
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(node.args[0].value)
+    return found
+
+
+def test_no_case_module_imports_another():
+    """What two probes (or two scenario modules of one probe) share is a rig or a stand-in: a case module
+    imports no module under probes/cases/ (a probe package's __init__ imports its scenarios by name
+    through importlib, from an f-string this walk does not read)."""
+    offenders = {}
+    for path in sorted((REPO / "probes" / "cases").rglob("*.py")):
+        cases = {m for m in _imported_modules(path) if m == "probes.cases" or m.startswith("probes.cases.")}
+        if cases:
+            offenders[str(path.relative_to(REPO))] = sorted(cases)
+    assert not offenders
+
+
+def test_the_walk_sees_a_case_import(tmp_path):
+    """The import walk above is not vacuous: it reports every spelling a case import could take."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from probes.cases.flush_holds import x\nimport probes.cases.handoff\n"
+                     "def f():\n    from .reentry import y\n    from probes.cases import tree_release\n")
+    seen = _imported_modules(probe, "probes.cases.admission")
+    assert {"probes.cases.flush_holds", "probes.cases.handoff", "probes.cases.admission.reentry",
+            "probes.cases.tree_release"} <= seen
+
+
+def test_every_probe_module_has_a_kind():
+    """probes/ holds only its package __init__ and requirements; every module is a case, a rig, a
+    stand-in or part of the child's runtime."""
+    loose = sorted(p.name for p in (REPO / "probes").glob("*.py") if p.name != "__init__.py")
+    assert not loose
+    kinds = {p.name for p in (REPO / "probes").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert kinds == {"cases", "rigs", "standins", "runtime"}

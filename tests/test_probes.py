@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHIMS = REPO / "probes" / "shims" / "torchvision"
+SHIMS = REPO / "probes" / "standins" / "shims" / "torchvision"
 PATCHES = REPO / "patches"
 
 def harness(tree: Path, *probes: str, python: str, extra_path: Path | None = None):
-    """Run `python -m probes.harness` the way the toolkit's runner does."""
+    """Run `python -m probes.runtime.harness` the way the toolkit's runner does."""
     path = [str(REPO), str(SHIMS)] + ([str(extra_path)] if extra_path else []) + [str(tree)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    cmd = [python, "-m", "probes.harness", "--tree", str(tree)]
+    cmd = [python, "-m", "probes.runtime.harness", "--tree", str(tree)]
     for p in probes:
         cmd += ["--probe", p]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -73,7 +73,7 @@ def test_probes_never_import_the_toolkit():
 def test_nixl_agent_stand_in_follows_its_plan():
     """The NIXL agent stand-in (prefill_drain's NIXL case): ERR and DONE handles are settled, a running
     sibling counts as in flight until the probe settles it, and every posted write is recorded."""
-    from probes.nixl_rig import NixlAgentStandIn
+    from probes.rigs.nixl import NixlAgentStandIn
     from probes.standins import Ledger
 
     ledger = Ledger()

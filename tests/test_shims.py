@@ -1,4 +1,4 @@
-"""The stand-in packages of probes/shims/ (vllm, decord for older releases; mori): importable, and every
+"""The stand-in packages of probes/standins/shims/ (vllm, decord for older releases; mori): importable, and every
 kernel, layer or decoder in them raises when used, so a case that reached one is an error."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHIMS = Path(__file__).resolve().parent.parent / "probes" / "shims"
+SHIMS = Path(__file__).resolve().parent.parent / "probes" / "standins" / "shims"
 
 SCRIPT = """
 import pytest

@@ -50,10 +50,11 @@ def installed(tmp_path_factory) -> Path:
     assert "sglang_backport_data/patches/series" in names
     assert "sglang_backport_data/receipt.schema.json" in names
     assert "sglang_backport_probes/requirements-cpu.txt" in names
-    assert "sglang_backport_probes/shims/sgl_kernel/sgl_kernel/__init__.py" in names
-    # the probes that are packages of scenario modules ship whole
-    assert {"sglang_backport_probes/prefill_drain/drain_ack.py",
-            "sglang_backport_probes/page_lifetime/drain_hold.py"} <= set(names)
+    assert "sglang_backport_probes/standins/shims/sgl_kernel/sgl_kernel/__init__.py" in names
+    # every kind of probe module ships, and the probes that are packages of scenario modules ship whole
+    assert {"sglang_backport_probes/cases/prefill_drain/drain_ack.py",
+            "sglang_backport_probes/cases/page_lifetime/drain_hold.py", "sglang_backport_probes/rigs/door.py",
+            "sglang_backport_probes/standins/addons.py", "sglang_backport_probes/runtime/harness.py"} <= set(names)
     assert not any(n.startswith("probes/") for n in names), (
         "the probes must not install as top-level `probes`"
     )

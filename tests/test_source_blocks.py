@@ -1,11 +1,11 @@
-"""The probe children's cache of where a function's source block ends (probes/source_blocks.py)."""
+"""The probe children's cache of where a function's source block ends (probes/runtime/source_blocks.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
 
-from probes import source_blocks
+from probes.runtime import source_blocks
 
 BODY = '''import functools
 

@@ -24,12 +24,12 @@ def cmd_probe(args) -> int:
 
     # Bad input is refused before the probe environment is built.
     trees = [open_tree(Path(target)) for target in args.trees]
-    probes_dir = resources.probes_dir()
+    cases_dir = resources.probes_dir() / "cases"
     for name in args.probe or ():
-        # a probe is a module of the probes package, or a package of scenario modules (probes/prefill_drain/)
-        found = (probes_dir / f"{name}.py").is_file() or (probes_dir / name / "__init__.py").is_file()
-        if name.startswith(("_", "harness", "standins")) or not found:
-            raise BadInput(f"--probe {name}: no such probe in {probes_dir}")
+        # a probe is a module of probes/cases/, or a package of scenario modules (probes/cases/prefill_drain/)
+        found = (cases_dir / f"{name}.py").is_file() or (cases_dir / name / "__init__.py").is_file()
+        if name.startswith("_") or not found:
+            raise BadInput(f"--probe {name}: no such probe in {cases_dir}")
     python = str(ensure_env(args.python))
     documents = [
         run_harness(python, tree.package_root, args.probe or None, version=tree.version) for tree in trees

@@ -11,12 +11,12 @@ from backport.engine.report import DOES_NOT_PLACE, MISSING_DEPENDENCY, NO_VARIAN
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 from backport.vocab import PatchStatus, TreeVerdict
 
-# Where a GPU, RDMA or a model would be needed (probes/standins.py, probes/*_rig.py, probes/shims/).
+# Where a GPU, RDMA or a model would be needed (probes/standins/, probes/rigs/).
 STAND_INS = (
     "`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
     "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
-    "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/shims/` (`torchvision`, "
-    "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/addons.py` (names older "
+    "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/standins/shims/` (`torchvision`, "
+    "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/standins/addons.py` (names older "
     "releases read that torch 2.13 and triton dropped) where missing, and its 3FS client module where "
     "a wheel lacks the C++ source that module compiles at import (0.4.10)"
 )

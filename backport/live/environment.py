@@ -3,7 +3,7 @@
 One interpreter serves the pinned releases, as it probes them (per release range through setups.py;
 the pairs served so far are listed in docs/live-tier.md): the CPU
 probe environment (torch 2.13 CPU, the pinned SGLang dependency set), with the tree, the stand-ins
-of probes/shims (and, per release range, those of setups.py) and an overlay folder on PYTHONPATH.
+of probes/standins/shims (and, per release range, those of setups.py) and an overlay folder on PYTHONPATH.
 The overlay holds what `launch_server` needs beyond the probe set (`requirements-serve.txt`:
 Mooncake, the HTTP and grammar extras, torchao), installed with `--no-deps` so it can never
 replace a probe pin. The router `smg` is a Rust binary in its own
@@ -30,7 +30,7 @@ log = logging.getLogger("backport.live")
 HERE = Path(__file__).resolve().parent
 SERVE_REQUIREMENTS = HERE / "requirements-serve.txt"
 ROUTER_REQUIREMENTS = HERE / "requirements-router.txt"
-STAND_INS = ("torchvision", "sgl_kernel")  # probes/shims: their real wheels need CUDA
+STAND_INS = ("torchvision", "sgl_kernel")  # probes/standins/shims: their real wheels need CUDA
 
 
 @dataclass(frozen=True)

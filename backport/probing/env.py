@@ -26,7 +26,7 @@ from backport.probing.supervise import stop_group
 log = logging.getLogger("backport.probing")
 PROBES_DIR = resources.probes_dir()
 REQUIREMENTS = PROBES_DIR / "requirements-cpu.txt"
-SHIMS = PROBES_DIR / "shims"
+SHIMS = PROBES_DIR / "standins" / "shims"
 
 
 def _torch_pin(requirements: str) -> str:

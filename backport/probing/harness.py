@@ -18,7 +18,7 @@ log = logging.getLogger("backport.probing")
 
 
 # Packages some releases import at module level that a CPU environment cannot have; each has a
-# named stand-in in probes/shims/<name>/ (every function in it raises when called).
+# named stand-in in probes/standins/shims/<name>/ (every function in it raises when called).
 STAND_INS = ("torchvision", "sgl_kernel", "vllm", "decord", "mori")
 _FIND = ("import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) "
          "is None))")
@@ -83,7 +83,7 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
     with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
         link_probes(Path(tmp))
         python = absolute_interpreter(python)
-        cmd = [python, "-m", "probes.harness", "--tree", str(package_root)]
+        cmd = [python, "-m", "probes.runtime.harness", "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]
         if version and version != "unknown":

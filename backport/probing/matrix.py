@@ -1,5 +1,5 @@
 """Probe many trees at once: one probe interpreter imports the shared third-party modules once and
-forks a child per tree (`probes/matrix.py`), trees in parallel up to the core count.
+forks a child per tree (`probes/runtime/matrix.py`), trees in parallel up to the core count.
 
 Each tree's document is exactly what `run_harness` returns for it (same cases, same details;
 only `import_seconds` is smaller, since the shared modules were imported before the fork).
@@ -88,7 +88,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         out = Path(tmp) / "out"
         out.mkdir()
         python = absolute_interpreter(python)
-        cmd = [python, "-m", "probes.matrix", "--jobs", str(jobs), "--out", str(out),
+        cmd = [python, "-m", "probes.runtime.matrix", "--jobs", str(jobs), "--out", str(out),
                "--bytecode", str(cache.cache_root() / "bytecode")]
         decided = dict(zip(roots, versions or [], strict=False))
         for root in unique:

@@ -2,7 +2,7 @@
 PYTHONPATH only for those setups; backport/live/setups.py decides). Three things, each only when
 its variable is set:
 
-SGLANG_BACKPORT_ADDONS=<probes/addons.py>: the probes' add-ons, set in the server processes: the
+SGLANG_BACKPORT_ADDONS=<probes/standins/addons.py>: the probes' add-ons, set in the server processes: the
     names SGLang 0.4.5.post1 - 0.5.1.post3 read at import from torch and triton that torch 2.13 and
     today's triton dropped (set only where the module lacks the name), and the 3FS client module
     where the wheel lacks its C++ source. The same module the probes use, loaded from its file.

@@ -1,0 +1,373 @@
+"""A request prefill's door refuses releases decode's reservation (sbp-refused-room; issue 41).
+
+On 0.4.5.post1 - 0.4.9 #38935's prefill door retires an intake rejection before a KV sender
+exists, while decode, whose own intake let the prompt through, creates a receiver, reserves
+pages for the whole prompt and registers them with prefill. Nothing tells decode that no
+transfer will come: these releases have no decode waiting timeout and decode's
+``abort_request`` cannot reach the transfer queue, so the reservation is held forever and a
+few such requests exhaust decode. The fix: prefill's ``MooncakeKVManager`` reports the
+refused room to every decode rank that registered for it (before or after the refusal), and
+decode takes that report as a final ``Failed`` its transfer queue releases at once (safe: no
+sender exists for the room, so no write can land in its pages).
+
+How the sides are driven: the tree's real ``MooncakeKVManager`` constructor in prefill and
+in decode mode, its real bootstrap, transfer and decode thread bodies (captured, then run in
+this thread over the messages the case delivers), the real prefill door
+(``PrefillBootstrapQueue.add``), the real ``MooncakeKVReceiver.poll`` and the real
+``DecodeTransferQueue.pop_transferred``. Stand-ins: the Mooncake transfer engine, the ZMQ
+sockets (prefill's pushes to decode are recorded and handed to decode's thread), the
+bootstrap server's HTTP registration, the page pool and metadata allocator, and the TP
+all-reduce of the polls (one rank: the polls themselves).
+
+Two manager layouts: the closure transfer thread of 0.4.5.post1 - 0.4.6.post5, and from 0.4.7
+prefill's transfer queue sharded over ``transfer_worker`` methods (each worker's queue is a
+``_Feed``; the case runs every worker); from 0.4.8.post1 a status message carries the prefill
+rank as a third frame (the case sends every status through the tree's own
+``sync_status_to_decode_endpoint``). Applicability is read from the code, never from the
+release number alone, so a not-applicable verdict cannot hide the exposure: the cases are not
+applicable where decode has its own waiting timeout (from 0.4.9.post1:
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s), which fails a room no status reaches and
+releases its pages as 0.5.22 does, or where the Mooncake manager has neither layout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from probes import NotApplicable, Outcome, case, judged
+from probes.rigs.door import REJECTION, DoorRig
+from probes.rigs.failed_transfer import TransferRig
+from probes.standins import make_req, reject_at_intake, sg
+
+REFUSED_ROOM = 4242
+VALID_ROOM = 4243
+DECODE_IP, DECODE_PORT, DECODE_SESSION = "10.0.1.1", 17100, "10.0.1.1:19000"
+PROMPT_PAGES = 4
+
+
+class _Stopped(Exception):
+    """A captured thread body ran out of input (ends its endless loop)."""
+
+
+class _Feed:
+    """What a captured thread reads: queued items, then `_Stopped`."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def get(self, *args, **kwargs):
+        if self.items:
+            return self.items.pop(0)
+        raise _Stopped()
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+
+
+def decode_waiting_timeout(module) -> bool:
+    """Decode's receiver or manager (or a class they inherit from) reads a waiting timeout: the
+    path, besides a status from prefill, that fails a room and releases its pages."""
+    import inspect
+
+    classes = [*module.MooncakeKVReceiver.__mro__, *module.MooncakeKVManager.__mro__]
+    return any("waiting_timeout" in inspect.getsource(cls)
+               for cls in classes if cls.__module__.startswith("sglang."))
+
+
+class MooncakeSide:
+    """One Mooncake rank (TP 1) built by the tree's own constructor; its thread bodies are
+    captured instead of started, and run here on demand."""
+
+    def __init__(self, ctx, mode: str, wire: list) -> None:
+        module = sg("disaggregation.mooncake.conn")
+        if decode_waiting_timeout(module):
+            raise NotApplicable(
+                "decode has a waiting timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT): it fails a room no "
+                "status reaches and releases its reservation, as 0.5.22 does"
+            )
+        if not hasattr(module.MooncakeKVManager, "start_prefill_thread"):
+            raise NotApplicable("the Mooncake manager layouts of 0.4.5.post1 - 0.4.9 are not in this tree")
+        # From 0.4.7 prefill's transfers run on transfer_worker methods, one per queue.
+        self.sharded = hasattr(module.MooncakeKVManager, "transfer_worker")
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.threads: dict[str, Any] = {}
+        self.workers: list[Any] = []
+        self.socket_in = _Feed()
+        captured, workers = self.threads, self.workers
+
+        def thread(target=None, args=(), **kwargs):
+            if target.__name__ == "transfer_worker":
+                workers.append((target, args))
+            else:
+                captured[target.__name__] = target
+            return SimpleNamespace(start=lambda: None)
+
+        ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock))
+        ctx.patch(module, "MooncakeTransferEngine", lambda **kw: SimpleNamespace(
+            register=lambda *a: None, get_session_id=lambda: "10.0.0.1:19500"))
+        ctx.patch(module, "get_free_port", lambda: 18000)
+        for name in ("get_local_ip_by_remote", "get_local_ip_auto"):  # 0.4.8 renames it
+            if hasattr(module, name):
+                ctx.patch(module, name, lambda: "10.0.0.1")
+        if self.sharded:
+            ctx.patch(module, "FastQueue", _Feed)  # each worker's queue, fed by the case
+        ctx.patch(
+            module,
+            "requests",
+            SimpleNamespace(put=lambda *a, **k: SimpleNamespace(status_code=200, text=""),
+                            Session=SimpleNamespace),
+        )
+        # 0.4.6.post5's sender pool is cpu_count // 4 threads: 0 on this 2-core host
+        ctx.patch(os, "cpu_count", lambda: 4)
+        zmq_socket = SimpleNamespace(bind=lambda *a: None, recv_multipart=self.socket_in.get)
+        ctx.patch(
+            module,
+            "zmq",
+            SimpleNamespace(Context=lambda: SimpleNamespace(socket=lambda kind: zmq_socket), PULL=0, PUSH=1),
+        )
+        args = SimpleNamespace(kv_data_ptrs=[4096], kv_data_lens=[4096], aux_data_ptrs=[8192],
+                               aux_data_lens=[64], gpu_id=0, ib_device=None, engine_rank=0)
+        server_args = SimpleNamespace(disaggregation_bootstrap_port=8998, dist_init_addr=None, tp_size=1,
+                                      dp_size=1, enable_dp_attention=False)
+        self.mgr = module.MooncakeKVManager(args, getattr(DisaggregationMode, mode), server_args)
+        self.module = module
+        if mode == "PREFILL" and not self.sharded:
+            self.mgr.transfer_queue = _Feed()
+        # Prefill's pushes to decode: recorded on the wire decode reads.
+        self.mgr._connect = lambda endpoint: SimpleNamespace(
+            send_multipart=lambda frames: wire.append(
+                {"endpoint": endpoint, "frames": [bytes(f) for f in frames]}
+            )
+        )
+
+    def run(self, name: str) -> None:
+        if name == "transfer_thread" and self.sharded:
+            for target, args in self.workers:
+                self._run(target, *args)
+        else:
+            self._run(self.threads[name])
+
+    @staticmethod
+    def _run(body, *args) -> None:
+        try:
+            body(*args)
+        except _Stopped:
+            pass
+        except RuntimeError as exc:
+            # 0.4.7's worker re-raises whatever its loop meets as a RuntimeError
+            if not isinstance(exc.__context__, _Stopped):
+                raise
+
+
+class _EmptyRows:
+    """Any buffer, any row: None (what get_buf is run over to count its fields)."""
+
+    def __getattr__(self, name: str) -> dict:
+        import collections
+
+        return collections.defaultdict(lambda: None)
+
+
+class _FirstTokenBuffers:
+    """Stands for decode's metadata buffers: a transferred room's first output token, read
+    through ``get_buf`` (its first field; the logprob fields only for logprob requests), or up
+    to 0.4.6.post4 as row ``idx`` of the buffer list's first tensor."""
+
+    def get_buf(self, idx: int):
+        import torch
+
+        # As many fields as the tree's own get_buf returns (0.4.8 adds the hidden states
+        # second): it is run over rows that hold nothing, then the first is the token.
+        rows = _EmptyRows()
+        real = getattr(sg("disaggregation.utils"), "MetadataBuffers", None)
+        width = len(real.get_buf(rows, idx)) if hasattr(real, "get_buf") else 5
+        return (torch.tensor([7]),) + (None,) * (width - 1)
+
+    def __getitem__(self, field: int):
+        import torch
+
+        return torch.full((16, 1), 7)
+
+
+def _registration(room: int) -> list[bytes]:
+    """Decode's pre-allocation message for `room` (MooncakeKVReceiver.init's frames), in the
+    release's own layout: ``TransferInfo.from_zmq`` reads the frames in its fields' order
+    (0.4.5.x also sends decode's buffer pointers; 0.4.6.post4 adds the rank count)."""
+    import dataclasses
+    import struct
+
+    import numpy as np
+
+    value = {
+        "room": str(room).encode(),
+        "endpoint": DECODE_IP.encode(),
+        "dst_port": str(DECODE_PORT).encode(),
+        "mooncake_session_id": DECODE_SESSION.encode(),
+        "dst_kv_ptrs": struct.pack("Q", 8192),
+        "dst_kv_indices": np.arange(PROMPT_PAGES, dtype=np.int64).tobytes(),
+        "dst_aux_ptrs": struct.pack("Q", 16384),
+        "dst_aux_index": b"0",
+        "required_dst_info_num": b"1",
+    }
+    fields = [f.name for f in dataclasses.fields(sg("disaggregation.mooncake.conn").TransferInfo)]
+    return [value[name] for name in fields if name != "is_dummy"]  # is_dummy is derived, not sent
+
+
+def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
+    """Prefill's door refuses the room's request; decode's registration arrives before or after."""
+    wire: list = []
+    prefill = MooncakeSide(ctx, "PREFILL", wire)
+    kept = getattr(prefill.module, "REFUSED_ROOMS_KEPT", None)
+    if register_first and kept is not None:
+        # A registration already stored is reported even when the memory of refused rooms
+        # (kept only for late registrations) is full: keep none, so the room is forgotten at
+        # once. Restored below: the other order needs the memory.
+        prefill.module.REFUSED_ROOMS_KEPT = 0
+    doors = DoorRig(ctx)
+    doors.prefill_queue.kv_manager = prefill.mgr
+    req = make_req("refused", 9000, room=REFUSED_ROOM)
+    reject_at_intake(req, REJECTION)
+    steps = ["register", "refuse"] if register_first else ["refuse", "register"]
+    try:
+        for step in steps:
+            if step == "register":
+                prefill.socket_in.put(_registration(REFUSED_ROOM))
+                prefill.run("bootstrap_thread")
+            else:
+                doors.prefill_door(req)
+            prefill.run("transfer_thread")
+    finally:
+        if kept is not None:
+            prefill.module.REFUSED_ROOMS_KEPT = kept
+    return {
+        "order": " then ".join(steps),
+        "sender_created": getattr(req, "disagg_kv_sender", None) is not None,
+        "reports": [
+            {"endpoint": m["endpoint"], "room": m["frames"][0].decode(), "status": m["frames"][1].decode()}
+            for m in wire
+        ],
+        "prefill_keeps_registration": REFUSED_ROOM in prefill.mgr.transfer_infos,
+        "wire": wire,
+        "prefill": prefill,
+    }
+
+
+def status_frames(prefill: MooncakeSide, room: int, status: int) -> list[bytes]:
+    """What the tree's own ``sync_status_to_decode_endpoint`` sends decode for `room`: up to
+    0.4.6.post5 it reads the status prefill recorded, from 0.4.7 it takes it, and from
+    0.4.8.post1 a third frame names the prefill rank."""
+    import inspect
+
+    prefill.mgr.update_status(room, status)
+    params = inspect.signature(prefill.mgr.sync_status_to_decode_endpoint).parameters
+    extra = {"status": status} if "status" in params else {}
+    if "prefill_rank" in params:
+        extra["prefill_rank"] = 0
+    sent: list = []
+    prefill.mgr._connect = lambda endpoint: SimpleNamespace(
+        send_multipart=lambda frames: sent.append([bytes(f) for f in frames]))
+    prefill.mgr.sync_status_to_decode_endpoint(DECODE_IP, DECODE_PORT, room, **extra)
+    [frames] = sent
+    return frames
+
+
+@case(
+    proves=("sbp-refused-room",),
+    needs=(">=0.4.5.post1,<0.4.9.post1",),
+    must_preserve=False,
+    expect="A request prefill's door refuses is reported to every decode rank registered for its room, "
+           "whether "
+    "decode registered before or after the refusal; prefill keeps nothing for the room.",
+)
+def prefill_reports_refused_room(ctx) -> Outcome:
+    runs = [refuse_at_prefill(ctx, register_first=first) for first in (True, False)]
+    problems = []
+    for run in runs:
+        run.pop("wire")
+        run.pop("prefill")
+        told = [r for r in run["reports"] if r["room"] == str(REFUSED_ROOM)
+                and r["endpoint"] == f"tcp://{DECODE_IP}:{DECODE_PORT}"]
+        if run["sender_created"]:
+            problems.append(f"{run['order']}: the refused request got a KV sender")
+        if len(told) != 1:
+            problems.append(f"{run['order']}: decode was told {len(told)} time(s) (expected once)")
+        if run["prefill_keeps_registration"]:
+            problems.append(f"{run['order']}: prefill still keeps decode's registration for the room")
+    return judged(problems, "Both orders: decode told once, prefill keeps nothing for the room.",
+                  {"runs": runs}, unsafe_prefix="Decode is left waiting: ")
+
+
+@case(
+    proves=("sbp-refused-room",),
+    needs=(">=0.4.5.post1,<0.4.9.post1",),
+    must_preserve=False,
+    expect="Decode's reservation for a room prefill refused is released on prefill's report (pages and "
+           "metadata "
+    "slot returned, the request aborted once), and the next valid request is still served.",
+)
+def decode_releases_refused_room(ctx) -> Outcome:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    refused_at = refuse_at_prefill(ctx, register_first=True)
+    wire = refused_at["wire"]  # what real prefill code sent
+    decode = MooncakeSide(ctx, "DECODE", [])
+    rig = TransferRig(ctx)
+    rig.queue.metadata_buffers = _FirstTokenBuffers()
+    # One TP rank: the all-reduce of the polls is the polls themselves.
+    ctx.patch(
+        sg("disaggregation.decode"),
+        "poll_and_all_reduce",
+        lambda pollers, *a, **k: [p.poll() for p in pollers],
+    )
+    baseline = rig.pages.available_size()
+
+    def receiver(room: int):
+        recv = object.__new__(decode.module.MooncakeKVReceiver)
+        # conclude_state and init_time: 0.4.7's poll reads them (no conclusion yet)
+        recv.__dict__.update(kv_mgr=decode.mgr, bootstrap_room=room, conclude_state=None, init_time=None)
+        # from 0.4.8.post1 the receiver records how many prefill ranks answer the room (one here)
+        if hasattr(decode.mgr, "required_prefill_response_num_table"):
+            decode.mgr.required_prefill_response_num_table[room] = 1
+        decode.mgr.update_status(room, KVPoll.WaitingForInput)  # bootstrapped and registered
+        return recv
+
+    refused = rig.enqueue(receiver(REFUSED_ROOM), "refused", REFUSED_ROOM)
+    rig.queue.pop_transferred()
+    held_before_report = rig.pages.held_by("refused")
+    for message in wire:
+        decode.socket_in.put(message["frames"])
+    decode.run("decode_thread")
+    rig.queue.pop_transferred()
+    after = rig.snapshot(refused)
+    streamed = rig.ledger.of("stream", rid="refused")
+    free_vs_baseline = rig.pages.available_size() - baseline
+    # The next valid request: prefill's Success for its room (as the tree's prefill sends it),
+    # through the same thread.
+    valid = rig.enqueue(receiver(VALID_ROOM), "valid", VALID_ROOM)
+    decode.socket_in.put(status_frames(refused_at["prefill"], VALID_ROOM, KVPoll.Success))
+    decode.run("decode_thread")
+    served = rig.queue.pop_transferred()
+    obs = {
+        "reports_from_prefill": len(wire),
+        "pages_held_before_report": held_before_report,
+        "refused_after_report": after,
+        "refused_streams": len(streamed),
+        "pages_free_vs_baseline_after_report": free_vs_baseline,
+        # the request itself, or up to 0.4.6.post4 its DecodeRequest
+        "valid_served": any(r is valid or getattr(r, "req", None) is valid for r in served),
+    }
+    problems = []
+    if after["pages_held"] or free_vs_baseline:
+        problems.append(f"decode still holds {after['pages_held']} page(s) of the refused request")
+    if after["metadata_frees"] != 1:
+        problems.append(f"its metadata slot freed {after['metadata_frees']} time(s)")
+    if len(streamed) != 1:
+        problems.append(f"the refused request was finished to its client {len(streamed)} time(s)")
+    if not obs["valid_served"]:
+        problems.append("the next valid request was not served")
+    return judged(problems, "Released on prefill's report; the next valid request served.", obs,
+                  unsafe_prefix="Decode's reservation is held: ")

@@ -117,13 +117,22 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
 
 def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list[dict]:
     """Each class with `upstream_fixed_in` (the first of `versions` that ships every fix of the
-    class; None: none does) and `pack_reach` (the first that ships or gets a backport of each)."""
+    class it needs; None: none does) and `pack_reach` (the first that ships or gets a backport of
+    each). A release needs every upstream fix of the class, and the pack's own (vendor) fixes
+    where their scope reaches it: upstream never ships those, and one may serve only releases an
+    upstream fix cannot be carried to (sbp-abort-hold below 0.5.13), where it says nothing about
+    the releases upstream fixed."""
     ordered = sorted(versions, key=Version)
     done = []
     for row in classes:
         own = [fixes[f] for f in row["fixes"] if f in fixes]
-        upstream = [v for v in ordered if own and all(f.is_fixed_in(v) for f in own)]
-        reach = [v for v in ordered if own and all(f.is_fixed_in(v) or f.in_scope(v) for f in own)]
+
+        def needed(v: str) -> list:
+            return [f for f in own if f.origin != "vendor" or f.in_scope(v)]
+
+        upstream = [v for v in ordered if needed(v) and all(f.is_fixed_in(v) for f in needed(v))]
+        reach = [v for v in ordered
+                 if needed(v) and all(f.is_fixed_in(v) or f.in_scope(v) for f in needed(v))]
         done.append({**row, "upstream_fixed_in": upstream[0] if upstream else None,
                      "pack_reach": reach[0] if reach else None,
                      "fix_urls": {f.id: [f.url] for f in own if f.url}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from backport import evidence
+from backport.records import LiveResult
 from tests.test_evidence import _reseal, fixture_run
 
 SCENARIOS = (
@@ -50,7 +51,8 @@ CLOSED = {"over_decode_pool_prompt_rejected": "not-applicable"}
 def _bundle(tmp_path, monkeypatch, patched=CLOSED):
     docs = {"pristine": _live_doc("pristine", INCIDENT), "patched": _live_doc("patched", patched),
             "reference": _live_doc("reference", CLOSED)}
-    return evidence.write_bundle(tmp_path / "bundle", fixture_run(tmp_path / "run", live=docs))
+    results = {role: LiveResult.from_json(doc) for role, doc in docs.items()}
+    return evidence.write_bundle(tmp_path / "bundle", fixture_run(tmp_path / "run", live=results))
 
 
 def test_live_bundle_verifies_and_counts_the_pairs(tmp_path, monkeypatch):

@@ -29,6 +29,8 @@ from backport.live.servers import (
     listening_pids,
     wait_ready,
 )
+from backport.records import LiveResult, ScenarioResult
+from backport.vocab import TreeVerdict
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -219,10 +221,10 @@ def test_audit_live_refuses_a_bad_url_and_count(capsys):
 # ---- predicate.live from live documents (no server) --------------------------------------------------
 
 
-def _doc(verdicts: dict[str, str]) -> dict:
-    return {"server": {"version": "0.5.19", "router": "smg==1.13.0"},
-            "scenarios": [{"scenario": name, "must_preserve": name.startswith("valid"), "verdict": v}
-                          for name, v in verdicts.items()]}
+def _doc(verdicts: dict[str, str]) -> LiveResult:
+    return LiveResult("t", "0.5.19", 1.0, {"version": "0.5.19", "router": "smg==1.13.0"},
+                      tuple(ScenarioResult(name, name.startswith("valid"), "", TreeVerdict(v), "")
+                            for name, v in verdicts.items()))
 
 
 def test_live_section_pairs_and_summary():
@@ -236,7 +238,7 @@ def test_live_section_pairs_and_summary():
         ("valid_prompt_matches_reference", "held", True), ("over_pool_prompt_rejected", "fixed", True)]
     assert live_evidence.fold_summary({"result": "pass"}, section)["result"] == "pass"
     assert not live_evidence.section_problems(section)
-    docs["patched"]["scenarios"][1]["verdict"] = "unsafe"
+    docs["patched"] = _doc({"valid_prompt_matches_reference": "safe", "over_pool_prompt_rejected": "unsafe"})
     still = live_evidence.section(docs)
     folded = live_evidence.fold_summary({"result": "pass"}, still)
     assert folded["result"] == "fail"
@@ -297,7 +299,8 @@ def test_one_invocation_deploys_the_reference_once(monkeypatch, tmp_path):
     def fake_run_live(env, model, trees):
         served.append([role for role, _, _ in trees])
         verdict = "error" if len(served) == 1 and trees[-1][0] == "reference" and breaks else "safe"
-        return [{"tree": role, "scenarios": [{"verdict": verdict}]} for role, _, _ in trees]
+        row = ScenarioResult("s", False, "", TreeVerdict(verdict), "")
+        return [LiveResult(role, "0.5.19", 1.0, {}, (row,)) for role, _, _ in trees]
 
     monkeypatch.setattr(job_live, "_REFERENCE_RUNS", {})
     monkeypatch.setattr(
@@ -318,6 +321,6 @@ def test_one_invocation_deploys_the_reference_once(monkeypatch, tmp_path):
     fourth = job_live.live_documents(trees("0.5.21", ref_digest="e" * 64), None)  # another reference tree
     assert served == [["pristine", "patched", "reference"], ["pristine", "patched", "reference"],
                       ["pristine", "patched"], ["pristine", "patched", "reference"]]
-    assert first["reference"]["scenarios"][0]["verdict"] == "error"
+    assert first["reference"].scenarios[0].verdict == "error"
     assert third["reference"] is second["reference"] and list(third) == ["pristine", "patched", "reference"]
     assert fourth["reference"] is not second["reference"]

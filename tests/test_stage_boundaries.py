@@ -48,7 +48,6 @@ LEFT: dict[str, str] = {
     "backport.evidence.vulnerabilities.load_classes": "the pack's vulnerability classes: a VulnClass record",
     "backport.evidence.vulnerabilities.pack_classes": "the pack's vulnerability classes: a VulnClass record",
     "backport.live.model.ensure_model": "`shape` overrides make_model.SHAPE: a ModelShape record",
-    "backport.live.tier.run_live": "the live documents: a LiveResult record per tree",
 }
 
 

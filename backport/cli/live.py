@@ -44,8 +44,9 @@ def cmd_live(args) -> int:
         return serve(args, trees[0])
     env = ensure_serving_env(args.python)
     model = ensure_model(env.python)
-    documents = run_live(env, model, [(str(t.path), Path(t.package_root), t.version) for t in trees],
-                         keep_logs=Path(args.logs) if args.logs else None)
+    results = run_live(env, model, [(str(t.path), Path(t.package_root), t.version) for t in trees],
+                       keep_logs=Path(args.logs) if args.logs else None)
+    documents = [result.to_json() for result in results]
     emit(args, {"trees": documents}, render(documents))
     return 1 if any(s["verdict"] in FINDINGS for d in documents for s in d["scenarios"]) else 0
 

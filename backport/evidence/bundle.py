@@ -144,7 +144,7 @@ def assemble(record: RunRecord) -> Bundle:
         files.update(export.files)
     files[MARKER] = MARKER_BYTES
     if live is not None:  # run --live: one measured document per role (evidence/live.py)
-        files.update({live_file(role): canonical_json(doc) for role, doc in live.items()})
+        files.update({live_file(role): canonical_json(result.to_json()) for role, result in live.items()})
 
     def statement_for(report: bytes | None) -> dict:
         digests = {name: sha256_bytes(data) for name, data in files.items()}

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from backport.evidence.verdicts import BASE, HEAD, PAIR_VERDICTS, REFERENCE, ROLES, is_finding, pair_verdict
+from backport.records import LiveResult, ScenarioResult
 from backport.vocab import RunResult, TreeVerdict
 
 LIVE_DIR = "live"
@@ -26,19 +27,19 @@ def live_file(role: str) -> str:
     return f"{LIVE_DIR}/{role}.json"
 
 
-def section(documents: dict[str, dict]) -> dict:
-    """predicate.live from the per-role live documents."""
+def section(documents: dict[str, LiveResult]) -> dict:
+    """predicate.live from the per-role live results (a run's, or its files read back)."""
     order: list[str] = []
     must: dict[str, bool] = {}
     verdicts: dict[str, dict[str, str]] = {}
     setups: dict[str, dict[str, dict]] = {}
     for role in ROLES:
-        for item in (documents.get(role) or {}).get("scenarios", []):
-            name = item["scenario"]
+        for item in documents[role].scenarios if role in documents else ():
+            name = item.scenario
             if name not in must:
                 order.append(name)
-                must[name] = bool(item.get("must_preserve"))
-            verdicts.setdefault(name, {})[role] = item.get("verdict")
+                must[name] = bool(item.must_preserve)
+            verdicts.setdefault(name, {})[role] = item.verdict
             setup = race_setup(item)
             if setup is not None:
                 setups.setdefault(name, {})[role] = setup
@@ -60,14 +61,14 @@ def section(documents: dict[str, dict]) -> dict:
         if name in setups:
             rows[-1]["runs"] = setups[name]
     return {"scenarios": rows,
-            "servers": {role: documents[role].get("server") for role in present},
+            "servers": {role: documents[role].server for role in present},
             "files": {role: live_file(role) for role in present}}
 
 
-def race_setup(item: dict) -> dict | None:
+def race_setup(item: ScenarioResult) -> dict | None:
     """What a topology scenario (the 2P1D page-lifetime race) ran: topology, shaping, environment,
     trials (run, valid, unsafe) and each control's result; None for a scenario of the pair."""
-    details = item.get("details") or {}
+    details = item.details or {}
     if "topology" not in details:
         return None
     trials = details.get("trials") or []
@@ -133,9 +134,14 @@ def bundle_problems(bundle: Path, predicate: dict) -> list[tuple[str, str]]:
     documents, problems = {}, []
     for role, name in live.get("files", {}).items():
         try:
-            documents[role] = json.loads((bundle / name).read_bytes())
+            doc = json.loads((bundle / name).read_bytes())
         except (OSError, ValueError) as exc:
             problems.append((name, f"unreadable ({exc})"))
+            continue
+        try:  # read back into the type the run wrote it from
+            documents[role] = LiveResult.from_json(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            problems.append((name, f"not a live document ({type(exc).__name__}: {exc})"))
     if problems:
         return problems
     expected = section(documents)

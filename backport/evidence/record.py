@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backport.evidence.artifacts import Exported
+from backport.records import LiveResult
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class RunRecord:
     and hands `build_statement` the normalised one (the same type: `dataclasses.replace`).
 
     `extra_paths` names every other absolute path the raw documents may hold, as (path, replacement)
-    pairs, longest first (see `assemble`). `live`: the live tier's document per role (evidence/live.py),
+    pairs, longest first (see `assemble`). `live`: the live tier's result per role (records.py),
     when the run had one. `vulnerabilities`: the pack's classes for the VEX documents (vex.py)."""
 
     mode: str
@@ -65,5 +66,5 @@ class RunRecord:
     coverage: dict | None = None
     export: Exported | None = None
     vulnerabilities: list[dict] | None = None
-    live: dict[str, dict] | None = None
+    live: dict[str, LiveResult] | None = None
     advisories: dict | None = None

@@ -10,12 +10,13 @@ is reused, keyed by the tree's content digest, so it is the same code that answe
 from __future__ import annotations
 
 from backport import evidence
+from backport.records import LiveResult
 
 # (serving interpreter, reference tree digest) -> its live document, for this process only
-_REFERENCE_RUNS: dict[tuple[str, str], dict] = {}
+_REFERENCE_RUNS: dict[tuple[str, str], LiveResult] = {}
 
 
-def live_documents(trees: dict[str, evidence.TreeInput], python: str | None) -> dict[str, dict]:
+def live_documents(trees: dict[str, evidence.TreeInput], python: str | None) -> dict[str, LiveResult]:
     from backport.live import ensure_model, ensure_serving_env, run_live
 
     env = ensure_serving_env(python)
@@ -35,7 +36,7 @@ def live_documents(trees: dict[str, evidence.TreeInput], python: str | None) -> 
     )
     if ref_key in _REFERENCE_RUNS:
         documents["reference"] = _REFERENCE_RUNS[ref_key]
-    elif ref_key is not None and all(s["verdict"] != "error" for s in documents["reference"]["scenarios"]):
+    elif ref_key is not None and not documents["reference"].broke:
         # a scenario that broke is tried again with the next target
         _REFERENCE_RUNS[ref_key] = documents["reference"]
     return {role: documents[role] for role in roles}

@@ -1,9 +1,10 @@
 """The live tier for a list of trees: per tree one PD deployment, every scenario, everything stopped.
 
 Trees run one after another (each pair is ~4 GB and two busy cores); after a tree's pair, its
-2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. The document of one
-tree: `{"tree", "version", "server": {version, setup, flags, backend, router}, "startup_seconds", "scenarios":
-[{"scenario", "must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
+2P1D deployment runs the page-lifetime race (race.py), the last scenario of its document. One tree's
+result is a LiveResult (result.py); its to_json is the document: `{"tree", "version", "server": {version,
+setup, flags, backend, router, model_sha256}, "startup_seconds", "scenarios": [{"scenario",
+"must_preserve", "expect", "verdict", "observed", "details", "seconds"}]}`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from backport.live.race import NAME as RACE_NAME
 from backport.live.race import run_race
 from backport.live.scenarios import ERROR, REGISTRY, Scenario
 from backport.live.servers import sigterm_raises
+from backport.records import LiveResult, ScenarioResult
 
 log = logging.getLogger("backport.live")
 ENGINE = "mooncake-transfer-engine-non-cuda"
@@ -51,7 +53,7 @@ def router_name() -> str:
                 if line.strip() and not line.startswith("#"))
 
 
-def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> dict:
+def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> ScenarioResult:
     started = time.monotonic()
     try:
         outcome = item.run(dep, model)
@@ -59,13 +61,12 @@ def run_scenario(item: Scenario, dep: Deployment, model: TinyModel) -> dict:
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding about that tree, not a crash
         verdict, observed = ERROR, f"{type(exc).__name__}: {exc}"
         details = {"traceback": traceback.format_exc(limit=4)[-1500:]}
-    return {"scenario": item.name, "must_preserve": item.must_preserve, "expect": item.expect,
-            "verdict": verdict, "observed": observed, "details": details,
-            "seconds": round(time.monotonic() - started, 3)}
+    return ScenarioResult(item.name, item.must_preserve, item.expect, verdict, observed, details,
+                          round(time.monotonic() - started, 3))
 
 
 def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyModel, label: str,
-              workdir: Path, race: bool = True) -> dict:
+              workdir: Path, race: bool = True) -> LiveResult:
     log.info("live: starting prefill, decode and router for %s ...", label)
     with deployed(env, package_root, version, model, workdir) as dep:
         log.info(
@@ -77,25 +78,15 @@ def live_tree(env: ServingEnv, package_root: Path, version: str, model: TinyMode
         backend = backend_from_logs([dep.prefill.log, dep.decode.log])
     if race:  # its own deployment (2P1D, private namespace), after the pair is stopped: one at a time
         log.info("live: %s: %s on two prefills and one decode ...", label, RACE_NAME)
-        scenarios.append(run_race(env, package_root, workdir / "2p1d", version=version))
-    return {
-        "tree": label,
-        "version": version,
-        "startup_seconds": round(startup, 1),
-        "server": {
-            "version": version,
-            "setup": flags["setup"]["name"],
-            "flags": flags,
-            "backend": backend,
-            "router": router_name(),
-            "model_sha256": model.sha256,
-        },
-        "scenarios": scenarios,
-    }
+        race_row = run_race(env, package_root, workdir / "2p1d", version=version)
+        scenarios.append(ScenarioResult.from_json(race_row))
+    server = {"version": version, "setup": flags["setup"]["name"], "flags": flags, "backend": backend,
+              "router": router_name(), "model_sha256": model.sha256}
+    return LiveResult(label, version, round(startup, 1), server, tuple(scenarios))
 
 
 def run_live(env: ServingEnv, model: TinyModel, trees: list[tuple[str, Path, str]],
-             keep_logs: Path | None = None, race: bool = True) -> list[dict]:
+             keep_logs: Path | None = None, race: bool = True) -> list[LiveResult]:
     """`trees`: (label, package root, version). SIGTERM stops the servers as SIGINT does."""
     documents = []
     with sigterm_raises(), tempfile.TemporaryDirectory(prefix="live-", dir=cache.work_root()) as tmp:

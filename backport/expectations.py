@@ -140,7 +140,7 @@ def check_rules(series: Sequence[str], rules: Sequence[CaseRule] | None = None) 
     """Problems with the cases' declarations against a pack's series (none: [])."""
     problems = []
     for rule in case_rules() if rules is None else rules:
-        for fix in rule.proves + rule.needs_fixes:
+        for fix in [alt for either in rule.proves for alt in either.split("|")] + list(rule.needs_fixes):
             if fix not in series:
                 problems.append(f"{rule.key}: names {fix!r}, which is not a fix of the series")
     return problems
@@ -196,7 +196,7 @@ def derive(pack, version: str, exceptions: Sequence[StatedException] = (),
             verdict: TreeVerdict
             if not all(v in spec for spec in rule.needs_releases) or not set(rule.needs_fixes) <= tree:
                 verdict = TreeVerdict.NOT_APPLICABLE
-            elif not set(rule.proves) <= tree:
+            elif not all(set(fix.split("|")) & tree for fix in rule.proves):  # "a|b": either fix
                 verdict = UNSAFE
             else:
                 verdict = SAFE

@@ -93,8 +93,9 @@ class Case:
     beyond_upstream: bool = False
     # What the release matrix derives this case's expected verdict from (backport/expectations.py):
     # `proves`, the fixes (ids of patches/fixes.toml) that must all be in a tree for the case to be
-    # safe there; `needs`, what the case's code needs to exist, each a PEP 440 range of releases
-    # (">=0.5.13") or a fix id whose code the case drives (present once shipped or applied).
+    # safe there ("a|b": either of two fixes that close the same path on different releases);
+    # `needs`, what the case's code needs to exist, each a PEP 440 range of releases (">=0.5.13")
+    # or a fix id whose code the case drives (present once shipped or applied).
     # Without the code: not-applicable; without a proven fix: unsafe; else safe.
     proves: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()

@@ -1,7 +1,8 @@
 """The probe package's layout (issue 46 item 3): moving or splitting a probe module never renames a
 case. Bundles (probes/*.json), `sglang-backport probe --json` and the release matrix name each case
 `probe/case`; tests/fixtures/probe-case-ids.txt is that list, in registration order, as the registry
-gave it before probes/ was sorted into cases/, rigs/, standins/ and runtime/."""
+gave it before probes/ was sorted into cases/, rigs/, standins/ and runtime/ (a new case is added to it
+where the registry lists it; an id once there is never renamed)."""
 
 from __future__ import annotations
 

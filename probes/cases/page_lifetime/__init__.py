@@ -53,18 +53,26 @@ Absent structures, decided per case:
   prefill socket that answers the ABORT with its ACK at once; it is
   ``not-applicable`` where decode has no ACK tracker (before 0.5.19).
 
+Below 0.5.13 (no decode-to-prefill ABORT, no drain ACK) the pack's own ``sbp-abort-hold`` holds a
+failed transfer's pages until every prefill rank's final Success or the timeout;
+``prefill_done_hold`` judges 0.4.10 - 0.5.12.post1 on a real decode ``MooncakeKVManager``
+(probes/rigs/mooncake_decode.py), pristine (unsafe: the pages go back at ``pop_transferred``) and
+patched; on such a tree ``failed_transfer_holds_pages_until_drain`` (a prefill fault: no final
+Success ever comes) expects the hold to last until the deferred-release timeout.
+
 Layout: the rig is probes/rigs/failed_transfer.py (``TransferRig`` and the managers and receivers it
 is driven with); the scenarios are one module per part, imported below in this order (the order
 the cases run and are listed in): ``drain_hold`` (a failed transfer's pages held until the drain
 ACKs; the ACK tracker's early and late ACKs), ``backend_capability`` (backends without the
 capability, and the explicit deferral variable) and ``decode_aborts`` (the waiting timeout and
-the scheduler's abort, which decode starts itself).
+the scheduler's abort, which decode starts itself) and ``prefill_done_hold`` (this pack's hold below
+0.5.13).
 """
 
 import importlib
 
 # The scenario modules, in the order their cases run and are listed (each registers its cases on import).
-SCENARIOS = ("drain_hold", "backend_capability", "decode_aborts")
+SCENARIOS = ("drain_hold", "backend_capability", "decode_aborts", "prefill_done_hold")
 
 for _scenario in SCENARIOS:
     importlib.import_module(f"{__name__}.{_scenario}")

@@ -4,25 +4,42 @@ and the ACK tracker's early and late ACKs (#35049). The probe: probes/cases/page
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
 from probes.rigs.failed_transfer import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
 from probes.standins import Ledger, pin_runtime
 
+TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+HOLD_TIMEOUT = 0.3
+
 
 @case(
-    # disaggregation.common (the receiver this case drives) arrives in 0.4.7
-    proves=("pr35049", "pr41023", "pr41404"),
+    # disaggregation.common (the receiver this case drives) arrives in 0.4.7; below 0.5.13 (no drain ACK)
+    # this pack's sbp-abort-hold holds instead, until prefill's final Success or the timeout
+    proves=("pr35049|sbp-abort-hold", "pr41023|sbp-abort-hold", "pr41404|sbp-abort-hold"),
     needs=(">=0.4.7",),
     must_preserve=False,
     expect='With the default environment, a failed transfer that decode did not initiate keeps its pages and '
-           'metadata slot until every prefill rank has ACKed the drain, then releases them exactly once.',
+           'metadata slot until every prefill rank has ACKed the drain (below 0.5.13, where no ACK exists: '
+           'until the deferred-release timeout), then releases them exactly once.',
 )
 def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     """#41404 + #41023: a failure decode did not initiate (prefill fault,
     transport error) reaching ``pop_transferred`` under the default env holds
-    the pages until both prefill ranks ACK the drain, then releases them once."""
+    the pages until both prefill ranks ACK the drain, then releases them once.
+    A tree with sbp-abort-hold and no ACK tracker (below 0.5.13) waits for each rank's final
+    Success, which a prefill fault never sends: held until the timeout (0.3 s here), as 0.5.22
+    holds a drain no ACK ends."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    success_hold = hasattr(DecodeTransferQueue, "_held_releases_due")
+    if success_hold:
+        import torch.distributed
+
+        ctx.setenv(TIMEOUT_ENV, str(HOLD_TIMEOUT))
+        ctx.patch(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)  # one rank: the flags
     rig = TransferRig(ctx)
     mgr = drain_acking_manager(rig.ledger)
     rcv = drain_acking_receiver(rig.ledger, mgr, room=501, prefill_ranks=2)
@@ -44,8 +61,12 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
         note_ack(mgr, 501, 1, generation)
         rig.resolve()
         step("ACK rank 1, resolve", True)
+    elif success_hold:
+        time.sleep(HOLD_TIMEOUT + 0.2)
+        rig.queue.pop_transferred()
+        step("the timeout passed, pop_transferred", True)
     rig.resolve()
-    step("resolve again", hasattr(mgr, "note_abort_ack"))
+    step("resolve again", hasattr(mgr, "note_abort_ack") or success_hold)
 
     details = {
         "deferred_release_flag": bool(getattr(rig.queue, "enable_deferred_kv_release", False)),
@@ -73,6 +94,8 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
     if not freed_early and released_once and not details["double_releases"]:
         return Outcome(
             SAFE,
+            "Pages held through the failure, released once at the deferred-release timeout (no drain ACK "
+            "exists on this release; no final Success came)." if success_hold else
             "Pages held through the failure and the first ACK, released once after both drain ACKs.",
             details,
         )

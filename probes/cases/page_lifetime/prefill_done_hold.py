@@ -1,0 +1,120 @@
+"""Below 0.5.13: a failed transfer's pages held until prefill stopped writing them (this pack's
+``sbp-abort-hold``; issue 41). The probe: probes/cases/page_lifetime/.
+
+0.5.10 - 0.5.12.post1 and older have no decode-to-prefill ABORT and no drain ACK, so the chain
+the other page_lifetime cases judge (#35049 ... #41404) cannot exist there; what stops decode
+from freeing pages a late write still reaches is that it waits for every prefill rank's final
+Success (sent only after the rank's last write) or the deferred-release timeout. Driven: the
+tree's real ``DecodeTransferQueue.pop_transferred`` (TransferRig), a real decode
+``MooncakeKVManager`` built by its constructor with its real decode thread taking the prefill
+ranks' statuses, the real ``MooncakeKVReceiver.abort`` decode's ``abort_request`` calls and its
+real ``poll``. Stand-ins: the page pool and metadata allocator (TransferRig), the TP all-reduce
+of the polls (one rank: the polls themselves) and of the hold decision (one rank: the flags).
+"""
+
+from __future__ import annotations
+
+import time
+
+from probes import NotApplicable, Outcome, case, judged
+from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.mooncake_decode import MooncakeDecodeSide
+from probes.standins import sg
+
+TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+ROOM = 7301
+
+
+def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSide]:
+    import torch.distributed
+
+    if not hasattr(sg("disaggregation.mooncake.conn").MooncakeKVManager, "start_decode_thread"):
+        raise NotApplicable("this release's Mooncake decode manager has no decode thread of its own")
+    ctx.setenv(TIMEOUT_ENV, timeout)
+    rig = TransferRig(ctx)
+    # One TP rank: the all-reduce of the polls is the polls themselves, and of the hold flags the flags.
+    ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
+              lambda pollers, *a, **k: [p.poll() for p in pollers])
+    ctx.patch(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
+    return rig, MooncakeDecodeSide(ctx)
+
+
+@case(
+    proves=("sbp-abort-hold",),
+    # decode's abort_request reaches its transfer queue (MooncakeKVReceiver.abort) from 0.4.10
+    needs=(">=0.4.10,<0.5.13",),
+    must_preserve=False,
+    expect="A transfer decode aborts while prefill may still write it keeps its pages and metadata slot "
+           "(its client answered at once) until every prefill rank the room waits for has sent its final "
+           "Success, then releases them exactly once.",
+)
+def aborted_transfer_held_until_prefill_done(ctx) -> Outcome:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    rig, decode = _rig(ctx)
+    recv = decode.receiver(ROOM, prefill_ranks=2)
+    req = rig.enqueue(recv, "aborted", ROOM)
+    decode.deliver(ROOM, KVPoll.Success, 0)     # rank 0 finished before the abort
+    recv.abort()                                # Scheduler.abort_request on a transfer-queue request
+    steps = []
+    rig.queue.pop_transferred()
+    steps.append({"step": "abort, pop_transferred", **rig.snapshot(req)})
+    rig.queue.pop_transferred()
+    steps.append({"step": "pop_transferred again (rank 1 still writing)", **rig.snapshot(req)})
+    decode.deliver(ROOM, KVPoll.Success, 1)     # rank 1's last write done
+    rig.queue.pop_transferred()
+    steps.append({"step": "rank 1's Success, pop_transferred", **rig.snapshot(req)})
+    rig.queue.pop_transferred()
+    steps.append({"step": "pop_transferred again", **rig.snapshot(req)})
+    streams = len(rig.ledger.of("stream", rid="aborted"))
+    details = {"steps": steps, "client_answers": streams,
+               "double_releases": rig.ledger.count("pages_double_release"),
+               "room_state_left": sorted(name for name in ("held_rooms", "request_status", "failure_records")
+                                         if ROOM in (getattr(decode.mgr, name, None) or {}))}
+    problems = []
+    early = [s["step"] for s in steps[:2] if s["pages_held"] == 0]
+    if early:
+        problems.append(f"pages returned while prefill rank 1 may still write them (at: {early[0]})")
+    final = steps[-1]
+    if final["pages_held"] or final["release_calls"] != 1 or final["metadata_frees"] != 1:
+        problems.append(f"after both ranks' Success: {final['pages_held']} page(s) held, released "
+                        f"{final['release_calls']} time(s), metadata freed {final['metadata_frees']} time(s)")
+    if streams != 1 or details["double_releases"]:
+        problems.append(f"the client was answered {streams} time(s); "
+                        f"{details['double_releases']} double release(s)")
+    if details["room_state_left"]:
+        problems.append(f"the room is still kept in {details['room_state_left']}")
+    return judged(problems, "Held through the abort while rank 1 wrote; released once after its Success.",
+                  details, unsafe_prefix="")
+
+
+@case(
+    proves=("sbp-abort-hold",),
+    needs=(">=0.4.10,<0.5.13",),  # the pack's hold serves 0.4.10 - 0.5.12.post1; the drain ACK: 0.5.13
+    must_preserve=False,
+    expect="A transfer a prefill rank reports Failed (its other writes may still land) keeps its pages until "
+           "the deferred-release timeout even when the other rank succeeded, then releases them exactly once "
+           "with a warning.",
+)
+def prefill_failure_held_until_timeout(ctx) -> Outcome:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    rig, decode = _rig(ctx, timeout="0.3")
+    recv = decode.receiver(ROOM, prefill_ranks=2)
+    req = rig.enqueue(recv, "prefill-failed", ROOM)
+    decode.deliver(ROOM, KVPoll.Failed, 0)
+    decode.deliver(ROOM, KVPoll.Success, 1)
+    rig.queue.pop_transferred()
+    before = rig.snapshot(req)
+    time.sleep(0.5)
+    rig.queue.pop_transferred()
+    after = rig.snapshot(req)
+    details = {"before_timeout": before, "after_timeout": after,
+               "double_releases": rig.ledger.count("pages_double_release")}
+    problems = []
+    if before["pages_held"] == 0:
+        problems.append("pages returned at the failure, before the timeout")
+    if after["pages_held"] or after["release_calls"] != 1 or after["metadata_frees"] != 1:
+        problems.append(f"after the timeout: {after['pages_held']} page(s) held, released "
+                        f"{after['release_calls']} time(s)")
+    return judged(problems, "Held until the timeout, released once.", details, unsafe_prefix="")

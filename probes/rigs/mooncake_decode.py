@@ -1,0 +1,89 @@
+"""One decode rank's real ``MooncakeKVManager`` (DECODE mode, 0.4.10 - 0.5.12.post1), built by its
+constructor, for the page_lifetime cases of this pack's ``sbp-abort-hold`` (not a probe: no cases
+here).
+
+The tree's own constructor runs (``CommonKVManager.__init__`` binds a real ZMQ PULL socket on
+127.0.0.1, which is closed at once), so whatever it sets up for decode is what the cases use; its
+decode thread body is captured instead of started and run here over the status messages a case
+delivers, as prefill ranks send them (room, status, prefill rank). Stand-ins, each for what needs a
+cluster or a NIC: the Mooncake transfer engine (registers nothing), the thread start (the bodies
+are kept), the runtime context (one rank on this host: ``pin_runtime``, ``pin_manager_runtime``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from probes.rigs.manager import LOCALHOST, _kv_args, pin_manager_runtime
+from probes.standins import construct_with, pin_runtime, release_disagg_defaults, sg
+
+
+class _Stopped(Exception):
+    """The captured decode thread ran out of messages (ends its endless loop)."""
+
+
+class MooncakeDecodeSide:
+    """The real decode manager, ``mgr``; ``deliver`` runs its decode thread over status messages."""
+
+    def __init__(self, ctx) -> None:
+        pin_runtime(ctx)
+        module = sg("disaggregation.mooncake.conn")
+        self.module = module
+        for where in (module, sg("disaggregation.common.conn")):
+            pin_manager_runtime(ctx, where)
+        bodies: dict[str, Any] = {}
+
+        def thread(target=None, args=(), **kwargs):
+            bodies[target.__name__] = target
+            return SimpleNamespace(start=lambda: None)
+
+        ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock,
+                                                       Event=threading.Event))
+        engine = SimpleNamespace(batch_register=lambda *a, **k: 0, register=lambda *a, **k: 0,
+                                 get_session_id=lambda: f"{LOCALHOST}:19500", session_id=f"{LOCALHOST}:19500")
+        ctx.patch_if_present(module, "get_mooncake_transfer_engine", lambda *a, **k: engine)
+        ctx.patch_if_present(module, "MooncakeTransferEngine", lambda *a, **k: engine)
+        server_args = release_disagg_defaults()
+        server_args.__dict__.update(host=LOCALHOST, port=30000, dist_init_addr=None, pp_size=1)
+        mode = sg("disaggregation.utils").DisaggregationMode.DECODE
+        self.mgr = construct_with(module.MooncakeKVManager, args=_kv_args(), disaggregation_mode=mode,
+                                  server_args=server_args, is_mla_backend=False)
+        socket = getattr(self.mgr, "server_socket", None)
+        if socket is not None and hasattr(socket, "close"):
+            socket.close(linger=0)
+        self.inbox: list[list[bytes]] = []
+        self.mgr.server_socket = SimpleNamespace(recv_multipart=self._next)
+        if "decode_thread" not in bodies:
+            raise RuntimeError(f"the decode manager started no decode_thread (threads: {sorted(bodies)})")
+        self._decode_thread = bodies["decode_thread"]
+        # from 0.4.8.post1 a status names the prefill rank in a third frame
+        self._ranked = "prefill_rank" in inspect.getsource(self._decode_thread)
+
+    def _next(self, *args, **kwargs) -> list[bytes]:
+        if not self.inbox:
+            raise _Stopped()
+        return self.inbox.pop(0)
+
+    def deliver(self, room: int, status, prefill_rank: int) -> None:
+        """One prefill rank's status for the room, through the tree's own decode thread."""
+        frames = [str(room).encode("ascii"), str(int(status)).encode("ascii")]
+        self.inbox.append(frames + [str(prefill_rank).encode("ascii")] if self._ranked else frames)
+        try:
+            self._decode_thread()
+        except _Stopped:
+            pass
+
+    def receiver(self, room: int, prefill_ranks: int):
+        """The tree's ``MooncakeKVReceiver`` for a room whose metadata went to ``prefill_ranks`` prefill
+        ranks (the fields its ``init`` sets; built without its bootstrap constructor)."""
+        from sglang.srt.disaggregation.base import KVPoll
+
+        recv = object.__new__(self.module.MooncakeKVReceiver)
+        recv.__dict__.update(kv_mgr=self.mgr, bootstrap_room=room, conclude_state=None, init_time=None)
+        if hasattr(self.mgr, "required_prefill_response_num_table"):  # from 0.4.8.post1
+            self.mgr.required_prefill_response_num_table[room] = prefill_ranks
+        self.mgr.update_status(room, KVPoll.Transferring)
+        return recv

@@ -37,7 +37,6 @@ EDGES: dict[str, str] = {
 
 # Not converted yet (shrinks): what each would become.
 LEFT: dict[str, str] = {
-    "backport.evidence.artifacts.export_of": "`wheel` is ExportedWheel.to_json(); take the ExportedWheel",
     "backport.evidence.coverage.totals": "the per-patch coverage rows: a PatchCoverage record",
     "backport.evidence.environment.environment_record": "the probe environment and probe documents: the "
                                                         "tree probe result record",

@@ -21,11 +21,15 @@ import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backport.evidence.layout import product_role, sha256_bytes
 from backport.evidence.problem import Problem
 from backport.tree import is_package_source
 from backport.vocab import PatchStatus
+
+if TYPE_CHECKING:  # export/ imports this module: the type only
+    from backport.export.wheel import ExportedWheel
 
 TREE_SUBJECT = "patched-tree/sglang"
 
@@ -49,12 +53,14 @@ class Exported:
     record: dict | None = None
 
 
-def export_of(wheel: dict, wheel_bytes: bytes, patches: list[tuple[str, bytes]], *,
+def export_of(wheel: ExportedWheel, wheel_bytes: bytes, patches: list[tuple[str, bytes]], *,
               label: str, patch_set_sha256: str) -> Exported:
-    """`wheel` is ExportedWheel.to_json(); `patches` are (file name, bytes) in series order."""
-    name = f"{EXPORT_DIR}/{wheel['name']}"
+    """`wheel`: the exported wheel (its to_json is what the receipt says of it); `patches` are
+    (file name, bytes) in series order."""
+    name = f"{EXPORT_DIR}/{wheel.name}"
     files: dict[str, bytes] = {name: wheel_bytes}
-    record: dict = {"label": label, "patch_set_sha256": patch_set_sha256, "wheel": {**wheel, "file": name},
+    record: dict = {"label": label, "patch_set_sha256": patch_set_sha256,
+                    "wheel": {**wheel.to_json(), "file": name},
                     "patches": []}
     for file_name, data in patches:
         name = f"{PATCHES_DIR}/{file_name}"

@@ -318,7 +318,7 @@ def export_files(run: Prepared) -> evidence.Exported | None:
     with tempfile.TemporaryDirectory(prefix="export-", dir=cache.work_root()) as tmp:
         wheel = build_wheel(lineage, Path(tmp) / "wheel")
         series = write_series(lineage, Path(tmp) / "patches")
-        return evidence.export_of(wheel.to_json(), wheel.path.read_bytes(),
+        return evidence.export_of(wheel, wheel.path.read_bytes(),
                                   [(path.name, path.read_bytes()) for path in series],
                                   label=lineage.label, patch_set_sha256=lineage.patch_set_sha256)
 

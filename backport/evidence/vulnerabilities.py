@@ -127,7 +127,7 @@ def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list
     for row in classes:
         own = [fixes[f] for f in row["fixes"] if f in fixes]
 
-        def needed(v: str) -> list:
+        def needed(v: str, own: list = own) -> list:
             return [f for f in own if f.origin != "vendor" or f.in_scope(v)]
 
         upstream = [v for v in ordered if needed(v) and all(f.is_fixed_in(v) for f in needed(v))]

@@ -57,8 +57,9 @@ def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
     assert sorted(fixes) == sorted(pack.fixes)
     # a probe is a module of probes/ or a package of scenario modules (probes/prefill_drain/): its top-level
     # name
-    probe_modules = sorted({p.relative_to(REPO / "probes" / "cases").parts[0].removesuffix(".py")
-                            for p in (REPO / "probes" / "cases").rglob("*.py") if "\n@case(" in p.read_text()})
+    cases_dir = REPO / "probes" / "cases"
+    probe_modules = sorted({p.relative_to(cases_dir).parts[0].removesuffix(".py")
+                            for p in cases_dir.rglob("*.py") if "\n@case(" in p.read_text()})
     assert sorted(p for c in classes for p in c["probes"]) == probe_modules
     for c in (
         classes

@@ -1,4 +1,5 @@
-"""probes/standins/addons.py: names older releases read from real packages, set only where a module lacks them."""
+"""probes/standins/addons.py: names older releases read from real packages, set only where a module
+lacks them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The probe children's cache of compiled modules (probes/runtime/bytecode.py): keyed by content, never by path."""
+"""The probe children's cache of compiled modules (probes/runtime/bytecode.py): keyed by content,
+never by path."""
 
 from __future__ import annotations
 

@@ -72,3 +72,10 @@ def test_every_probe_module_has_a_kind():
     assert not loose
     kinds = {p.name for p in (REPO / "probes").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert kinds == {"cases", "rigs", "standins", "runtime"}
+
+
+def test_probe_modules_stay_small():
+    """Modules under ~400 lines (the shims are stand-in packages of their own, left out)."""
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
+             for p in (REPO / "probes").rglob("*.py") if "shims" not in p.parts}
+    assert {path: n for path, n in sizes.items() if n > 400} == {}

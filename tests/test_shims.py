@@ -1,5 +1,5 @@
-"""The stand-in packages of probes/standins/shims/ (vllm, decord for older releases; mori): importable, and every
-kernel, layer or decoder in them raises when used, so a case that reached one is an error."""
+"""The stand-in packages of probes/standins/shims/ (vllm, decord for older releases; mori): importable,
+and every kernel, layer or decoder in them raises when used, so a case that reached one is an error."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def installed(tmp_path_factory) -> Path:
     # every kind of probe module ships, and the probes that are packages of scenario modules ship whole
     assert {"sglang_backport_probes/cases/prefill_drain/drain_ack.py",
             "sglang_backport_probes/cases/page_lifetime/drain_hold.py", "sglang_backport_probes/rigs/door.py",
-            "sglang_backport_probes/standins/addons.py", "sglang_backport_probes/runtime/harness.py"} <= set(names)
+            "sglang_backport_probes/standins/addons.py",
+            "sglang_backport_probes/runtime/harness.py"} <= set(names)
     assert not any(n.startswith("probes/") for n in names), (
         "the probes must not install as top-level `probes`"
     )

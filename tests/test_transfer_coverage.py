@@ -142,11 +142,11 @@ def test_header_origin_must_agree_with_the_fix(tmp_path):
 
 
 def test_probe_module_registers_its_cases_with_the_standard_library_only():
-    source = (REPO / "probes" / "cases" / "transfer_coverage.py").read_text()
-    top = [n for n in ast.parse(source).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    sources = [p.read_text() for p in sorted((REPO / "probes" / "cases" / "transfer_coverage").glob("*.py"))]
+    top = [n for s in sources for n in ast.parse(s).body if isinstance(n, (ast.Import, ast.ImportFrom))]
     roots = {(n.module or "").split(".")[0] if isinstance(n, ast.ImportFrom) else a.name.split(".")[0]
              for n in top for a in (n.names if isinstance(n, ast.Import) else [n])}
-    assert roots <= {"__future__", "inspect", "threading", "types", "typing", "probes"}, roots
+    assert roots <= {"__future__", "importlib", "inspect", "threading", "types", "typing", "probes"}, roots
     # the registry reads without torch or sglang (a fresh interpreter of the toolkit)
     out = subprocess.run(
         [
@@ -224,7 +224,7 @@ def test_turning_the_check_off_restores_upstream_behaviour(release_tree, probe_p
     script = (
         "import json, sys\n"
         "from probes import ProbeContext\n"
-        "from probes.rigs.coverage import one_handoff\n"
+        "from probes.rigs.coverage_run import one_handoff\n"
         "for value in (None, '1', '0'):\n"
         "    ctx = ProbeContext()\n"
         "    obs = one_handoff(ctx, decode_tokens=640, prefill_tokens=1, rid=f'env-{value}', room=9,\n"

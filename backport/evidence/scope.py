@@ -13,12 +13,13 @@ from backport.vocab import PatchStatus, TreeVerdict
 
 # Where a GPU, RDMA or a model would be needed (probes/standins/, probes/rigs/).
 STAND_INS = (
-    "`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the GPU KV pool), "
-    "`SchedulerShell` (the tree's own `Scheduler` built without its constructor), stand-in transfer "
-    "engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), `probes/standins/shims/` (`torchvision`, "
-    "`sgl_kernel`, `vllm`, `decord`, `mori`) where absent, and `probes/standins/addons.py` (names older "
-    "releases read that torch 2.13 and triton dropped) where missing, and its 3FS client module where "
-    "a wheel lacks the C++ source that module compiles at import (0.4.10)"
+    "`RecordingKVSender`/`RecordingKVReceiver` (the KV transfer), `CountingPageAllocator` (the "
+    "GPU KV pool), `SchedulerShell` (the tree's own `Scheduler` built without its constructor), "
+    "stand-in transfer engines, a NIXL agent and a Mori I/O engine without a NIC (RDMA), "
+    "`probes/standins/shims/` (`torchvision`, `sgl_kernel`, `vllm`, `decord`, `mori`) where "
+    "absent, and `probes/standins/addons.py` (names older releases read that torch 2.13 and "
+    "triton dropped) where missing, and its 3FS client module where a wheel lacks the C++ source "
+    "that module compiles at import (0.4.10)"
 )
 # The rollback of an exported wheel: `==X` alone is satisfied by `X+backport.N` (PEP 440), hence the flags.
 ROLLBACK = "pip install --force-reinstall --no-deps 'sglang=={version}'"

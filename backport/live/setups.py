@@ -59,9 +59,10 @@ _TORCHAO = "torchao (in requirements-serve.txt, --no-deps; imports with torch 2.
 _NCCL = ("--nccl-port on a free port: the torch-distributed port they pick at random raced (a decode of "
          "0.5.2 - 0.5.7 died on EADDRINUSE; pristine 0.5.16's 2P1D decode died in torch's rendezvous)")
 
-_ADDONS = ("the probes' add-ons (probes/standins/addons.py) in every server process, through a sitecustomize: "
-           "torch._C._cpu._is_amx_tile_supported (0.4.8 - 0.5.1 call it at import) and triton's cache-dir "
-           "names (0.4.5.post1 - 0.4.9.x import them); set only where the module lacks the name")
+_ADDONS = ("the probes' add-ons (probes/standins/addons.py) in every server process, through a "
+           "sitecustomize: torch._C._cpu._is_amx_tile_supported (0.4.8 - 0.5.1 call it at import) and "
+           "triton's cache-dir names (0.4.5.post1 - 0.4.9.x import them); set only where the module "
+           "lacks the name")
 _RESERVED = ("SGLANG_NUM_RESERVED_DECODE_TOKENS=16 in the servers' environment: the "
              "--num-reserved-decode-tokens flag starts at 0.4.7.post1; decode.py reads the variable")
 

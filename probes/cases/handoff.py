@@ -48,10 +48,9 @@ from probes.rigs.coverage import (
     PagePoolStandIn,
     PrefillSide,
     copy_metadata_row,
-    coverage_rig,
-    refused,
     set_forward_range,
 )
+from probes.rigs.coverage_run import coverage_rig, refused
 from probes.rigs.door import DoorRig, size_prefill_pool
 from probes.standins import (
     construct_with,

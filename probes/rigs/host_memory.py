@@ -15,11 +15,11 @@ from probes.rigs.coverage import (
     CompletedTransferReceiver,
     DecodeSide,
     PrefillSide,
-    coverage_rig,
     reservation,
     set_reservation,
     tree_fill_len,
 )
+from probes.rigs.coverage_run import coverage_rig
 from probes.standins import Ledger, construct_with, give_kv_row, make_req, sg
 from probes.standins.memory import patch_cache_helpers
 

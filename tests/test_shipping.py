@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -40,8 +41,18 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory) -> Path:
     """A fresh virtual environment holding the toolkit installed from its wheel: its bin/."""
     root = tmp_path_factory.mktemp("installed")
+    # Built from a copy of the checkout's files as git sees them (tracked, and new files not ignored):
+    # pip builds a local folder in place, and setuptools' build/lib there keeps every module an
+    # earlier build wrote, so a module moved since (probes/ by kind) would ship twice.
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    source = root / "source"
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     built = _run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO), "-w", str(root / "dist")],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source), "-w", str(root / "dist")],
         cwd=root,
     )
     assert built.returncode == 0, built.stderr

@@ -34,6 +34,9 @@ class MooncakeDecodeSide:
         self.module = module
         for where in (module, sg("disaggregation.common.conn")):
             pin_manager_runtime(ctx, where)
+            # 0.5.1 - 0.5.2's constructor reads the attention TP group from dp_attention's getters
+            ctx.patch_if_present(where, "get_attention_tp_size", lambda: 1)
+            ctx.patch_if_present(where, "get_attention_tp_rank", lambda: 0)
         bodies: dict[str, Any] = {}
 
         def thread(target=None, args=(), **kwargs):

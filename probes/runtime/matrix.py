@@ -42,7 +42,7 @@ def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str
     os.dup2(fd_log, 2)
     sys.stdout = os.fdopen(1, "w", closefd=False)
     sys.stderr = os.fdopen(2, "w", closefd=False)
-    from probes import harness
+    from probes.runtime import harness
 
     args = (["--tree", tree] + [a for name in probes for a in ("--probe", name)]
             + [a for rel in coverage for a in ("--coverage", rel)]

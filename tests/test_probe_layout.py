@@ -79,3 +79,41 @@ def test_probe_modules_stay_small():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
              for p in (REPO / "probes").rglob("*.py") if "shims" not in p.parts}
     assert {path: n for path, n in sizes.items() if n > 400} == {}
+
+
+def _module_file(name: str) -> Path | None:
+    path = REPO.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_probe_import_resolves():
+    """Every `probes...` import in the probes, the tests and the benchmarks (lazy ones too) names a
+    module of the package or a name its parent defines: a module moved by kind leaves no stale import
+    (the matrix child once kept `from probes import harness` and every matrix run exited 1)."""
+    stale = []
+    for folder in ("probes", "tests", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if "shims" in path.parts:
+                continue
+            for name in sorted(m for m in _imported_modules(path) if m.split(".")[0] == "probes"):
+                parent, _, last = name.rpartition(".")
+                if _module_file(name) is None and not (
+                        parent and (found := _module_file(parent)) and last in _top_level_names(found)):
+                    stale.append(f"{path.relative_to(REPO)}: {name}")
+    assert not stale

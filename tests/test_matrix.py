@@ -268,28 +268,32 @@ COVERAGE_DEBT: dict[str, int] = {
     # 0.4.8.post1 - 0.4.9, its own epoch from sbp-refused-room-0.4.8.post1: the same 10 lines (measured
     # on the patched 0.4.9 under the probes' coverage; every sbp-refused-room line ran)
     "0.4.9": 10,
-    # its own epoch from sbp-bootstrap-auth-0.4.9.post1 (0.4.8 - 0.4.9.post1): the same 10, and that
-    # variant's `self.server_args = server_args` in MooncakeKVManager.__init__, which the refused_room
-    # cases run on 0.4.8 - 0.4.9 and no case runs once decode has its waiting timeout (measured)
-    "0.4.9.post1": 11,
+    # its own epoch from sbp-bootstrap-auth-0.4.9.post1 (0.4.8 - 0.4.9.post1): the same 10 (its
+    # `self.server_args = server_args` in MooncakeKVManager.__init__ runs under the refused_room cases
+    # up to 0.4.9 and under page_lifetime/prefill_done_hold's decode manager from 0.4.9.post1)
+    "0.4.9.post1": 10,
     "0.4.9.post4": 10,
+    # 0.4.9.post5 - 0.4.9.post6, their own epoch since sbp-abort-hold starts at 0.4.10: 0.4.10.post1's 12
+    "0.4.9.post6": 12,
     "0.4.10.post1": 12,
     "0.4.10.post2": 12,
+    "0.5.1.post1": 12,  # 0.5.1 - 0.5.1.post1, their own epoch from sbp-abort-hold-0.5.1 (measured)
     "0.5.1.post3": 12,
     "0.5.2": 14,
-    # 0.5.3 - 0.5.8.post1: one more, sbp-bootstrap-auth's `self.server_args = server_args` in
-    # CommonKVManager.__init__, which no case constructs before 0.5.9 (measured)
-    "0.5.3": 15,
-    "0.5.3.post1": 15,
-    "0.5.3.post3": 12,
-    "0.5.4.post1": 11,
-    "0.5.4.post2": 9,
-    "0.5.5": 9,
+    # 0.4.9.post1 - 0.5.12.post1 measured in matrix mode with sbp-abort-hold; from 0.4.10 its decode
+    # manager (page_lifetime/prefill_done_hold) runs sbp-bootstrap-auth's `self.server_args = server_args`
+    # in the constructor, which no case ran before 0.5.9 (one line less on 0.5.3 - 0.5.8.post1)
+    "0.5.3": 14,
+    "0.5.3.post1": 14,
+    "0.5.3.post3": 11,
+    "0.5.4.post1": 10,
+    "0.5.4.post2": 8,
+    "0.5.5": 8,
     # its own epoch from sbp-bootstrap-auth-0.5.5.post2 (0.5.5.post1 - 0.5.5.post2; measured)
-    "0.5.5.post2": 9,
-    "0.5.6.post2": 9,
-    "0.5.7": 9,  # its own epoch from pr26789 (0.5.8 on); the same 9 lines as 0.5.6.post2 and 0.5.8.post1
-    "0.5.8.post1": 9,
+    "0.5.5.post2": 8,
+    "0.5.6.post2": 8,
+    "0.5.7": 8,  # its own epoch from pr26789 (0.5.8 on); the same 8 lines as 0.5.6.post2 and 0.5.8.post1
+    "0.5.8.post1": 8,
     "0.5.9": 9,
     "0.5.10.post1": 9,
     # 0.5.11 left 0.5.12.post1's epoch when sbp-bootstrap-auth reached 0.5.12 (not 0.5.11): the

@@ -25,6 +25,23 @@ TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 ROOM = 7301
 
 
+def _applies(decode_abort: bool) -> None:
+    """Applicability from the tree's code (the matrix may not know the release): these cases judge
+    decode without a drain ACK, whose Mooncake decode counts each prefill rank's Success."""
+    import inspect
+
+    common, mooncake = sg("disaggregation.common.conn"), sg("disaggregation.mooncake.conn")
+    if "abort_notified" in inspect.getsource(common):
+        raise NotApplicable("decode tells prefill of an abort in this release (ABORT, drain ACK: 0.5.13 on): "
+                            "the #35049 chain's cases judge it")
+    if "required_prefill_response_num_table" not in inspect.getsource(mooncake) + inspect.getsource(common):
+        raise NotApplicable("decode does not count each prefill rank's Success in this release "
+                            "(from 0.4.8.post1)")
+    if decode_abort and not callable(getattr(mooncake.MooncakeKVReceiver, "abort", None)):
+        raise NotApplicable("decode's abort_request cannot reach a transferring request in this release "
+                            "(MooncakeKVReceiver.abort: 0.4.9.post5 on)")
+
+
 def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSide]:
     import torch.distributed
 
@@ -41,8 +58,9 @@ def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSi
 
 @case(
     proves=("sbp-abort-hold",),
-    # decode's abort_request reaches its transfer queue (MooncakeKVReceiver.abort) from 0.4.10
-    needs=(">=0.4.10,<0.5.13",),
+    # decode's abort_request reaches its transfer queue (MooncakeKVReceiver.abort) from 0.4.9.post5; the
+    # pack's hold serves 0.4.10 - 0.5.12.post1 (from 0.5.13 the drain ACK)
+    needs=(">=0.4.9.post5,<0.5.13",),
     must_preserve=False,
     expect="A transfer decode aborts while prefill may still write it keeps its pages and metadata slot "
            "(its client answered at once) until every prefill rank the room waits for has sent its final "
@@ -51,6 +69,7 @@ def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSi
 def aborted_transfer_held_until_prefill_done(ctx) -> Outcome:
     from sglang.srt.disaggregation.base import KVPoll
 
+    _applies(decode_abort=True)
     rig, decode = _rig(ctx)
     recv = decode.receiver(ROOM, prefill_ranks=2)
     req = rig.enqueue(recv, "aborted", ROOM)
@@ -90,9 +109,9 @@ def aborted_transfer_held_until_prefill_done(ctx) -> Outcome:
 
 @case(
     proves=("sbp-abort-hold",),
-    # the pack's hold serves 0.4.10 - 0.5.12.post1 (the drain ACK: 0.5.13); from 0.4.9.post1 decode's
-    # Mooncake manager and failed-transfer path are 0.4.10's, so the exposure shows there too
-    needs=(">=0.4.9.post1,<0.5.13",),
+    # the pack's hold serves 0.4.10 - 0.5.12.post1 (the drain ACK: 0.5.13); from 0.4.8.post1 decode
+    # counts each prefill rank's Success, so the exposure shows there too
+    needs=(">=0.4.8.post1,<0.5.13",),
     must_preserve=False,
     expect="A transfer a prefill rank reports Failed (its other writes may still land) keeps its pages until "
            "the deferred-release timeout even when the other rank succeeded, then releases them exactly once "
@@ -101,6 +120,7 @@ def aborted_transfer_held_until_prefill_done(ctx) -> Outcome:
 def prefill_failure_held_until_timeout(ctx) -> Outcome:
     from sglang.srt.disaggregation.base import KVPoll
 
+    _applies(decode_abort=False)
     rig, decode = _rig(ctx, timeout="0.3")
     recv = decode.receiver(ROOM, prefill_ranks=2)
     req = rig.enqueue(recv, "prefill-failed", ROOM)

@@ -50,7 +50,7 @@ def live_results(serving, release_tree, patched_tree, tmp_path_factory):
         with deployed(
             env, Path(tree.package_root), tree.version, model, tmp_path_factory.mktemp(label)
         ) as dep:
-            scenarios = {item.name: run_scenario(item, dep, model) for item in REGISTRY}
+            scenarios = {item.name: run_scenario(item, dep, model).to_json() for item in REGISTRY}
             audit = subprocess.run([sys.executable, "-m", "backport.cli", "audit", "--live", dep.router_url,
                                     "--live-count", "2", "--json"], capture_output=True, text=True, cwd=REPO,
                                    timeout=300, check=False)

@@ -315,7 +315,7 @@ def test_every_added_line_ran_or_is_excluded_with_a_reason(version, matrix_doc, 
     tree, report = patched_tree(version)
     doc = matrix_doc(version, "patched")
     pack = load_pack(REPO / "patches")
-    section, _ = patch_coverage(tree.path, tree.package_prefix, report.to_json(), pack, doc)
+    section, _ = patch_coverage(tree.path, tree.package_prefix, report, pack, doc)
     assert section["measured"], section
     missing = [line for p in section["patches"] for line in p["not_executed"]]
     assert len(missing) == COVERAGE_DEBT.get(version, 0), (

@@ -208,4 +208,6 @@ def test_the_variant_without_the_lock_is_caught(probe_python, release_tree, tmp_
     case = next(c for c in doc["cases"] if c["case"] == SEND_LOCK)
     assert case["verdict"] == "unsafe", case
     assert not any(p["lock_held"] for p in case["details"]["sequential_pushes"])
-    assert all(p["overlapped"] for p in case["details"]["raced_pushes"]), case["details"]
+    # the unlocked pushes met on the socket (a meeting is waited for, bounded: on a loaded host one
+    # racing push can still miss it, so one meeting is the proof, as the verdict says)
+    assert any(p["overlapped"] for p in case["details"]["raced_pushes"]), case["details"]

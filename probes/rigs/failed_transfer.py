@@ -190,6 +190,12 @@ class TransferRig:
         # gloo group): one rank here, where the release's own code keeps the flags as they are.
         if hasattr(sg("disaggregation.utils"), "all_reduce_flags"):
             ctx.patch(sg("disaggregation.utils"), "dist", MinAllReduce(1))
+        # This pack's sbp-abort-hold (below 0.5.13) agrees its release the same way, through
+        # torch.distributed: one rank here, the flags as they are.
+        if hasattr(DecodeTransferQueue, "_held_releases_due"):
+            import torch.distributed
+
+            ctx.patch(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
         self.queue.enable_staging = False
 
     def enqueue(self, receiver, rid: str, room: int):

@@ -43,16 +43,13 @@ def _applies(decode_abort: bool) -> None:
 
 
 def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSide]:
-    import torch.distributed
-
     if not hasattr(sg("disaggregation.mooncake.conn").MooncakeKVManager, "start_decode_thread"):
         raise NotApplicable("this release's Mooncake decode manager has no decode thread of its own")
     ctx.setenv(TIMEOUT_ENV, timeout)
     rig = TransferRig(ctx)
-    # One TP rank: the all-reduce of the polls is the polls themselves, and of the hold flags the flags.
+    # One TP rank: the all-reduce of the polls is the polls themselves (TransferRig: the hold flags').
     ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
               lambda pollers, *a, **k: [p.poll() for p in pollers])
-    ctx.patch(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
     return rig, MooncakeDecodeSide(ctx)
 
 

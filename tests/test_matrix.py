@@ -285,10 +285,14 @@ COVERAGE_DEBT: dict[str, int] = {
     # in the constructor, which no case ran before 0.5.9 (one line less on 0.5.3 - 0.5.8.post1)
     "0.5.3": 14,
     "0.5.3.post1": 14,
+    # its own epoch from sbp-refused-hold-0.5.3.post2 (0.5.3 - 0.5.3.post2; measured in matrix mode:
+    # every sbp-refused-hold line ran under refused_room/refused_room_ends_decode_hold)
+    "0.5.3.post2": 11,
     "0.5.3.post3": 11,
     "0.5.4.post1": 10,
     "0.5.4.post2": 8,
     "0.5.5": 8,
+    "0.5.5.post1": 8,  # its own epoch from sbp-refused-hold-0.5.5.post1 (measured)
     # its own epoch from sbp-bootstrap-auth-0.5.5.post2 (0.5.5.post1 - 0.5.5.post2; measured)
     "0.5.5.post2": 8,
     "0.5.6.post2": 8,

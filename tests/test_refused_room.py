@@ -24,6 +24,11 @@ CLASS = "SBP-2026-0001"
 SERVED = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9")
 VARIANTS = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8.post1")
 CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
+# sbp-refused-hold (0.4.10 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once
+HOLD_FIX = "sbp-refused-hold"
+HOLD_CASE = "refused_room_ends_decode_hold"
+HOLD_VARIANTS = ("0.4.10", "0.5.1.post2", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.5.post1", "0.5.5.post2",
+                 "0.5.7", "0.5.9", "0.5.10", "0.5.12")
 # the disaggregation sources a decode waiting timeout lives in (Mooncake's receiver, or the common
 # receiver it inherits from on later releases)
 TIMEOUT_HOMES = ("mooncake/conn.py", "common/conn.py", "base/conn.py")
@@ -44,7 +49,26 @@ def test_scope_and_variants(pack):
     assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935",)
     assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
     assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
-    assert [c.name for c in probes.cases_of("refused_room")] == list(CASES)
+    assert [c.name for c in probes.cases_of("refused_room")] == [*CASES, HOLD_CASE]
+
+
+def test_the_hold_fix_serves_exactly_the_hold_s_releases(pack):
+    """sbp-refused-hold is carried wherever sbp-abort-hold holds (its decode side counts the report in
+    the hold's own record), after it in the series, with a variant for every release of its scope."""
+    fix, hold = pack.fixes[HOLD_FIX], pack.fixes["sbp-abort-hold"]
+    pins = load_pins()
+    assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935", "sbp-abort-hold")
+    assert [v for v in pins if fix.in_scope(v)] == [v for v in pins if hold.in_scope(v)]
+    assert pack.series.index(HOLD_FIX) == pack.series.index("sbp-abort-hold") + 1
+    names = sorted(v.name for v in pack.variants[HOLD_FIX])
+    assert names == sorted(f"{HOLD_FIX}-{v}.patch" for v in HOLD_VARIANTS)
+    assert all(pack.variant_for(HOLD_FIX, v) is not None for v in pins if fix.in_scope(v))
+    # sbp-refused-room's fingerprint must not read the hold fix's decode branch as its own
+    text = "elif status == ROOM_REFUSED:"
+    import re
+
+    assert not any(re.search(rule.pattern, text) for rule in pack.fixes[FIX].fingerprint
+                   if "ROOM_REFUSED" in rule.pattern)
 
 
 def test_a_missing_fix_reads_affected_never_fixed(pack):
@@ -96,8 +120,10 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
     releases at once and still serves the next valid request."""
     pristine = probe_cases("refused_room", version, "pristine")
     patched = probe_cases("refused_room", version, "patched")
-    assert {n: c["verdict"] for n, c in pristine.items()} == dict.fromkeys(CASES, "unsafe")
-    assert {n: c["verdict"] for n, c in patched.items()} == dict.fromkeys(CASES, "safe")
+    assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys(CASES, "unsafe"),
+                                                            HOLD_CASE: "not-applicable"}
+    assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys(CASES, "safe"),
+                                                           HOLD_CASE: "not-applicable"}
     held = pristine["decode_releases_refused_room"]["details"]
     assert held["reports_from_prefill"] == 0 and held["refused_after_report"]["pages_held"] > 0
     assert held["valid_served"]  # the pristine decode still reads a real three-frame Success
@@ -115,6 +141,42 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
 @pytest.mark.network
 def test_not_applicable_where_the_waiting_timeout_releases(probe_cases):
     cases = probe_cases("refused_room", "0.4.9.post1", "pristine")
+    assert cases.pop(HOLD_CASE)["verdict"] == "not-applicable"  # no hold on 0.4.9.post1 either
     for case in cases.values():
         assert case["verdict"] == "not-applicable"
         assert "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in case["details"]["reason"]
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+@pytest.mark.parametrize("version", ["0.4.10.post2", "0.5.9"])
+def test_the_report_ends_the_hold_and_only_it(version, probe_cases, probe_python, release_tree, tmp_path):
+    """The same release three ways: pristine, no hold (the case is not-applicable: decode releases a
+    failed transfer at once); the pack without sbp-refused-hold, the hold keeps the refused room's
+    reservation (unsafe, both orders); the whole pack, prefill reports the room once per order and decode
+    releases at its next poll."""
+    import shutil
+
+    from backport.engine import apply_series
+    from backport.probing import run_harness
+    from backport.tree import clone_tree
+
+    assert probe_cases("refused_room", version, "pristine")[HOLD_CASE]["verdict"] == "not-applicable"
+    patched = probe_cases("refused_room", version, "patched")[HOLD_CASE]
+    assert patched["verdict"] == "safe", patched
+    runs = patched["details"]["runs"]
+    assert [r["reports"] for r in runs] == [1, 1] and [r["client_answers"] for r in runs] == [1, 1]
+    assert all(r["steps"][-1]["pages_held"] == 0 and r["steps"][-1]["release_calls"] == 1 for r in runs)
+    assert runs[1]["steps"][0]["pages_held"] > 0  # the abort came first: held until the report
+
+    series = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", series)
+    lines = (series / "series").read_text().splitlines()
+    (series / "series").write_text("\n".join(x for x in lines if x.strip() != HOLD_FIX) + "\n")
+    dest = tmp_path / "tree"
+    tree = clone_tree(release_tree(version), dest.parent, dest)
+    assert apply_series(dest, load_pack(series), version).status == "applied"
+    doc = run_harness(probe_python, tree.package_root, ["refused_room"], label=f"hold only {version}")
+    held = next(c for c in doc["cases"] if c["case"] == HOLD_CASE)
+    assert held["verdict"] == "unsafe", held
+    assert all(r["reports"] == 0 and r["steps"][-1]["pages_held"] > 0 for r in held["details"]["runs"])

@@ -1,6 +1,6 @@
 """One decode rank's real ``MooncakeKVManager`` (DECODE mode, 0.4.10 - 0.5.12.post1), built by its
-constructor, for the page_lifetime cases of this pack's ``sbp-abort-hold`` (not a probe: no cases
-here).
+constructor, for the cases of this pack's ``sbp-abort-hold`` and ``sbp-refused-hold`` (not a probe: no
+cases here); ``build_manager`` builds either mode (probes/rigs/mooncake_prefill.py: PREFILL).
 
 The tree's own constructor runs (``CommonKVManager.__init__`` binds a real ZMQ PULL socket on
 127.0.0.1, which is closed at once), so whatever it sets up for decode is what the cases use; its
@@ -25,38 +25,57 @@ class _Stopped(Exception):
     """The captured decode thread ran out of messages (ends its endless loop)."""
 
 
+def build_manager(ctx, mode: str, **patches: Any) -> tuple[Any, dict[str, Any], list[tuple[Any, tuple]]]:
+    """The tree's ``MooncakeKVManager`` in ``mode`` ("PREFILL" or "DECODE") built by its constructor, its
+    ZMQ socket closed; returns it, the thread bodies it started (captured by name) and its
+    ``transfer_worker`` threads (target, args). ``patches`` are set on the conn module first."""
+    pin_runtime(ctx)
+    module = sg("disaggregation.mooncake.conn")
+    common = sg("disaggregation.common.conn")
+    for where in (module, common):
+        pin_manager_runtime(ctx, where)
+        # 0.5.1 - 0.5.2's constructor reads the attention TP group from dp_attention's getters
+        ctx.patch_if_present(where, "get_attention_tp_size", lambda: 1)
+        ctx.patch_if_present(where, "get_attention_tp_rank", lambda: 0)
+    # a prefill rank registers with the bootstrap server over HTTP (renamed at 0.5.10): nothing to reach
+    for name in ("_register_to_bootstrap", "register_to_bootstrap"):
+        for cls in (common.CommonKVManager, module.MooncakeKVManager):  # its own up to 0.5.2
+            ctx.patch_if_present(cls, name, lambda self: None)
+    bodies: dict[str, Any] = {}
+    workers: list[tuple[Any, tuple]] = []
+
+    def thread(target=None, args=(), **kwargs):
+        if target.__name__ == "transfer_worker":
+            workers.append((target, args))
+        else:
+            bodies[target.__name__] = target
+        return SimpleNamespace(start=lambda: None)
+
+    ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock,
+                                                   Event=threading.Event))
+    engine = SimpleNamespace(batch_register=lambda *a, **k: 0, register=lambda *a, **k: 0,
+                             get_session_id=lambda: f"{LOCALHOST}:19500", session_id=f"{LOCALHOST}:19500")
+    ctx.patch_if_present(module, "get_mooncake_transfer_engine", lambda *a, **k: engine)
+    ctx.patch_if_present(module, "MooncakeTransferEngine", lambda *a, **k: engine)
+    for name, value in patches.items():
+        ctx.patch(module, name, value)
+    server_args = release_disagg_defaults()
+    server_args.__dict__.update(host=LOCALHOST, port=30000, dist_init_addr=None, pp_size=1)
+    mgr = construct_with(module.MooncakeKVManager, args=_kv_args(),
+                         disaggregation_mode=getattr(sg("disaggregation.utils").DisaggregationMode, mode),
+                         server_args=server_args, is_mla_backend=False)
+    socket = getattr(mgr, "server_socket", None)
+    if socket is not None and hasattr(socket, "close"):
+        socket.close(linger=0)
+    return mgr, bodies, workers
+
+
 class MooncakeDecodeSide:
     """The real decode manager, ``mgr``; ``deliver`` runs its decode thread over status messages."""
 
     def __init__(self, ctx) -> None:
-        pin_runtime(ctx)
-        module = sg("disaggregation.mooncake.conn")
-        self.module = module
-        for where in (module, sg("disaggregation.common.conn")):
-            pin_manager_runtime(ctx, where)
-            # 0.5.1 - 0.5.2's constructor reads the attention TP group from dp_attention's getters
-            ctx.patch_if_present(where, "get_attention_tp_size", lambda: 1)
-            ctx.patch_if_present(where, "get_attention_tp_rank", lambda: 0)
-        bodies: dict[str, Any] = {}
-
-        def thread(target=None, args=(), **kwargs):
-            bodies[target.__name__] = target
-            return SimpleNamespace(start=lambda: None)
-
-        ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock,
-                                                       Event=threading.Event))
-        engine = SimpleNamespace(batch_register=lambda *a, **k: 0, register=lambda *a, **k: 0,
-                                 get_session_id=lambda: f"{LOCALHOST}:19500", session_id=f"{LOCALHOST}:19500")
-        ctx.patch_if_present(module, "get_mooncake_transfer_engine", lambda *a, **k: engine)
-        ctx.patch_if_present(module, "MooncakeTransferEngine", lambda *a, **k: engine)
-        server_args = release_disagg_defaults()
-        server_args.__dict__.update(host=LOCALHOST, port=30000, dist_init_addr=None, pp_size=1)
-        mode = sg("disaggregation.utils").DisaggregationMode.DECODE
-        self.mgr = construct_with(module.MooncakeKVManager, args=_kv_args(), disaggregation_mode=mode,
-                                  server_args=server_args, is_mla_backend=False)
-        socket = getattr(self.mgr, "server_socket", None)
-        if socket is not None and hasattr(socket, "close"):
-            socket.close(linger=0)
+        self.module = sg("disaggregation.mooncake.conn")
+        self.mgr, bodies, _ = build_manager(ctx, "DECODE")
         self.inbox: list[list[bytes]] = []
         self.mgr.server_socket = SimpleNamespace(recv_multipart=self._next)
         if "decode_thread" not in bodies:
@@ -73,7 +92,11 @@ class MooncakeDecodeSide:
     def deliver(self, room: int, status, prefill_rank: int) -> None:
         """One prefill rank's status for the room, through the tree's own decode thread."""
         frames = [str(room).encode("ascii"), str(int(status)).encode("ascii")]
-        self.inbox.append(frames + [str(prefill_rank).encode("ascii")] if self._ranked else frames)
+        self.deliver_frames(frames + [str(prefill_rank).encode("ascii")] if self._ranked else frames)
+
+    def deliver_frames(self, frames: list[bytes]) -> None:
+        """A message as prefill's code sent it, through the tree's own decode thread."""
+        self.inbox.append(frames)
         try:
             self._decode_thread()
         except _Stopped:

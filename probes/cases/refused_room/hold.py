@@ -1,0 +1,125 @@
+"""Releases with the pack's hold (0.4.10 - 0.5.12.post1): a refused room's reservation ends at once.
+
+sbp-abort-hold keeps a failed transfer's pages until every prefill rank the room waits for sent its
+last word (its final Success) or the deferred-release timeout. Prefill's door (#38935) refuses an
+over-pool request before a KV sender exists, so no rank ever sends that Success: after the router's
+abort, decode kept the reservation it made for the whole prompt until the timeout (live: 400 tokens
+for 45 s; 0.5.22 within 4.2 s). With ``sbp-refused-hold`` prefill reports the refused room
+(ROOM_REFUSED) and decode counts it as the rank's last word.
+
+Driven end to end: the tree's real prefill ``MooncakeKVManager`` (constructor, bootstrap thread,
+transfer workers; probes/rigs/mooncake_prefill.py) behind the real prefill door
+(``PrefillBootstrapQueue.add``), the frames it pushed handed to the real decode ``MooncakeKVManager``'s
+decode thread (probes/rigs/mooncake_decode.py), the real ``MooncakeKVReceiver.abort`` (the router's
+abort through ``Scheduler.abort_request``) and the real ``DecodeTransferQueue.pop_transferred``. A
+tree whose prefill has no ``refuse_room`` sends nothing, as its prefill does. Both orders run: decode
+registers before the refusal and hears it before the abort; the refusal comes first, decode registers
+after it and hears it only once its abort started the hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from probes import NotApplicable, Outcome, case, judged
+from probes.rigs.door import REJECTION, DoorRig
+from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.mooncake_decode import MooncakeDecodeSide
+from probes.rigs.mooncake_prefill import MooncakePrefillSide
+from probes.standins import make_req, reject_at_intake, sg
+
+TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+ROOM = 7401
+PAGES = 4
+
+
+def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
+    prefill = None
+    if hasattr(sg("disaggregation.mooncake.conn").MooncakeKVManager, "refuse_room"):
+        prefill = MooncakePrefillSide(ctx)
+        doors = DoorRig(ctx)
+        doors.prefill_queue.kv_manager = prefill.mgr
+        twin = make_req("refused", 9000, room=ROOM)
+        reject_at_intake(twin, REJECTION)
+        module = sg("disaggregation.mooncake.conn")
+        kept = module.REFUSED_ROOMS_KEPT
+        if register_first:
+            # A registration already stored is reported even when the memory of refused rooms (kept
+            # only for late registrations) is full: keep none here; the other order needs it.
+            module.REFUSED_ROOMS_KEPT = 0
+        try:
+            for step in (["register", "refuse"] if register_first else ["refuse", "register"]):
+                if step == "register":
+                    prefill.register(ROOM, PAGES)
+                else:
+                    doors.prefill_door(twin)
+                prefill.run_workers()
+        finally:
+            module.REFUSED_ROOMS_KEPT = kept
+    # Decode after the door: TransferRig's recorders of decode's cache helpers must be the last set.
+    decode = MooncakeDecodeSide(ctx)
+    rig = TransferRig(ctx)
+    # One TP rank: the all-reduce of the polls is the polls themselves (TransferRig: the hold flags').
+    ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
+              lambda pollers, *a, **k: [p.poll() for p in pollers])
+    recv = decode.receiver(ROOM, prefill_ranks=1)
+    req = rig.enqueue(recv, "refused", ROOM)
+
+    def hear_prefill() -> None:
+        for frames in prefill.wire if prefill else ():
+            decode.deliver_frames(frames)
+
+    steps = []
+    if register_first:
+        hear_prefill()
+        recv.abort()  # the router aborts decode's twin once prefill answered its 400
+        rig.queue.pop_transferred()
+    else:
+        recv.abort()
+        rig.queue.pop_transferred()
+        steps.append({"step": "abort, pop_transferred (hold)", **rig.snapshot(req)})
+        hear_prefill()
+    rig.queue.pop_transferred()
+    steps.append({"step": "next pop_transferred", **rig.snapshot(req)})
+    return {
+        "order": "registered, refused, reported, aborted" if register_first
+        else "refused, registered, aborted, reported",
+        "reports": len(prefill.wire) if prefill else 0,
+        "prefill_keeps": prefill.keeps(ROOM) if prefill else [],
+        "steps": steps,
+        "client_answers": len(rig.ledger.of("stream", rid="refused")),
+        "room_state_left": sorted(name for name in ("held_rooms", "request_status", "failure_records")
+                                  if ROOM in (getattr(decode.mgr, name, None) or {})),
+    }
+
+
+@case(
+    proves=("sbp-refused-hold",),
+    needs=("sbp-abort-hold",),
+    must_preserve=False,
+    expect="A request prefill's door refused releases decode's reservation (pages and metadata slot, "
+           "once) at decode's next poll after the router's abort, not at the deferred-release timeout, "
+           "in both orders of registration, refusal, report and abort; prefill keeps nothing for the room.",
+)
+def refused_room_ends_decode_hold(ctx) -> Outcome:
+    if not hasattr(sg("disaggregation.decode").DecodeTransferQueue, "_held_releases_due"):
+        raise NotApplicable("decode releases a failed transfer at once in this tree (no sbp-abort-hold): "
+                            "nothing holds a refused room's reservation")
+    ctx.setenv(TIMEOUT_ENV, "30")
+    runs = [_one_order(ctx, register_first=first) for first in (True, False)]
+    problems = []
+    for run in runs:
+        last = run["steps"][-1]
+        if last["pages_held"] or last["release_calls"] != 1 or last["metadata_frees"] != 1:
+            problems.append(f"{run['order']}: {last['pages_held']} page(s) still held, released "
+                            f"{last['release_calls']} time(s), metadata freed "
+                            f"{last['metadata_frees']} time(s)")
+        if run["client_answers"] != 1:
+            problems.append(f"{run['order']}: the client was answered {run['client_answers']} time(s)")
+        if run["prefill_keeps"]:
+            problems.append(f"{run['order']}: prefill still keeps the room in {run['prefill_keeps']}")
+        if run["room_state_left"] and not last["pages_held"]:
+            problems.append(f"{run['order']}: decode still keeps the room in {run['room_state_left']}")
+    return judged(problems, "Released at the next poll in both orders; prefill keeps nothing.",
+                  {"runs": runs},
+                  unsafe_prefix="Decode holds a refused request's reservation until the timeout: ")

@@ -21,8 +21,35 @@ from probes.rigs.manager import LOCALHOST, _kv_args, pin_manager_runtime
 from probes.standins import construct_with, pin_runtime, release_disagg_defaults, sg
 
 
-class _Stopped(Exception):
-    """The captured decode thread ran out of messages (ends its endless loop)."""
+class Stopped(Exception):
+    """A captured thread body ran out of input (ends its endless loop)."""
+
+
+class Feed:
+    """What a captured thread reads (a socket's messages, a transfer queue's items): queued items,
+    then `Stopped`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.items: list[Any] = []
+
+    def get(self, *args, **kwargs):
+        if self.items:
+            return self.items.pop(0)
+        raise Stopped()
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+
+
+def run_captured(body, *args) -> None:
+    """Run a captured thread body until its input runs out."""
+    try:
+        body(*args)
+    except Stopped:
+        pass
+    except RuntimeError as exc:  # a transfer worker re-raises what its loop meets as a RuntimeError
+        if not isinstance(exc.__context__, Stopped):
+            raise
 
 
 def build_manager(ctx, mode: str, **patches: Any) -> tuple[Any, dict[str, Any], list[tuple[Any, tuple]]]:
@@ -86,7 +113,7 @@ class MooncakeDecodeSide:
 
     def _next(self, *args, **kwargs) -> list[bytes]:
         if not self.inbox:
-            raise _Stopped()
+            raise Stopped()
         return self.inbox.pop(0)
 
     def deliver(self, room: int, status, prefill_rank: int) -> None:
@@ -99,7 +126,7 @@ class MooncakeDecodeSide:
         self.inbox.append(frames)
         try:
             self._decode_thread()
-        except _Stopped:
+        except Stopped:
             pass
 
     def receiver(self, room: int, prefill_ranks: int):

@@ -4,7 +4,7 @@ constructor, for the cases of this pack's ``sbp-refused-hold`` (not a probe: no 
 The constructor runs as in probes/rigs/mooncake_decode.py (``build_manager``); in PREFILL mode its
 bootstrap thread and transfer workers are captured instead of started and run here over what a
 case hands them: decode's pre-allocation messages (``register``), and each worker's queue, which is
-a ``_Feed`` the case drains (``run_workers``). Prefill's pushes to decode go through the tree's own
+a ``Feed`` the case drains (``run_workers``). Prefill's pushes to decode go through the tree's own
 ``sync_status_to_decode_endpoint`` to a recording socket (``wire``: the frames as sent). Stand-ins,
 each for what needs a cluster or a NIC: the transfer engine, the bootstrap server's HTTP
 registration, the thread start, the ZMQ PUSH sockets (recorded).
@@ -13,43 +13,23 @@ registration, the thread start, the ZMQ PUSH sockets (recorded).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
-from probes.rigs.mooncake_decode import build_manager
+from probes.rigs.mooncake_decode import Feed, build_manager, run_captured
 from probes.standins import sg
 
 DECODE_IP, DECODE_PORT, DECODE_SESSION = "127.0.0.1", 17100, "127.0.0.1:19000"
-
-
-class _Stopped(Exception):
-    """A captured thread body ran out of input (ends its endless loop)."""
-
-
-class _Feed:
-    """What a captured thread reads: queued items, then `_Stopped`."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.items: list[Any] = []
-
-    def get(self, *args, **kwargs):
-        if self.items:
-            return self.items.pop(0)
-        raise _Stopped()
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
 
 
 class MooncakePrefillSide:
     """The real prefill manager, ``mgr``; ``wire`` holds what it pushed to decode."""
 
     def __init__(self, ctx) -> None:
-        self.mgr, bodies, self.workers = build_manager(ctx, "PREFILL", FastQueue=_Feed)
+        self.mgr, bodies, self.workers = build_manager(ctx, "PREFILL", FastQueue=Feed)
         if "bootstrap_thread" not in bodies or not self.workers:
             raise RuntimeError(f"the prefill manager started no bootstrap thread or workers "
                                f"({sorted(bodies)})")
         self._bootstrap_thread = bodies["bootstrap_thread"]
-        self.inbox = _Feed()
+        self.inbox = Feed()
         self.mgr.server_socket = SimpleNamespace(recv_multipart=self.inbox.get)
         self.wire: list[list[bytes]] = []
         self.mgr._connect = lambda endpoint, is_ipv6=False: SimpleNamespace(
@@ -72,21 +52,11 @@ class MooncakePrefillSide:
         fields = [f.name for f in dataclasses.fields(sg("disaggregation.mooncake.conn").TransferInfo)]
         sent = fields[:fields.index("required_dst_info_num") + 1]
         self.inbox.put([value[name] for name in sent])
-        self._run(self._bootstrap_thread)
+        run_captured(self._bootstrap_thread)
 
     def run_workers(self) -> None:
         for target, args in self.workers:
-            self._run(target, *args)
-
-    @staticmethod
-    def _run(body, *args) -> None:
-        try:
-            body(*args)
-        except _Stopped:
-            pass
-        except RuntimeError as exc:  # the worker re-raises what its loop meets as a RuntimeError
-            if not isinstance(exc.__context__, _Stopped):
-                raise
+            run_captured(target, *args)
 
     def keeps(self, room: int) -> list[str]:
         """What prefill still keeps for ``room``."""

@@ -11,31 +11,13 @@ from typing import Any
 from probes import NotApplicable, Outcome, case, judged
 from probes.rigs.door import REJECTION, DoorRig
 from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.mooncake_decode import Feed, run_captured
 from probes.standins import make_req, reject_at_intake, sg
 
 REFUSED_ROOM = 4242
 VALID_ROOM = 4243
 DECODE_IP, DECODE_PORT, DECODE_SESSION = "10.0.1.1", 17100, "10.0.1.1:19000"
 PROMPT_PAGES = 4
-
-
-class _Stopped(Exception):
-    """A captured thread body ran out of input (ends its endless loop)."""
-
-
-class _Feed:
-    """What a captured thread reads: queued items, then `_Stopped`."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-
-    def get(self, *args, **kwargs):
-        if self.items:
-            return self.items.pop(0)
-        raise _Stopped()
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
 
 
 def decode_waiting_timeout(module) -> bool:
@@ -67,7 +49,7 @@ class MooncakeSide:
 
         self.threads: dict[str, Any] = {}
         self.workers: list[Any] = []
-        self.socket_in = _Feed()
+        self.socket_in = Feed()
         captured, workers = self.threads, self.workers
 
         def thread(target=None, args=(), **kwargs):
@@ -85,7 +67,7 @@ class MooncakeSide:
             if hasattr(module, name):
                 ctx.patch(module, name, lambda: "10.0.0.1")
         if self.sharded:
-            ctx.patch(module, "FastQueue", _Feed)  # each worker's queue, fed by the case
+            ctx.patch(module, "FastQueue", Feed)  # each worker's queue, fed by the case
         ctx.patch(
             module,
             "requests",
@@ -107,7 +89,7 @@ class MooncakeSide:
         self.mgr = module.MooncakeKVManager(args, getattr(DisaggregationMode, mode), server_args)
         self.module = module
         if mode == "PREFILL" and not self.sharded:
-            self.mgr.transfer_queue = _Feed()
+            self.mgr.transfer_queue = Feed()
         # Prefill's pushes to decode: recorded on the wire decode reads.
         self.mgr._connect = lambda endpoint: SimpleNamespace(
             send_multipart=lambda frames: wire.append(
@@ -118,20 +100,9 @@ class MooncakeSide:
     def run(self, name: str) -> None:
         if name == "transfer_thread" and self.sharded:
             for target, args in self.workers:
-                self._run(target, *args)
+                run_captured(target, *args)
         else:
-            self._run(self.threads[name])
-
-    @staticmethod
-    def _run(body, *args) -> None:
-        try:
-            body(*args)
-        except _Stopped:
-            pass
-        except RuntimeError as exc:
-            # 0.4.7's worker re-raises whatever its loop meets as a RuntimeError
-            if not isinstance(exc.__context__, _Stopped):
-                raise
+            run_captured(self.threads[name])
 
 
 class _EmptyRows:

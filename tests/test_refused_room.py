@@ -27,8 +27,8 @@ CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
 # sbp-refused-hold (0.4.10 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once
 HOLD_FIX = "sbp-refused-hold"
 HOLD_CASE = "refused_room_ends_decode_hold"
-HOLD_VARIANTS = ("0.4.10", "0.5.1.post2", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.5.post2", "0.5.9", "0.5.10",
-                 "0.5.12")
+HOLD_VARIANTS = ("0.4.10", "0.5.1.post2", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.5.post2", "0.5.9",
+                 "0.5.10", "0.5.12")
 # the disaggregation sources a decode waiting timeout lives in (Mooncake's receiver, or the common
 # receiver it inherits from on later releases)
 TIMEOUT_HOMES = ("mooncake/conn.py", "common/conn.py", "base/conn.py")

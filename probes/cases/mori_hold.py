@@ -28,10 +28,9 @@ import time
 from typing import Any
 
 from probes import Outcome, case, judged
-from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
 from probes.rigs.mori import ConstructedMoriDecodeManager
 
-TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 TIMEOUT_S = 0.5
 
 

@@ -33,6 +33,7 @@ from probes.standins.memory import (
 from probes.standins.scheduler import make_scheduler_shell
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 PAGE_SIZE = 16
 PROMPT_TOKENS = 64
 
@@ -197,6 +198,13 @@ class TransferRig:
 
             ctx.patch(torch.distributed, "all_reduce", lambda tensor, *a, **k: None)
         self.queue.enable_staging = False
+
+    @staticmethod
+    def poll_receivers(ctx) -> None:
+        """Up to 0.5.12.post1: the queue reads its receivers' own polls instead of the stand-in
+        verdict (one TP rank: the all-reduce of the polls is the polls themselves)."""
+        ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
+                  lambda pollers, *a, **k: [p.poll() for p in pollers])
 
     def enqueue(self, receiver, rid: str, room: int):
         from sglang.srt.disaggregation.decode import DecodeRequest

@@ -103,18 +103,13 @@ class MooncakeDecodeSide:
     def __init__(self, ctx) -> None:
         self.module = sg("disaggregation.mooncake.conn")
         self.mgr, bodies, _ = build_manager(ctx, "DECODE")
-        self.inbox: list[list[bytes]] = []
-        self.mgr.server_socket = SimpleNamespace(recv_multipart=self._next)
+        self.inbox = Feed()
+        self.mgr.server_socket = SimpleNamespace(recv_multipart=self.inbox.get)
         if "decode_thread" not in bodies:
             raise RuntimeError(f"the decode manager started no decode_thread (threads: {sorted(bodies)})")
         self._decode_thread = bodies["decode_thread"]
         # from 0.4.8.post1 a status names the prefill rank in a third frame
         self._ranked = "prefill_rank" in inspect.getsource(self._decode_thread)
-
-    def _next(self, *args, **kwargs) -> list[bytes]:
-        if not self.inbox:
-            raise Stopped()
-        return self.inbox.pop(0)
 
     def deliver(self, room: int, status, prefill_rank: int) -> None:
         """One prefill rank's status for the room, through the tree's own decode thread."""
@@ -123,11 +118,8 @@ class MooncakeDecodeSide:
 
     def deliver_frames(self, frames: list[bytes]) -> None:
         """A message as prefill's code sent it, through the tree's own decode thread."""
-        self.inbox.append(frames)
-        try:
-            self._decode_thread()
-        except Stopped:
-            pass
+        self.inbox.put(frames)
+        run_captured(self._decode_thread)
 
     def receiver(self, room: int, prefill_ranks: int):
         """The tree's ``MooncakeKVReceiver`` for a room whose metadata went to ``prefill_ranks`` prefill

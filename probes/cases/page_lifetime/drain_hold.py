@@ -8,10 +8,15 @@ import time
 from typing import Any
 
 from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.failed_transfer import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
+from probes.rigs.failed_transfer import (
+    TIMEOUT_ENV,
+    TransferRig,
+    drain_acking_manager,
+    drain_acking_receiver,
+    note_ack,
+)
 from probes.standins import Ledger, pin_runtime
 
-TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 HOLD_TIMEOUT = 0.3
 
 

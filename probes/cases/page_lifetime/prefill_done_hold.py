@@ -17,11 +17,10 @@ from __future__ import annotations
 import time
 
 from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
 from probes.rigs.mooncake_decode import MooncakeDecodeSide
 from probes.standins import sg
 
-TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 ROOM = 7301
 
 
@@ -47,9 +46,7 @@ def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSi
         raise NotApplicable("this release's Mooncake decode manager has no decode thread of its own")
     ctx.setenv(TIMEOUT_ENV, timeout)
     rig = TransferRig(ctx)
-    # One TP rank: the all-reduce of the polls is the polls themselves (TransferRig: the hold flags').
-    ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
-              lambda pollers, *a, **k: [p.poll() for p in pollers])
+    rig.poll_receivers(ctx)
     return rig, MooncakeDecodeSide(ctx)
 
 

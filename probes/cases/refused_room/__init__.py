@@ -22,7 +22,7 @@ all-reduce of the polls (one rank: the polls themselves).
 
 Two manager layouts: the closure transfer thread of 0.4.5.post1 - 0.4.6.post5, and from 0.4.7
 prefill's transfer queue sharded over ``transfer_worker`` methods (each worker's queue is a
-``_Feed``; the case runs every worker); from 0.4.8.post1 a status message carries the prefill
+``Feed``; the case runs every worker); from 0.4.8.post1 a status message carries the prefill
 rank as a third frame (the case sends every status through the tree's own
 ``sync_status_to_decode_endpoint``). Applicability is read from the code, never from the
 release number alone, so a not-applicable verdict cannot hide the exposure: the cases are not
@@ -30,7 +30,7 @@ applicable where decode has its own waiting timeout (from 0.4.9.post1:
 ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, 300 s), which fails a room no status reaches and
 releases its pages as 0.5.22 does, or where the Mooncake manager has neither layout.
 
-From 0.5.9 to 0.5.12.post1 the pack's ``sbp-abort-hold`` keeps a failed transfer's pages until every
+From 0.4.10 to 0.5.12.post1 the pack's ``sbp-abort-hold`` keeps a failed transfer's pages until every
 prefill rank's last word or the deferred-release timeout; a refused room has no sender, so its
 reservation waited for the timeout (30 s) after the router's abort. ``sbp-refused-hold`` carries the
 report there and decode counts it as the rank's last word: ``hold`` judges it end to end, real

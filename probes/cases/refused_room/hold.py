@@ -23,25 +23,24 @@ from typing import Any
 
 from probes import NotApplicable, Outcome, case, judged
 from probes.rigs.door import REJECTION, DoorRig
-from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
 from probes.rigs.mooncake_decode import MooncakeDecodeSide
 from probes.rigs.mooncake_prefill import MooncakePrefillSide
 from probes.standins import make_req, reject_at_intake, sg
 
-TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 ROOM = 7401
 PAGES = 4
 
 
 def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     prefill = None
-    if hasattr(sg("disaggregation.mooncake.conn").MooncakeKVManager, "refuse_room"):
+    module = sg("disaggregation.mooncake.conn")
+    if hasattr(module.MooncakeKVManager, "refuse_room"):
         prefill = MooncakePrefillSide(ctx)
         doors = DoorRig(ctx)
         doors.prefill_queue.kv_manager = prefill.mgr
         twin = make_req("refused", 9000, room=ROOM)
         reject_at_intake(twin, REJECTION)
-        module = sg("disaggregation.mooncake.conn")
         kept = module.REFUSED_ROOMS_KEPT
         if register_first:
             # A registration already stored is reported even when the memory of refused rooms (kept
@@ -59,9 +58,7 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     # Decode after the door: TransferRig's recorders of decode's cache helpers must be the last set.
     decode = MooncakeDecodeSide(ctx)
     rig = TransferRig(ctx)
-    # One TP rank: the all-reduce of the polls is the polls themselves (TransferRig: the hold flags').
-    ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
-              lambda pollers, *a, **k: [p.poll() for p in pollers])
+    rig.poll_receivers(ctx)
     recv = decode.receiver(ROOM, prefill_ranks=1)
     req = rig.enqueue(recv, "refused", ROOM)
 

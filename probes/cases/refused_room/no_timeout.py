@@ -259,12 +259,7 @@ def decode_releases_refused_room(ctx) -> Outcome:
     decode = MooncakeSide(ctx, "DECODE", [])
     rig = TransferRig(ctx)
     rig.queue.metadata_buffers = _FirstTokenBuffers()
-    # One TP rank: the all-reduce of the polls is the polls themselves.
-    ctx.patch(
-        sg("disaggregation.decode"),
-        "poll_and_all_reduce",
-        lambda pollers, *a, **k: [p.poll() for p in pollers],
-    )
+    rig.poll_receivers(ctx)
     baseline = rig.pages.available_size()
 
     def receiver(room: int):

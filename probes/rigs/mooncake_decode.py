@@ -52,6 +52,24 @@ def run_captured(body, *args) -> None:
             raise
 
 
+def capture_threads(ctx, module) -> tuple[dict[str, Any], list[tuple[Any, tuple]]]:
+    """The conn module's threads are kept instead of started: the bodies by name, and its
+    ``transfer_worker`` threads as (target, args), one per queue (filled as the constructor starts them)."""
+    bodies: dict[str, Any] = {}
+    workers: list[tuple[Any, tuple]] = []
+
+    def thread(target=None, args=(), **kwargs):
+        if target.__name__ == "transfer_worker":
+            workers.append((target, args))
+        else:
+            bodies[target.__name__] = target
+        return SimpleNamespace(start=lambda: None)
+
+    ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock,
+                                                   Event=threading.Event))
+    return bodies, workers
+
+
 def build_manager(ctx, mode: str, **patches: Any) -> tuple[Any, dict[str, Any], list[tuple[Any, tuple]]]:
     """The tree's ``MooncakeKVManager`` in ``mode`` ("PREFILL" or "DECODE") built by its constructor, its
     ZMQ socket closed; returns it, the thread bodies it started (captured by name) and its
@@ -68,18 +86,7 @@ def build_manager(ctx, mode: str, **patches: Any) -> tuple[Any, dict[str, Any], 
     for name in ("_register_to_bootstrap", "register_to_bootstrap"):
         for cls in (common.CommonKVManager, module.MooncakeKVManager):  # its own up to 0.5.2
             ctx.patch_if_present(cls, name, lambda self: None)
-    bodies: dict[str, Any] = {}
-    workers: list[tuple[Any, tuple]] = []
-
-    def thread(target=None, args=(), **kwargs):
-        if target.__name__ == "transfer_worker":
-            workers.append((target, args))
-        else:
-            bodies[target.__name__] = target
-        return SimpleNamespace(start=lambda: None)
-
-    ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock,
-                                                   Event=threading.Event))
+    bodies, workers = capture_threads(ctx, module)
     engine = SimpleNamespace(batch_register=lambda *a, **k: 0, register=lambda *a, **k: 0,
                              get_session_id=lambda: f"{LOCALHOST}:19500", session_id=f"{LOCALHOST}:19500")
     ctx.patch_if_present(module, "get_mooncake_transfer_engine", lambda *a, **k: engine)

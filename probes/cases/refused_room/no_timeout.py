@@ -4,14 +4,13 @@ prefill side and decode side (the package docstring tells the story)."""
 from __future__ import annotations
 
 import os
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 from probes import NotApplicable, Outcome, case, judged
 from probes.rigs.door import REJECTION, DoorRig
 from probes.rigs.failed_transfer import TransferRig
-from probes.rigs.mooncake_decode import Feed, run_captured
+from probes.rigs.mooncake_decode import Feed, capture_threads, run_captured
 from probes.standins import make_req, reject_at_intake, sg
 
 REFUSED_ROOM = 4242
@@ -47,19 +46,8 @@ class MooncakeSide:
         self.sharded = hasattr(module.MooncakeKVManager, "transfer_worker")
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
-        self.threads: dict[str, Any] = {}
-        self.workers: list[Any] = []
         self.socket_in = Feed()
-        captured, workers = self.threads, self.workers
-
-        def thread(target=None, args=(), **kwargs):
-            if target.__name__ == "transfer_worker":
-                workers.append((target, args))
-            else:
-                captured[target.__name__] = target
-            return SimpleNamespace(start=lambda: None)
-
-        ctx.patch(module, "threading", SimpleNamespace(Thread=thread, Lock=threading.Lock))
+        self.threads, self.workers = capture_threads(ctx, module)
         ctx.patch(module, "MooncakeTransferEngine", lambda **kw: SimpleNamespace(
             register=lambda *a: None, get_session_id=lambda: "10.0.0.1:19500"))
         ctx.patch(module, "get_free_port", lambda: 18000)

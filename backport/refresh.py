@@ -164,7 +164,7 @@ def refresh(pack: Pack, fix_id: str, version: str, *, work_dir: Path | None = No
         dest = Path(work_dir)
     try:
         tree = clone_pristine(pristine, dest.parent, dest)
-        deps = _closure(pack, fix_id, v)
+        deps = _closure(pack, fix_id, v, source.depends_on)
         report = apply_series(tree.path, pack, str(v), package_prefix=tree.package_prefix, only=deps) \
             if deps else None
         if report is not None and report.status == ApplyStatus.FAILED:
@@ -244,10 +244,11 @@ def continue_refresh(pack: Pack, fix_id: str, version: str, work_tree: Path) -> 
     return RefreshResult(fix_id, str(v), source.name, WRITTEN, path, (), applies, narrowed)
 
 
-def _closure(pack: Pack, fix_id: str, v: Version) -> list[str]:
-    """The fix's dependencies, transitively, that release v does not already contain (series order)."""
+def _closure(pack: Pack, fix_id: str, v: Version, extra: tuple[str, ...] = ()) -> list[str]:
+    """The fix's dependencies and the source variant's own (``extra``), transitively, that release
+    v does not already contain (series order)."""
     need: set[str] = set()
-    todo = list(pack.fixes[fix_id].depends_on)
+    todo = list(pack.fixes[fix_id].depends_on) + list(extra)
     while todo:
         dep = todo.pop()
         if dep not in need and not pack.fixes[dep].is_fixed_in(v):

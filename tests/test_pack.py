@@ -29,7 +29,7 @@ from backport.engine import apply_series, detect
 from backport.errors import BadInput
 from backport.expectations import representatives
 from backport.pack import load_pack
-from backport.releases import load_releases
+from backport.releases import load_pins, load_releases
 from tests.conftest import REPO
 from tests.engine_helpers import FIX_COMMIT
 
@@ -458,7 +458,11 @@ def test_shipped_pack_loads_confined_and_agreeing():
     assert paths and all(p.startswith("sglang/") for p in paths)
     for fid, variants in pack.variants.items():
         for pv in variants:
-            assert set(pv.depends_on) == set(pack.fixes[fid].depends_on)
+            own = set(pv.depends_on) - set(pack.fixes[fid].depends_on)
+            assert set(pack.fixes[fid].depends_on) <= set(pv.depends_on)
+            # a variant's own dependency: applied earlier, in scope wherever the variant applies
+            assert all(pack.series.index(d) < pack.series.index(fid) for d in own), (pv.name, own)
+            assert all(pack.fixes[d].in_scope(v) for d in own for v in load_pins() if pv.applies(v)), pv.name
 
 
 @pytest.mark.parametrize("version", SERVED)

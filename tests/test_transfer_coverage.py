@@ -11,6 +11,7 @@ from pathlib import Path
 
 import git
 import pytest
+from packaging.version import Version
 
 from backport.engine import apply_series
 from backport.engine.write import commit_message
@@ -23,8 +24,10 @@ from tests.engine_helpers import FIX_COMMIT, make_fix_table
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-transfer-coverage"
-SUPPORTED = ("0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
-             "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+# every release with the metadata slot the check uses (cached_tokens, 0.5.3 on)
+SUPPORTED = tuple(v for v in load_pins() if Version(v) >= Version("0.5.3"))
+# below 0.5.13 the variants extend sbp-abort-hold's failure branch (their own Depends-On)
+HOLD_RELEASES = tuple(v for v in SUPPORTED if Version(v) < Version("0.5.13"))
 NEW_CASES = {
     "short_coverage_refused": False,
     "unpatched_peer_refused": False,
@@ -207,6 +210,41 @@ def test_the_fix_alone_refuses_the_incident_handoff(version, release_tree, probe
         c["case"] for c in must if c["verdict"] != "safe"]
     refused = next(c for c in after_doc["cases"] if c["case"] == "short_coverage_refused")["details"]
     assert refused["refusal_counter"] == 1 and int(refused["finish"]["status_code"]) == 500
+
+
+def test_the_variants_below_0_5_13_build_on_the_hold(pack):
+    for v in SUPPORTED:
+        (variant,) = [pv for pv in pack.variants[FIX] if pv.applies(v)]
+        assert variant.depends_on == (("sbp-abort-hold",) if v in HOLD_RELEASES else ()), (v, variant.name)
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
+def test_below_0_5_13_the_check_runs_in_the_poll(release_tree, probe_python, tmp_path, pack):
+    """0.5.9 (no metadata gate before the polls' all-reduce): the fix needs sbp-abort-hold, whose
+    failure branch it extends; with it, the coverage cases turn safe and a short handoff is a 500 on
+    both attention-TP ranks, its pages released at once."""
+    from backport.probing import run_harness
+
+    version = "0.5.9"
+    pristine = release_tree(version)
+    alone = apply_series(clone_tree(pristine, tmp_path, tmp_path / "alone").path, pack, version, only=[FIX])
+    assert [(p.fix, p.status) for p in alone.patches] == [(FIX, "failed")]
+    assert "missing dependency: sbp-abort-hold" in alone.patches[0].reason, alone.patches[0].reason
+    tree = clone_tree(pristine, tmp_path, tmp_path / "with-hold")
+    report = apply_series(tree.path, pack, version, only=["sbp-abort-hold", FIX])
+    assert [(p.fix, p.status) for p in report.patches] == [("sbp-abort-hold", "applied"), (FIX, "applied")]
+    probes = ["transfer_coverage"]
+    before = _verdicts(run_harness(probe_python, pristine.path, probes=probes, label="pristine"))
+    after_doc = run_harness(probe_python, tree.path, probes=probes, label="patched")
+    after = _verdicts(after_doc)
+    for name in ("short_coverage_refused", "unpatched_peer_refused", "tp_ranks_refuse_together"):
+        assert (before[f"transfer_coverage/{name}"], after[f"transfer_coverage/{name}"]) == ("unsafe", "safe")
+    for name in ("full_coverage_committed", "chunked_prefill_committed", "tp_ranks_commit_together"):
+        assert after[f"transfer_coverage/{name}"] == "safe", name
+    two = next(c for c in after_doc["cases"] if c["case"] == "tp_ranks_refuse_together")["details"]["ranks"]
+    assert [(r["committed"], r["pages_held"], r["release_calls"]) for r in two] == [(False, 0, 1)] * 2
+    assert [r["refusal_counter"] for r in two] == [0, 1]  # rank 1 saw the short coverage
 
 
 @pytest.mark.probe_env

@@ -12,8 +12,9 @@ same thing: the URLs in Origin are the fix's ``url`` (or a commit URL of its
 ``upstream_commit``), Bug is its ``bug`` (the report; the ``url`` when
 fixes.toml names no report), the ``commit X`` in Origin or Applied-Upstream is
 its ``upstream_commit`` (abbreviated or not), Applied-Upstream's release is the
-first release of its ``fixed_in``, and Depends-On names exactly its
-``depends_on``. Anything else is bad input naming both values.
+first release of its ``fixed_in``, and Depends-On names its ``depends_on`` and
+may add a fix that this variant's context builds on in its releases only (the
+engine requires both). Anything else is bad input naming both values.
 
 Origin's first word says what the variant is (DEP-3): ``backport`` for an
 upstream fix whose added lines are this project's own, written for the release
@@ -125,7 +126,7 @@ def check_agreement(header: Mapping[str, str], depends_on: tuple[str, ...], fix:
             f"{where}: Bug is {bug}, fixes.toml [{fix.id}] {'bug' if fix.bug else 'url'} is {report}"
         )
     _check_applied_upstream(header.get("Applied-Upstream", "").strip(), fix, where)
-    if set(depends_on) != set(fix.depends_on):
+    if not set(fix.depends_on) <= set(depends_on):
         said = ", ".join(depends_on) or "none"
         toml = ", ".join(fix.depends_on) or "none"
         raise BadInput(f"{where}: Depends-On is {said}, fixes.toml [{fix.id}] depends_on is {toml}")

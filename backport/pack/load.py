@@ -98,6 +98,11 @@ def load_pack(root: str | Path) -> Pack:
         fix_dir = root / fid
         files = sorted(fix_dir.glob("*.patch")) if fix_dir.is_dir() else []
         variants[fid] = tuple(load_variant(p, fid, fixes[fid]) for p in files)
+        for pv in variants[fid]:  # a variant's own dependency: a fix applied before it
+            for d in set(pv.depends_on) - set(fixes[fid].depends_on):
+                if d not in series or series.index(d) > series.index(fid):
+                    raise BadInput(f"{pv.path}: Depends-On is {', '.join(pv.depends_on)}: {d} is not a fix "
+                                   f"the series applies before {fid}")
     return Pack(root=root, fixes=MappingProxyType(fixes), series=tuple(series),
                 variants=MappingProxyType(variants))
 

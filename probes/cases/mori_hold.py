@@ -6,8 +6,11 @@ Up to 0.5.21 the Mori decode returns those pages to the allocator at once (on 0.
 unless SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE was set; on 0.5.21, after #41023's
 capability gate, always), and a late write can land on pages already given to the next request.
 0.5.22 gives Mori the drain-ACK capability and holds the pages until the ACK or the
-deferred-release timeout. This pack's rule for 0.5.17 - 0.5.21: a Mori decode manager holds such
-a transfer's pages until the timeout (no ACK can come, so always the full timeout).
+deferred-release timeout. This pack's rule for 0.5.13 - 0.5.21 (sbp-mori-hold): a Mori decode
+manager holds such a transfer's pages until the timeout (no ACK can come, so always the full
+timeout). On 0.5.9 - 0.5.12.post1 (Mori's first releases, no ACK for any backend) the pack's
+sbp-abort-hold holds every failed transfer until each prefill rank's final Success, which Mori's
+manager does not track: the same full timeout, released by the next ``pop_transferred``.
 
 How it is driven: a real decode ``MoriKVManager`` built through its constructor and a real
 ``MoriKVReceiver`` on it (``probes/rigs/mori.py``; ``probes/standins/shims/mori`` stands for the RDMA
@@ -88,7 +91,8 @@ def _details(rig: TransferRig, built: ConstructedMoriDecodeManager) -> dict[str,
 
 
 @case(
-    proves=("sbp-mori-hold",),
+    # below 0.5.13 the pack's sbp-abort-hold holds every failed transfer, Mori's until the timeout
+    proves=("sbp-mori-hold|sbp-abort-hold",),
     needs=(">=0.5.9",),
     must_preserve=False,
     expect="With the default environment, a Mori transfer that decode aborts mid-transfer keeps its pages "
@@ -105,11 +109,11 @@ def _judge_hold(
     rig: TransferRig, built: ConstructedMoriDecodeManager, req, clock: DecodeClockStandIn
 ) -> Outcome:
     steps = [{"step": "pop_transferred(Failed)", **rig.snapshot(req)}]
-    rig.resolve()
-    steps.append({"step": "resolve, no ACK, before the timeout", **rig.snapshot(req)})
+    rig.release_due()
+    steps.append({"step": "release pass, no ACK, before the timeout", **rig.snapshot(req)})
     clock.advanced = TIMEOUT_S + 0.2
-    rig.resolve()
-    steps.append({"step": f"resolve after the {TIMEOUT_S} s timeout", **rig.snapshot(req)})
+    rig.release_due()
+    steps.append({"step": f"release pass after the {TIMEOUT_S} s timeout", **rig.snapshot(req)})
     details = {**_details(rig, built), "timeout_s": TIMEOUT_S, "steps": steps}
     problems = []
     early = [s["step"] for s in steps[:2] if s["pages_held"] == 0]

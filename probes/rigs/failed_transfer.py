@@ -229,6 +229,13 @@ class TransferRig:
             raise RuntimeError(f"the release isolated an exception while resolving: {recorder.raised[0]}")
         return True
 
+    def release_due(self) -> None:
+        """The release's own pass over held pages: its resolver (0.5.13 on), else, where the
+        pack's sbp-abort-hold holds (below 0.5.13), the next ``pop_transferred``, which releases
+        what is due."""
+        if not self.resolve() and hasattr(self.queue, "_held_releases_due"):
+            self.queue.pop_transferred()
+
     def snapshot(self, req) -> dict[str, Any]:
         return {
             "pages_held": self.pages.held_by(req.rid),

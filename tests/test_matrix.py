@@ -295,7 +295,7 @@ COVERAGE_DEBT: dict[str, int] = {
     "0.5.5.post1": 8,  # its own epoch from sbp-refused-hold-0.5.5.post1 (measured)
     # its own epoch from sbp-bootstrap-auth-0.5.5.post2 (0.5.5.post1 - 0.5.5.post2; measured)
     "0.5.5.post2": 8,
-    "0.5.5.post3": 8,  # its own epoch from sbp-transfer-coverage-0.5.5.post1 (0.5.5.post1 - 0.5.5.post3; measured)
+    "0.5.5.post3": 8,  # own epoch: sbp-transfer-coverage-0.5.5.post1 (0.5.5.post1 - 0.5.5.post3; measured)
     "0.5.6.post2": 8,
     "0.5.7": 8,  # its own epoch from pr26789 (0.5.8 on); the same 8 lines as 0.5.6.post2 and 0.5.8.post1
     "0.5.8.post1": 8,

@@ -22,8 +22,9 @@ DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
 @case(
     # the per-layer writes run on a thread pool from 0.4.6 (0.4.5.x writes the layers one after another);
     # send_kvcache takes the pool as an argument from 0.4.7 (before: the manager's own self.executor)
-    # below 0.5.13 this pack's sbp-abort-hold carries the same wait (no pr35049-inflight there)
-    proves=("pr35049-inflight|sbp-abort-hold",),
+    # below 0.5.13 this pack's sbp-abort-hold carries the same wait (no pr35049-inflight there), below
+    # 0.4.10 its prefill half alone, sbp-layer-drain
+    proves=("pr35049-inflight|sbp-abort-hold|sbp-layer-drain",),
     needs=(">=0.4.6",),
     must_preserve=False,
     expect="When one per-layer write of a Mooncake chunk (custom memory pool) fails while another layer's "

@@ -219,3 +219,17 @@ def test_a_fork_ends_where_a_post_release_of_its_own_base_is_served(pack_copy):
     _applies_to(folder / "sbp-bootstrap-auth-0.5.2.patch", ">=0.5.1.post1,<0.5.3")
     applies = _plan(load_pack(pack_copy), "sbp-bootstrap-auth", "0.4.10.post1")[2]
     assert applies == ">=0.4.10.post1,<0.5.1.post1", applies
+
+
+def test_a_variant_s_own_dependency_is_applied_before_it_is_placed():
+    """sbp-transfer-coverage's variants below 0.5.13 extend sbp-abort-hold's failure branch: their
+    Depends-On names it though the fix's depends_on does not, and refresh's clone gets it first."""
+    from packaging.version import Version
+
+    from backport.refresh import _closure
+
+    pack = load_pack(REPO / "patches")
+    (source,) = [pv for pv in pack.variants["sbp-transfer-coverage"] if pv.applies("0.5.9")]
+    assert source.depends_on == ("sbp-abort-hold",) and pack.fixes["sbp-transfer-coverage"].depends_on == ()
+    assert _closure(pack, "sbp-transfer-coverage", Version("0.5.9"), source.depends_on) == ["sbp-abort-hold"]
+    assert _closure(pack, "sbp-transfer-coverage", Version("0.5.9")) == []

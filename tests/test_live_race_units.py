@@ -94,6 +94,25 @@ def test_a_hold_that_let_a_s_writes_through_is_no_control():
     assert verdict == race.ERROR and "not held back" in observed
 
 
+def _served_whole(matches: bool = True) -> dict:
+    """A trial in which decode's abort did not end A (A answered 200 after it)."""
+    return {**_trial(matches, wait=14.2), "a_decode_status": 200}
+
+
+def test_judge_not_applicable_where_decode_cannot_abort_a_transfer():
+    """0.4.6.post5 live: A answered 200 after decode's abort in every trial (its KV fully sent), B waited
+    for A's pages and was right, and the held-back control's B timed out waiting for the held A."""
+    controls = {**SAFE_CONTROLS, "held_back": {**_trial(False, "B got status None: ReadTimeout"),
+                                               "a_decode_status": None}}
+    verdict, observed = race.judge(controls, [_served_whole(), _served_whole(), _served_whole()])
+    assert verdict == race.NOT_APPLICABLE and "never ended A" in observed and "3 valid" in observed
+    # a wrong B is never explained away, and a trial where the abort took effect is judged as before
+    assert race.judge(controls, [_served_whole(), _served_whole(False)])[0] == race.ERROR
+    assert race.judge(SAFE_CONTROLS, [_served_whole(), _trial(False)])[0] == race.UNSAFE
+    broken_alone = {**controls, "b_alone": _trial(False)}
+    assert race.judge(broken_alone, [_served_whole()])[0] == race.ERROR
+
+
 def test_judge_error_without_a_valid_trial():
     verdict, observed = race.judge(SAFE_CONTROLS, [_trial(False, "A's flow never reached the abort point")])
     assert verdict == race.ERROR and "no valid trial of 1" in observed

@@ -194,6 +194,18 @@ def hold_leak(held: dict) -> str | None:
 
 def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[TreeVerdict, str]:
     """The verdict from the controls and the trials' results (pure: unit-tested)."""
+    valid = [t for t in trials if not t.get("invalid")]
+    if (controls.get("b_alone", {}).get("b_matches_reference") and valid
+            and all(t.get("a_decode_status") == 200 and t["b_matches_reference"] for t in valid)):
+        # Below 0.4.10 decode's abort does not reach its transfer queue: A is served whole, its pages
+        # are never freed under its writes, and the held-back control's B waits for them (times out).
+        waits = [t["b_wait_seconds"] for t in valid]
+        return NOT_APPLICABLE, (
+            f"decode's abort never ended A: A answered 200 after the abort in each of {len(valid)} valid "
+            f"trials ({len(trials)} run), so its pages were never freed under its writes (this release "
+            f"cannot abort a request whose KV is in flight); B waited {min(waits):.1f} - {max(waits):.1f} s "
+            "for them and got the reference tokens"
+        )
     broken = [name for name, c in controls.items() if not c.get("b_matches_reference")]
     if broken:
         return ERROR, f"control(s) not safe: {', '.join(broken)}: the deployment cannot judge the race"
@@ -201,7 +213,6 @@ def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[TreeVerdict, s
     void = [f"{name} ({c['invalid']})" for name, c in controls.items() if c.get("invalid")]
     if void:
         return ERROR, f"control(s) not valid: {', '.join(void)}"[:400]
-    valid = [t for t in trials if not t.get("invalid")]
     if not valid:
         return ERROR, f"no valid trial of {len(trials)}: " + "; ".join(t["invalid"] for t in trials)[:300]
     unsafe = sum(1 for t in valid if not t["b_matches_reference"])

@@ -106,6 +106,12 @@ def test_judge_not_applicable_where_decode_cannot_abort_a_transfer():
                                                "a_decode_status": None}}
     verdict, observed = race.judge(controls, [_served_whole(), _served_whole(), _served_whole()])
     assert verdict == race.NOT_APPLICABLE and "never ended A" in observed and "3 valid" in observed
+    # 0.4.10.post2 live: the abort reached A's transfer (decode logged its failure, then held the pages),
+    # yet A still answered 200 (an aborted request's status there): judged as before, never not-applicable
+    failed = ["[2026-12-07 10:55:50] Decode transfer failed for request rank=0 decode_req.req.rid='a-12' "
+              "... Aborted by AbortReq."]
+    verdict, observed = race.judge(SAFE_CONTROLS, [_served_whole(), _served_whole()], failed)
+    assert verdict == race.SAFE and "0 of 2" in observed
     # a wrong B is never explained away, and a trial where the abort took effect is judged as before
     assert race.judge(controls, [_served_whole(), _served_whole(False)])[0] == race.ERROR
     assert race.judge(SAFE_CONTROLS, [_served_whole(), _trial(False)])[0] == race.UNSAFE

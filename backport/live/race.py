@@ -20,7 +20,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,17 +192,23 @@ def hold_leak(held: dict) -> str | None:
     return f"A's writes were not held back: {leaked:.3f} of A's KV passed during the hold"
 
 
-def judge(controls: dict[str, dict], trials: list[dict]) -> tuple[TreeVerdict, str]:
-    """The verdict from the controls and the trials' results (pure: unit-tested)."""
+def judge(controls: dict[str, dict], trials: list[dict],
+          decode_log: Sequence[str] = ()) -> tuple[TreeVerdict, str]:
+    """The verdict from the controls, the trials' results and decode's log lines of the trials (pure:
+    unit-tested)."""
     valid = [t for t in trials if not t.get("invalid")]
-    if (controls.get("b_alone", {}).get("b_matches_reference") and valid
+    # An aborted request still answers 200 on releases up to 0.4.10.post2, so what says decode's abort
+    # reached A's transfer is decode's own failed-transfer line (every release logs one).
+    aborted = any("transfer failed" in line.lower() for line in decode_log)
+    if (controls.get("b_alone", {}).get("b_matches_reference") and valid and not aborted
             and all(t.get("a_decode_status") == 200 and t["b_matches_reference"] for t in valid)):
         # Below 0.4.10 decode's abort does not reach its transfer queue: A is served whole, its pages
         # are never freed under its writes, and the held-back control's B waits for them (times out).
         waits = [t["b_wait_seconds"] for t in valid]
         return NOT_APPLICABLE, (
             f"decode's abort never ended A: A answered 200 after the abort in each of {len(valid)} valid "
-            f"trials ({len(trials)} run), so its pages were never freed under its writes (this release "
+            f"trials ({len(trials)} run) and decode logged no failed transfer, so its pages were never "
+            f"freed under its writes (this release "
             f"cannot abort a request whose KV is in flight); B waited {min(waits):.1f} - {max(waits):.1f} s "
             "for them and got the reference tokens"
         )
@@ -346,7 +352,7 @@ def run_race(env: ServingEnv, package_root: Path, workdir: Path, *, extra_env: d
             controls["held_back"] = race.trial(hold_back=True)
             details["held_back_log"] = {s.name: _log_lines(s, marks[s.name]) for s in servers}
             details.update(controls=controls, trials=trials)
-        verdict, observed = judge(controls, trials)
+        verdict, observed = judge(controls, trials, details["log"].get("decode", []))
         # a hold resolved by decode's timeout during a trial is not a drain ACK
         timeouts = [line for line in details["log"].get("decode", []) if "timed out" in line]
         if verdict == SAFE and timeouts:

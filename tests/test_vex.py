@@ -81,8 +81,8 @@ def test_a_bad_classes_file_is_bad_input(tmp_path):
         (good.replace('id = "SBP-2026-0002"', 'id = "X-1"'), "SBP-YYYY-NNNN"),
         (good.replace('"prefill_drain"]', '"prefill_drain", "handoff"]'), "already belongs to SBP-2026-0001"),
         (good.replace('aliases = []', 'aliases = ["not-a-cve"]', 1), "not a CVE"),
-        (good.replace('"sbp-abort-hold"]', '"sbp-abort-hold", "pr99999"]'), "not in fixes.toml"),
-        (good.replace('"pr41404", "sbp-abort-hold"]', '"pr41404"]'), "belongs to no"),
+        (good.replace('"sbp-layer-drain"]', '"sbp-layer-drain", "pr99999"]'), "not in fixes.toml"),
+        (good.replace('"sbp-abort-hold", "sbp-layer-drain"]', '"sbp-abort-hold"]'), "belongs to no"),
     ]:
         (tmp_path / "vulnerabilities.toml").write_text(bad)
         with pytest.raises(BadInput, match=message):

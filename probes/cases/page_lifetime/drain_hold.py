@@ -65,7 +65,7 @@ def failed_transfer_holds_pages_until_drain(ctx) -> Outcome:
         step("ACK rank 1, resolve", True)
     elif success_hold:
         time.sleep(HOLD_TIMEOUT + 0.2)
-        rig.queue.pop_transferred()
+        rig.release_due()  # the hold's release pass: the next pop_transferred
         step("the timeout passed, pop_transferred", True)
     rig.resolve()
     step("resolve again", hasattr(mgr, "note_abort_ack") or success_hold)

@@ -87,6 +87,28 @@ def test_nixl_agent_stand_in_follows_its_plan():
     assert ledger.of("writes_settled") == [{"kind": "writes_settled", "count": 1}]
 
 
+
+def test_page_pool_stand_in_returns_pages_only_when_every_reserved_slot_came_back():
+    """The transfer rig's page pool, freed by slot (a release that frees a request's row itself, as the
+    pack's refused-room release up to 0.4.6.post4 does): one slot short keeps the owner's pages held,
+    and a slot freed twice is recorded."""
+    from probes.standins import Ledger
+    from probes.standins.memory import CountingTokenToKVPoolAllocator, ReqToTokenPoolStandIn
+
+    ledger = Ledger()
+    pool = CountingTokenToKVPoolAllocator(ledger, "decode", 8, 16)
+    rows = ReqToTokenPoolStandIn(ledger)
+    row = rows.assign(pool.token_slots(pool.reserve("r", 40))[:40])
+    assert pool.held_by("r") == 3 and pool.available_size() == 5 * 16
+    pool.free(rows.req_to_token[row, :39])
+    assert pool.held_by("r") == 3  # one slot short: nothing back
+    pool.free(rows.req_to_token[row, 39:40])
+    assert pool.held_by("r") == 0 and pool.available_size() == 8 * 16
+    pool.free(rows.req_to_token[row, :1])
+    assert ledger.count("slots_freed_unowned") == 1
+    rows.free(row)
+    rows.free(row)
+    assert ledger.count("req_row_double_free") == 1
 # ---- real trees ----------------------------------------------------------------------------------
 
 @pytest.mark.probe_env

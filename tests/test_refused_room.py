@@ -1,6 +1,7 @@
 """The pack's own fix `sbp-refused-room` (issue 41 item 2): its scope and variants, where its cases
 run, and on real releases that it alone makes a refused room's reservation go, on both manager
-layouts and on 0.4.8.post1 - 0.4.9's three-frame status messages.
+layouts, on 0.4.8.post1 - 0.4.9's three-frame status messages, and on 0.4.5.post1 - 0.4.6.post4,
+whose decode had no failure branch (the pack gives it a release for a refused room only).
 
 Where the cases are not-applicable must never hide the exposure (a class read as fixed or
 not_affected while the fix is missing): the cases' release range is exactly the pinned releases
@@ -21,9 +22,16 @@ from backport.releases import load_pins
 REPO = Path(__file__).resolve().parent.parent
 FIX = "sbp-refused-room"
 CLASS = "SBP-2026-0001"
-SERVED = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9")
-VARIANTS = ("0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8.post1")
+SERVED = ("0.4.5.post1", "0.4.5.post2", "0.4.5.post3", "0.4.6", "0.4.6.post1", "0.4.6.post2", "0.4.6.post3",
+          "0.4.6.post4", "0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8", "0.4.8.post1", "0.4.9")
+VARIANTS = ("0.4.5.post1", "0.4.5.post2", "0.4.5.post3", "0.4.6", "0.4.6.post2", "0.4.6.post3", "0.4.6.post4",
+            "0.4.6.post5", "0.4.7", "0.4.7.post1", "0.4.8.post1")
 CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
+# must-preserve where the pack gives decode its release (0.4.5.post1 - 0.4.6.post4): a transfer's own
+# Failed is not taken for a refusal
+PRESERVE_CASE = "transfer_failure_not_released_as_refused"
+# there too: two decode ranks release together, once both heard the report
+RANKS_CASE = "refused_room_released_on_every_rank_together"
 # sbp-refused-hold (0.4.10 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once
 HOLD_FIX = "sbp-refused-hold"
 HOLD_CASE = "refused_room_ends_decode_hold"
@@ -49,7 +57,7 @@ def test_scope_and_variants(pack):
     assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935",)
     assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
     assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
-    assert [c.name for c in probes.cases_of("refused_room")] == [*CASES, HOLD_CASE]
+    assert [c.name for c in probes.cases_of("refused_room")] == [*CASES, PRESERVE_CASE, RANKS_CASE, HOLD_CASE]
 
 
 def test_the_hold_fix_serves_exactly_the_hold_s_releases(pack):
@@ -121,8 +129,12 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
     pristine = probe_cases("refused_room", version, "pristine")
     patched = probe_cases("refused_room", version, "patched")
     assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys(CASES, "unsafe"),
+                                                            PRESERVE_CASE: "not-applicable",
+                                                            RANKS_CASE: "not-applicable",
                                                             HOLD_CASE: "not-applicable"}
     assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys(CASES, "safe"),
+                                                           PRESERVE_CASE: "not-applicable",
+                                                           RANKS_CASE: "not-applicable",
                                                            HOLD_CASE: "not-applicable"}
     held = pristine["decode_releases_refused_room"]["details"]
     assert held["reports_from_prefill"] == 0 and held["refused_after_report"]["pages_held"] > 0
@@ -139,9 +151,40 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
 
 @pytest.mark.probe_env
 @pytest.mark.network
+@pytest.mark.parametrize("version, stops", [("0.4.5.post1", True), ("0.4.6.post4", False)])
+def test_decode_without_a_failure_branch_releases_a_refused_room_only(version, stops, probe_cases):
+    """0.4.5.post1 - 0.4.6.post4: the pristine decode holds a refused room's pages forever (and a Failed
+    poll raised "Transfer failed", stopping decode); patched, decode releases a room prefill reported
+    refused, slot by slot what pre-allocation reserved, on every rank together, and still serves the
+    next request, while a
+    failed chunk's own Failed keeps the room's pages. 0.4.5.post1's decode thread stores that Failed
+    (its queue stops decode, as the release does); 0.4.6.post4's folds it with max() (decode waits)."""
+    pristine = probe_cases("refused_room", version, "pristine")
+    patched = probe_cases("refused_room", version, "patched")
+    expected = {PRESERVE_CASE: "safe", HOLD_CASE: "not-applicable"}
+    assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys([*CASES, RANKS_CASE], "unsafe"),
+                                                            **expected}
+    assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys([*CASES, RANKS_CASE], "safe"),
+                                                           **expected}
+    ranks = patched[RANKS_CASE]["details"]  # between the two reports both ranks hold; then both release
+    assert all(v["pages_held"] and v["queued"] == 1 for v in ranks["one_rank_heard"])
+    assert all(not v["pages_held"] and v["queued"] == 0 for v in ranks["both_heard"])
+    released = patched["decode_releases_refused_room"]["details"]
+    assert released["pages_free_vs_baseline_after_report"] == 0 and released["refused_streams"] == 1
+    assert released["refused_after_report"]["metadata_frees"] == 1 and released["valid_served"]
+    kept = patched[PRESERVE_CASE]["details"]
+    assert kept["after_failed"]["pages_held"] > 0 and kept["streams"] == 0
+    assert (kept["decode_stopped_with"] == "Transfer failed") is stops
+
+
+@pytest.mark.probe_env
+@pytest.mark.network
 def test_not_applicable_where_the_waiting_timeout_releases(probe_cases):
     cases = probe_cases("refused_room", "0.4.9.post1", "pristine")
     assert cases.pop(HOLD_CASE)["verdict"] == "not-applicable"  # no hold on 0.4.9.post1 either
+    # decode releases a failed transfer itself there: nothing of the pack's to preserve
+    assert cases.pop(PRESERVE_CASE)["verdict"] == "not-applicable"
+    assert cases.pop(RANKS_CASE)["verdict"] == "not-applicable"
     for case in cases.values():
         assert case["verdict"] == "not-applicable"
         assert "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in case["details"]["reason"]

@@ -124,7 +124,9 @@ class ListMetadataDecodeSide(DecodeSide):
         self.shell = make_scheduler_shell(ledger, token_to_kv_pool_allocator=pages)
         self.queue = construct_with(DecodeTransferQueue, gloo_group=None,
                                     req_to_metadata_buffer_idx_allocator=self.metadata,
-                                    metadata_buffers=self.buffers)
+                                    metadata_buffers=self.buffers,
+                                    # asked for where the pack's refused-room release is (<= 0.4.6.post4)
+                                    scheduler=self.shell)
 
     def pop(self, collective) -> list:
         # 0.4.6 - 0.4.6.post4 return the DecodeRequest entries they commit, 0.4.5.x their requests

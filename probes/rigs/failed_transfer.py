@@ -28,6 +28,7 @@ from probes.standins.memory import (
     CountingTokenToKVPoolAllocator,
     MetadataBuffersStandIn,
     RecordingReqToMetadataIdxAllocator,
+    ReqToTokenPoolStandIn,
     patch_cache_helpers,
 )
 from probes.standins.scheduler import make_scheduler_shell
@@ -164,7 +165,11 @@ class TransferRig:
         self.pages = CountingTokenToKVPoolAllocator(self.ledger, "decode", 1024, PAGE_SIZE)
         patch_cache_helpers(ctx, self.ledger, sg("disaggregation.decode"), self.pages)
         self.metadata = RecordingReqToMetadataIdxAllocator(self.ledger)
-        self.shell = make_scheduler_shell(self.ledger, token_to_kv_pool_allocator=self.pages)
+        # Rows of token slots: up to 0.4.6.post4 the pack's refused-room release frees a
+        # request's row through the scheduler's pools itself (no release_kv_cache helper).
+        self.rows = ReqToTokenPoolStandIn(self.ledger)
+        self.shell = make_scheduler_shell(self.ledger, token_to_kv_pool_allocator=self.pages,
+                                          req_to_token_pool=self.rows, num_tokens_pre_allocated=0)
         self.queue = construct_with(
             DecodeTransferQueue,
             gloo_group=None,
@@ -210,8 +215,9 @@ class TransferRig:
         from sglang.srt.disaggregation.decode import DecodeRequest
 
         req = make_req(rid, PROMPT_TOKENS, room=room)
-        self.pages.reserve(rid, PROMPT_TOKENS)
-        give_kv_row(req, 0, PROMPT_TOKENS)
+        pages = self.pages.reserve(rid, PROMPT_TOKENS)
+        row = self.rows.assign(self.pages.token_slots(pages)[:PROMPT_TOKENS])
+        give_kv_row(req, row, PROMPT_TOKENS)
         decode_req = DecodeRequest(req=req, kv_receiver=receiver)
         decode_req.metadata_buffer_index = self.metadata.alloc()
         self.queue.queue.append(decode_req)

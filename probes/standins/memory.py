@@ -33,6 +33,44 @@ class RecordingReqToMetadataIdxAllocator:
         self.free_slots.append(idx)
 
 
+class ReqToTokenPoolStandIn:
+    """Stands for ``ReqToTokenPool``: one row of token slots per request, and its free list."""
+
+    def __init__(self, ledger: Ledger, size: int = 8) -> None:
+        self.ledger = ledger
+        self.rows: dict[int, list[int]] = {}
+        self.free_slots = list(range(size))
+        self.req_to_token = _Rows(self.rows)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def assign(self, slots: list[int]) -> int:
+        row = self.free_slots.pop(0)
+        self.rows[row] = list(slots)
+        return row
+
+    def free(self, row) -> None:
+        row = int(row)
+        if row in self.free_slots:
+            self.ledger.record("req_row_double_free", row=row)
+            return
+        self.rows.pop(row, None)
+        self.free_slots.append(row)
+        self.ledger.record("req_row_free", row=row)
+
+
+class _Rows:
+    """``req_to_token[row, :n]``: the first n slots of a row (a list: what the pools here take)."""
+
+    def __init__(self, rows: dict[int, list[int]]) -> None:
+        self.rows = rows
+
+    def __getitem__(self, key) -> list[int]:
+        row, cols = key
+        return self.rows[int(row)][cols]
+
+
 class MetadataBuffersStandIn:
     """Stands for ``MetadataBuffers``: only the room column the queues reset."""
 
@@ -56,6 +94,9 @@ class CountingTokenToKVPoolAllocator:
         self.free_pages = list(range(num_pages))
         self.owned: dict[str, list[int]] = {}
         self.released_owners: set = set()
+        # Token slots (page * page_size + offset) each owner's reservation covers: what the
+        # release's own free(indices) gives back, counted slot by slot.
+        self.slots: dict[str, set[int]] = {}
 
     @property
     def size(self) -> int:
@@ -71,10 +112,30 @@ class CountingTokenToKVPoolAllocator:
         n = self.pages_for(num_tokens)
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         self.owned.setdefault(owner, []).extend(pages)
+        self.slots.setdefault(owner, set()).update(self.token_slots(pages)[:num_tokens])
         self.ledger.record("pages_reserved", pool=self.name, owner=owner, pages=n)
         return pages
 
+    def token_slots(self, pages: list[int]) -> list[int]:
+        return [page * self.page_size + offset for page in pages for offset in range(self.page_size)]
+
+    def free(self, indices) -> None:
+        """The allocator's own ``free(indices)`` (a release that frees a request's row itself):
+        slot by slot; an owner's pages go back once every slot it reserved was freed, so a
+        release that frees one slot too few keeps the pages held."""
+        freed = {int(i) for i in indices}
+        for owner, slots in list(self.slots.items()):
+            taken = slots & freed
+            if taken:
+                slots -= taken
+                freed -= taken
+                if not slots:
+                    self.release(owner)
+        if freed:  # slots no reservation holds: freed twice, or never reserved
+            self.ledger.record("slots_freed_unowned", pool=self.name, slots=len(freed))
+
     def release(self, owner: str) -> int:
+        self.slots.pop(owner, None)
         pages = self.owned.pop(owner, None)
         if pages is None:
             if owner in self.released_owners:

@@ -36,14 +36,16 @@ reservation waited for the timeout (30 s) after the router's abort. ``sbp-refuse
 report there and decode counts it as the rank's last word: ``hold`` judges it end to end, real
 prefill manager (probes/rigs/mooncake_prefill.py), real door, real decode manager and transfer queue.
 
-Layout: ``no_timeout`` (releases whose decode has no waiting timeout, 0.4.5.post1 - 0.4.9) and
-``hold`` (releases with the pack's hold), imported below in this order.
+Layout: ``no_timeout`` (releases whose decode has no waiting timeout, 0.4.5.post1 - 0.4.9),
+``no_failure_branch`` (0.4.5.post1 - 0.4.6.post4, whose decode had no failure branch: the pack's
+release is for a refused room only, on every decode rank together) and ``hold`` (releases with the
+pack's hold), imported below in this order.
 """
 
 import importlib
 
 # The scenario modules, in the order their cases run and are listed (each registers its cases on import).
-SCENARIOS = ("no_timeout", "hold")
+SCENARIOS = ("no_timeout", "no_failure_branch", "hold")
 
 for _scenario in SCENARIOS:
     importlib.import_module(f"{__name__}.{_scenario}")

@@ -122,10 +122,12 @@ CODE_FACT_RELEASES = (
     "0.4.7.post1",
     "0.4.7",
     "0.4.6.post5",
+    "0.4.6.post4",
     "0.4.6.post3",
     "0.4.6.post2",
     "0.4.6",
     "0.4.5.post3",
+    "0.4.5.post2",
 )
 
 
@@ -163,6 +165,8 @@ def test_each_setup_field_is_what_the_trees_code_says(release_tree, version):
     unconditional = body.strip().endswith("return Response(status_code=200)") and body.count("\n") < 3
     assert unconditional == setup.health_before_warmup
     assert _connector_takes_the_routed_address(srt) == setup.configured_route
+    # the memory fraction picked by comparing a device memory that is None on a CPU (a TypeError)
+    assert ("if gpu_mem <= 81920:" in server_args) == (setup.mem_fraction_static is not None)
 
 
 def _connector_takes_the_routed_address(srt: Path) -> bool:

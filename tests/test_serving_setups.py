@@ -89,6 +89,11 @@ def test_environment_and_path_per_setup():
     assert setups.pythonpath_extras(setups.serving_for("0.4.10.post2"))[-1] == str(setups.SERVER_ADDONS)
     record = setups.record(setups.serving_for("0.4.6.post5"))
     assert record["name"] == "reserved-tokens-env" and record["exceptions"]
+    # 0.4.5.post3 - 0.4.6.post4 cannot pick a memory fraction on a CPU: the setup passes one
+    assert record["mem_fraction_static"] is None
+    assert setups.record(setups.serving_for("0.4.6.post4"))["mem_fraction_static"] == 0.88
+    assert [v for v in ("0.4.5.post2", "0.4.5.post3", "0.4.6.post4", "0.4.6.post5")
+            if setups.serving_for(v).mem_fraction_static] == ["0.4.5.post3", "0.4.6.post4"]
 
 
 def _cpu_count(extra_env: dict[str, str]) -> int:

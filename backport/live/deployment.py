@@ -193,8 +193,12 @@ def nccl_port_names(setup: ServingSetup) -> tuple[str, ...]:
     return ("nccl",) if setup.nccl_port else ()
 
 
-def with_nccl_port(setup: ServingSetup, role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
-    return (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
+def with_setup_flags(setup: ServingSetup, role: tuple[str, ...], ports: dict[str, int]) -> tuple[str, ...]:
+    """A server's role flags and what its setup adds: --nccl-port, --mem-fraction-static."""
+    flags = (*role, "--nccl-port", str(ports["nccl"])) if setup.nccl_port else role
+    if setup.mem_fraction_static is not None:
+        flags += ("--mem-fraction-static", str(setup.mem_fraction_static))
+    return flags
 
 
 @contextlib.contextmanager
@@ -213,7 +217,7 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
 
     def prefill_argv(ports: dict[str, int]) -> list[str]:
         role = (*PREFILL_FLAGS, "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["prefill"])
+        return server_argv(env, model, with_setup_flags(setup, role, ports), ports["prefill"])
 
     def router_argv(ports: dict[str, int]) -> list[str]:
         return [
@@ -243,7 +247,7 @@ def deployed(env: ServingEnv, package_root: Path, version: str, model: TinyModel
                 Launch("prefill", prefill_argv, ("prefill", "bootstrap", *nccl), server_env),
                 Launch(
                     "decode",
-                    lambda ports: server_argv(env, model, with_nccl_port(setup, decode_role, ports),
+                    lambda ports: server_argv(env, model, with_setup_flags(setup, decode_role, ports),
                                               ports["decode"]),
                     ("decode", *nccl),
                     server_env,

@@ -38,7 +38,7 @@ from backport.live.deployment import (
     nccl_port_names,
     server_argv,
     wait_warmed_up,
-    with_nccl_port,
+    with_setup_flags,
 )
 from backport.live.environment import ServingEnv
 from backport.live.model import TinyModel, ensure_model
@@ -271,12 +271,12 @@ def deployed_2p1d(env: ServingEnv, package_root: Path, model: TinyModel, workdir
     def decode_argv(ports: dict[str, int]) -> list[str]:
         pool = str(DECODE_POOL + setup.decode_pool_extra)
         role = (*decode_flags(package_root, setup), "--max-total-tokens", pool)
-        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["decode"])
+        return server_argv(env, model, with_setup_flags(setup, role, ports), ports["decode"])
 
     def prefill_argv(ports: dict[str, int]) -> list[str]:
         role = ("--disaggregation-mode", "prefill", "--max-total-tokens", str(PREFILL_POOL),
                 "--disaggregation-bootstrap-port", str(ports["bootstrap"]))
-        return server_argv(env, model, with_nccl_port(setup, role, ports), ports["prefill"])
+        return server_argv(env, model, with_setup_flags(setup, role, ports), ports["prefill"])
 
     started = time.monotonic()
     netns.set_port_range(*netns.OTHER_RANGE)

@@ -38,6 +38,7 @@ class ServingSetup:
     decode_pool_extra: int = 0          # decode's --max-total-tokens raised by this many
     health_before_warmup: bool = False  # /health answers 200 at once: ready is the warmup's log line
     configured_route: bool = False      # the host's route lookup answers SGLANG_HOST_IP (loopback)
+    mem_fraction_static: float | None = None  # --mem-fraction-static: the release cannot pick one on a CPU
     exceptions: tuple[str, ...] = ()    # the exceptions that applied (their reasons), once resolved
 
     def covers(self, version: str) -> bool:
@@ -101,6 +102,14 @@ EXCEPTIONS = (
         "decode.py hard-codes 512 reserved decode tokens (no flag, no variable before 0.4.6.post3): "
         "decode's pool is raised by 496 so a request's reservation leaves the same room as 16 "
         "reserved tokens in the 512-token pool",
+    ),
+    SetupException(
+        ">=0.4.5.post3,<0.4.6.post5",
+        {"mem_fraction_static": 0.88},
+        "server_args.py compares the device memory with 81920 MB to pick --mem-fraction-static, and on a "
+        "CPU that memory is None (TypeError at start, 0.4.5.post3 - 0.4.6.post4; 0.4.6.post5 tests for "
+        "None): the servers get 0.88, what these releases pick for one rank up to 80 GB and what "
+        "0.4.6.post5 picks on a CPU (the pool itself is set by --max-total-tokens)",
     ),
     SetupException(
         "<0.5.3",
@@ -167,5 +176,6 @@ def record(setup: ServingSetup) -> dict:
         "decode_pool_extra": setup.decode_pool_extra,
         "health_before_warmup": setup.health_before_warmup,
         "configured_route": setup.configured_route,
+        "mem_fraction_static": setup.mem_fraction_static,
         "exceptions": list(setup.exceptions),
     }

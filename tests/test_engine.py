@@ -675,6 +675,7 @@ def test_failed_dependency_fails_dependent(tmp_path, repo):
 def test_why_a_patch_failed_is_a_value_not_its_prose(tmp_path, repo):
     """"The pack cannot serve this release" (evidence.unserved_fixes) reads the engine's failure values:
     renaming every reason leaves it unchanged; reports written before the value judge by their shape."""
+    from backport.engine.report import ApplyReport
     from backport.evidence import unserved_fixes
 
     no_variant = apply_series(repo, load_pack(_variant_pack(tmp_path)), "0.5.16").patches[0]
@@ -692,7 +693,7 @@ def test_why_a_patch_failed_is_a_value_not_its_prose(tmp_path, repo):
                 d["reason"] = "renamed"
             if legacy:
                 d.pop("cause")
-        return {"status": "failed", "patches": docs}
+        return ApplyReport.from_json({"status": "failed", "patches": docs})
 
     for renamed, legacy in ((False, False), (True, False), (True, True)):
         served = unserved_fixes(report(no_variant, waiting, renamed=renamed, legacy=legacy))

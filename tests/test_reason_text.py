@@ -98,9 +98,9 @@ def verdicts(report, version: str, classes: list[dict]) -> dict:
     rows = case_rows(probes)
     out: dict = {
         "status": (report.status, report.exit_code),
-        "unserved": evidence.unserved_fixes(apply),
+        "unserved": evidence.unserved_fixes(report),
         "exposure run": unserved(report),
-        "exposure line": evidence.exposure_line(version, apply),
+        "exposure line": evidence.exposure_line(version, report),
         # the run's PASS/FAIL where a fix's upstream test still fails (a finding only with the fix)
         "result": {p.fix: summarise(rows, probes, _upstream(p.fix), None, apply)["result"]
                    for p in report.patches},

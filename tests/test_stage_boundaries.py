@@ -28,6 +28,8 @@ SKIP = ("backport/live/standins/",)
 EDGES: dict[str, str] = {
     "backport.evidence.artifacts.tree_digest": "reads a subject of a receipt read back (formats 3 and 4)",
     "backport.evidence.scope.covers_line": "reads predicate.cases of a receipt (`run` prints it)",
+    "backport.evidence.scope.receipt_apply": "reads predicate.apply of a receipt (any bundle format) into "
+                                             "the ApplyReport record",
     "backport.evidence.scope.reference_comparison": "reads predicate.cases of a receipt (`run` prints it)",
     "backport.evidence.verify.finding_reason": "reads predicate.summary of a verified receipt",
     "backport.evidence.merge.merge": "the merged summary, written as merged.json and printed by --json",
@@ -41,8 +43,6 @@ LEFT: dict[str, str] = {
     "backport.evidence.environment.environment_record": "the probe environment and probe documents: the "
                                                         "tree probe result record",
     "backport.evidence.environment.toolkit_info": "predicate.toolkit: a Toolkit record with to_json",
-    "backport.evidence.scope.exposure_line": "the apply report: an ApplyReport record",
-    "backport.evidence.scope.unserved_fixes": "the apply report: an ApplyReport record",
     "backport.evidence.vulnerabilities.add_aliases": "the pack's vulnerability classes: a VulnClass record",
     "backport.evidence.vulnerabilities.load_classes": "the pack's vulnerability classes: a VulnClass record",
     "backport.evidence.vulnerabilities.pack_classes": "the pack's vulnerability classes: a VulnClass record",

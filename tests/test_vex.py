@@ -270,6 +270,7 @@ def test_a_race_safe_only_through_the_timeout_is_not_cited_as_a_drain_ack(classe
 
 def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     """No patched tree (the pack cannot serve the release): the pristine tree is the product, its own head."""
+    from backport.engine.report import ApplyReport
     from backport.evidence.scope import exposure_line
     from backport.evidence.verdicts import case_rows
 
@@ -291,7 +292,7 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     apply = {"status": "failed", "patches": [{"fix": "pr36988", "variant": None, "status": "failed"},
                                              {"fix": "pr38935", "variant": "v.patch", "status": "failed",
                                               "reason": "missing dependency: pr36988"}]}
-    line = exposure_line("0.5.9", apply)
+    line = exposure_line("0.5.9", ApplyReport.from_json(apply))
     assert line.startswith("sglang 0.5.9 stays exposed: ") and "no variant of pr36988" in line
     assert "None" not in line and "pr38935 depend(s) on it" in line
 

@@ -26,12 +26,12 @@ if TYPE_CHECKING:  # the evidence package (jsonschema, cyclonedx) is imported wh
 
 def render_summary(bundle: Bundle, written: Path, previous: Path | None = None) -> str:
     from backport import evidence
-    from backport.evidence.scope import covers_line, reference_comparison
+    from backport.evidence.scope import covers_line, receipt_apply, reference_comparison
 
     p = bundle.statement["predicate"]
     roles = [r for r in evidence.ROLES if r in p["probes"]]
     exposure = (
-        [evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])]
+        [evidence.exposure_line(p["inputs"]["target"]["version"], receipt_apply(p))]
         if p["mode"] == "exposure"
         else []
     )
@@ -101,6 +101,7 @@ def options_from(args) -> list:
 
 def _document(outcome) -> dict:
     from backport import evidence
+    from backport.evidence.scope import receipt_apply
 
     p = outcome.bundle.statement["predicate"]
     return {
@@ -108,7 +109,7 @@ def _document(outcome) -> dict:
         "result": outcome.summary["result"],
         "exit_code": outcome.exit_code,
         "mode": p["mode"],
-        "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], p["apply"])
+        "exposure": evidence.exposure_line(p["inputs"]["target"]["version"], receipt_apply(p))
         if p["mode"] == "exposure"
         else None,
         "receipt_sha256": outcome.receipt_sha256,

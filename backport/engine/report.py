@@ -42,6 +42,12 @@ class HunkResult:
             d.update(reason=self.reason, expected=self.expected, actual=self.actual)
         return d
 
+    @classmethod
+    def from_json(cls, doc: dict) -> HunkResult:
+        return cls(file=doc["file"], status=HunkStatus(doc["status"]), offset=doc.get("offset", 0),
+                   fuzz=doc.get("fuzz", 0), line=doc.get("line", 0), expected=doc.get("expected"),
+                   actual=doc.get("actual"), reason=doc.get("reason", ""))
+
 
 @dataclass(frozen=True)
 class PatchResult:
@@ -61,6 +67,23 @@ class PatchResult:
         if self.cause:  # failed and not-applicable only (reports written before it lack it)
             d["cause"] = self.cause
         return d
+
+    @classmethod
+    def from_json(cls, doc: dict) -> PatchResult:
+        """A patch of a report read back. Reports written before `cause` say a failure's cause by
+        their shape: no variant; a variant not tried (no hunk): a missing dependency; else it did not
+        place. A cause this reader does not know (a later toolkit's) reads as not placing: a defect
+        of the pack, never "the pack cannot serve this release"."""
+        status = PatchStatus(doc["status"])
+        hunks = tuple(HunkResult.from_json(h) for h in doc.get("hunks") or ())
+        cause: Cause | None = None
+        if doc.get("cause"):
+            cause = Cause(doc["cause"]) if doc["cause"] in set(Cause) else DOES_NOT_PLACE
+        elif status == FAILED:
+            cause = NO_VARIANT if not doc.get("variant") else DOES_NOT_PLACE if hunks else MISSING_DEPENDENCY
+        return cls(fix=doc["fix"], variant=doc.get("variant"), status=status, reason=doc.get("reason", ""),
+                   hunks=hunks, commit=doc.get("commit"), variant_sha256=doc.get("variant_sha256"),
+                   cause=cause)
 
 
 @dataclass(frozen=True)
@@ -106,3 +129,13 @@ class ApplyReport:
         if self.recovery:
             doc["recovery"] = self.recovery
         return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ApplyReport:
+        """The report read back from apply-report.json or a receipt's `apply` (any bundle format)."""
+        return cls(tree=doc.get("tree", ""), version=doc.get("version", ""),
+                   base_commit=doc.get("base_commit", ""), head_commit=doc.get("head_commit", ""),
+                   status=ApplyStatus(doc["status"]),
+                   patches=tuple(PatchResult.from_json(p) for p in doc.get("patches") or ()),
+                   check=bool(doc.get("check", False)), package_prefix=doc.get("package_prefix", ""),
+                   recovery=doc.get("recovery", ""))

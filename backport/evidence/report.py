@@ -62,8 +62,9 @@ def render_report(statement: dict) -> str:
         lines += [
             "",
             (
-                f"Apply status: {p['apply'].get('status')}: {scope.unserved_reason(p['apply'])}; no patched "
-                f"tree was built, so nothing here is a fix (the release stays exposed)."
+                f"Apply status: {p['apply'].get('status')}: "
+                f"{scope.unserved_reason(scope.receipt_apply(p))}; no patched tree was built, so nothing "
+                "here is a fix (the release stays exposed)."
             ),
         ]
     elif p["apply"] is not None:

@@ -7,7 +7,7 @@ results, and the operating caveats that no case can prove are listed every time.
 
 from __future__ import annotations
 
-from backport.engine.report import DOES_NOT_PLACE, MISSING_DEPENDENCY, NO_VARIANT
+from backport.engine.report import MISSING_DEPENDENCY, NO_VARIANT, ApplyReport
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 from backport.vocab import PatchStatus, TreeVerdict
 
@@ -170,29 +170,19 @@ def render(statement: dict) -> list[str]:
     return lines + rollout(statement)
 
 
-def unserved_fixes(apply: dict | None) -> tuple[list[str], list[str]] | None:
-    """The one reading of "the pack cannot serve this release" (apply-report.json's form):
-    (fixes with no variant for it, fixes that failed only because they depend on one), or None
-    when it can. A variant that exists and does not place is a defect of the pack, not this."""
-    failed = [x for x in (apply or {}).get("patches", []) if x.get("status") == PatchStatus.FAILED]
-    lacking = [x["fix"] for x in failed if _failure(x) == NO_VARIANT]
-    waiting = [x["fix"] for x in failed if _failure(x) == MISSING_DEPENDENCY]
+def unserved_fixes(apply: ApplyReport | None) -> tuple[list[str], list[str]] | None:
+    """The one reading of "the pack cannot serve this release": (fixes with no variant for it, fixes
+    that failed only because they depend on one), or None when it can. A variant that exists and does
+    not place is a defect of the pack, not this. Read from the patches' causes, never their reasons."""
+    failed = [x for x in (apply.patches if apply else ()) if x.status == PatchStatus.FAILED]
+    lacking = [x.fix for x in failed if x.cause == NO_VARIANT]
+    waiting = [x.fix for x in failed if x.cause == MISSING_DEPENDENCY]
     if not lacking or len(lacking) + len(waiting) != len(failed):
         return None
     return lacking, waiting
 
 
-def _failure(patch: dict) -> str:  # a Cause's value (a later report's may be new to this reader)
-    """Why a failed patch failed: the report's `cause`; reports written before it had one say it by
-    their shape (no variant; a variant not tried: no hunk; a variant that did not place)."""
-    if patch.get("cause"):
-        return str(patch["cause"])
-    if not patch.get("variant"):
-        return NO_VARIANT
-    return DOES_NOT_PLACE if patch.get("hunks") else MISSING_DEPENDENCY
-
-
-def unserved_reason(apply: dict | None) -> str:
+def unserved_reason(apply: ApplyReport | None) -> str:
     """Why the pack cannot serve a release: the fixes with no variant for it (apply-report.json
     lists the variants each one has)."""
     fixes = unserved_fixes(apply)
@@ -203,11 +193,16 @@ def unserved_reason(apply: dict | None) -> str:
             + (f", and {', '.join(waiting)} depend(s) on it" if waiting else ""))
 
 
-def exposure_line(version: str, apply: dict | None) -> str:
+def exposure_line(version: str, apply: ApplyReport | None) -> str:
     """The one line an exposure run prints: the release, why the pack cannot serve it, that it stays
     exposed."""
     return (f"sglang {version} stays exposed: the pack cannot serve it ({unserved_reason(apply)}); "
             f"its pristine tree was probed to show the exposure, no patched tree was built")
+
+
+def receipt_apply(p: dict) -> ApplyReport | None:
+    """The apply report a receipt's predicate carries (None: no apply ran), read back typed."""
+    return ApplyReport.from_json(p["apply"]) if p.get("apply") is not None else None
 
 
 def exposure_lines(p: dict) -> list[str]:
@@ -217,7 +212,7 @@ def exposure_lines(p: dict) -> list[str]:
         "## Exposure",
         "",
         (
-            f"**{exposure_line(p['inputs']['target']['version'], p['apply'])}.** This bundle "
+            f"**{exposure_line(p['inputs']['target']['version'], receipt_apply(p))}.** This bundle "
             "is about the release as shipped: the cases below are its pristine tree's verdicts, the VEX "
             "documents state `affected` where a case is unsafe on it, and nothing here claims a fix."
         ),

@@ -149,7 +149,7 @@ def apply_pack(the_plan: Plan, tree: Tree) -> ApplyReport:
 def unserved(report: ApplyReport) -> bool:
     """The pack cannot serve the release (evidence.scope.unserved_fixes): an exposure run; any
     other failed apply is refused as before."""
-    return evidence.unserved_fixes(report.to_json()) is not None
+    return evidence.unserved_fixes(report) is not None
 
 
 def tree_input(

@@ -22,6 +22,7 @@ from backport import cli, evidence
 from backport.errors import BadInput, Finding
 from backport.evidence import TreeInput
 from backport.evidence.artifacts import TREE_DIGEST_METHOD
+from backport.evidence.environment import Toolkit
 from backport.evidence.table import TABLE_KEYS, attached_from, pointed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -223,13 +224,13 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
                 "commit": None, "unpinned": False, "head": None},
         trees=trees, probe_docs=probe_docs, apply_report=apply_report, patches=patches,
         series_files=[{"path": "fixes.toml", "sha256": D[9]}], upstream_tests=upstream,
-        environment=environment, toolkit={"name": "sglang-backport", "version": "0.1.0", "git_commit": None,
-                                          "git_dirty": None,
-                                          "code": {"backport_sha256": "ab" * 32, "probes_sha256": "ac" * 32,
-                                                   "probe_requirements_sha256": "ad" * 32},
-                                          "distribution": {"installed_from": "wheel",
-                                                           "wheel": "sglang_backport-0.1.0-py3-none-any.whl",
-                                                           "wheel_sha256": "ae" * 32}},
+        environment=environment,
+        toolkit=Toolkit(version="0.1.0", git_commit=None, git_dirty=None,
+                        code={"backport_sha256": "ab" * 32, "probes_sha256": "ac" * 32,
+                              "probe_requirements_sha256": "ad" * 32},
+                        distribution={"installed_from": "wheel",
+                                      "wheel": "sglang_backport-0.1.0-py3-none-any.whl",
+                                      "wheel_sha256": "ae" * 32}),
         timestamps=timestamps, reference_choice="default",
         extra_paths=((series, ""), (tmp / "cache", "<cache>"), (link, "probes")), coverage=fixture_coverage(),
         **record_fields))
@@ -505,7 +506,7 @@ def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
     bundle = evidence.assemble(evidence.RunRecord(
         mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
         probe_docs=docs, apply_report=None, patches=[], series_files=[], upstream_tests=None,
-        environment=p["environment"], toolkit=p["toolkit"], timestamps=p["timestamps"]))
+        environment=p["environment"], toolkit=Toolkit.from_json(p["toolkit"]), timestamps=p["timestamps"]))
     out = evidence.write_bundle(tmp_path / "pair", bundle)
     assert "apply-report.json" not in _files(out)
     assert "No patch applied (the head tree is given" in (out / "REPORT.md").read_text()

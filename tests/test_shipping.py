@@ -94,7 +94,8 @@ def test_the_installed_toolkit_finds_its_data_and_runs(installed, tmp_path):
         [
             str(installed / "python"),
             "-c",
-            "import json; from backport.evidence import toolkit_info; print(json.dumps(toolkit_info()))",
+            "import json; from backport.evidence import toolkit_info; "
+            "print(json.dumps(toolkit_info().to_json()))",
         ],
         cwd=tmp_path,
     )

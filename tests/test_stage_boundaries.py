@@ -42,11 +42,9 @@ LEFT: dict[str, str] = {
     "backport.evidence.coverage.totals": "the per-patch coverage rows: a PatchCoverage record",
     "backport.evidence.environment.environment_record": "the probe environment and probe documents: the "
                                                         "tree probe result record",
-    "backport.evidence.environment.toolkit_info": "predicate.toolkit: a Toolkit record with to_json",
     "backport.evidence.vulnerabilities.add_aliases": "the pack's vulnerability classes: a VulnClass record",
     "backport.evidence.vulnerabilities.load_classes": "the pack's vulnerability classes: a VulnClass record",
     "backport.evidence.vulnerabilities.pack_classes": "the pack's vulnerability classes: a VulnClass record",
-    "backport.live.model.ensure_model": "`shape` overrides make_model.SHAPE: a ModelShape record",
 }
 
 

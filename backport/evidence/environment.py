@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from backport import __version__, resources
@@ -66,7 +67,32 @@ def distribution_info() -> dict:
             "wheel_sha256": digest}
 
 
-def toolkit_info(root: Path | None = None) -> dict:
+@dataclass(frozen=True)
+class Toolkit:
+    """The toolkit that judged (the receipt's predicate.toolkit): version, git commit of the checkout
+    (None outside one) and whether its deciding code was dirty, the digests of that code, how it was
+    installed."""
+
+    version: str
+    git_commit: str | None
+    git_dirty: bool | None
+    code: dict[str, str]
+    distribution: dict[str, str | None]
+    name: str = "sglang-backport"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "version": self.version, "git_commit": self.git_commit,
+                "git_dirty": self.git_dirty, "code": dict(self.code), "distribution": dict(self.distribution)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Toolkit:
+        """A receipt's predicate.toolkit read back (format 1 and 2 receipts have no code or distribution)."""
+        return cls(version=doc["version"], git_commit=doc.get("git_commit"), git_dirty=doc.get("git_dirty"),
+                   code=dict(doc.get("code") or {}), distribution=dict(doc.get("distribution") or {}),
+                   name=doc.get("name", "sglang-backport"))
+
+
+def toolkit_info(root: Path | None = None) -> Toolkit:
     """Version and git commit of the toolkit checkout (commit null when it is not a git checkout), the
     digests of the code that judged, and how the toolkit was installed."""
     root = Path(root or resources.SOURCE_ROOT)
@@ -88,8 +114,8 @@ def toolkit_info(root: Path | None = None) -> dict:
             repo.close()
     except Exception:  # noqa: BLE001 - not a checkout, or no git: recorded as null
         commit, dirty = None, None
-    return {"name": "sglang-backport", "version": __version__, "git_commit": commit, "git_dirty": dirty,
-            "code": code_digests(), "distribution": distribution_info()}
+    return Toolkit(version=__version__, git_commit=commit, git_dirty=dirty, code=code_digests(),
+                   distribution=distribution_info())
 
 
 _ENV_SCRIPT = r"""

@@ -64,7 +64,7 @@ def build_statement(record: RunRecord, files: dict[str, str]) -> dict:
     predicate = {
         "schema_version": formats.current(),
         "mode": r.mode,
-        "toolkit": r.toolkit,
+        "toolkit": r.toolkit.to_json(),
         "environment": r.environment,
         "inputs": {
             "target": r.target,

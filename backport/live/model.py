@@ -44,17 +44,19 @@ class TinyModel:
     sha256: str                        # of the weights file
 
 
-def model_key(prompts: dict | None = None, shape: dict | None = None) -> str:
+def model_key(prompts: dict[str, tuple[list[int], int]] | None = None,
+              shape: dict[str, int] | None = None) -> str:
     material = MAKER.read_bytes() + json.dumps([PROMPTS, NEW_TOKENS], sort_keys=True).encode()
     if prompts is not None or shape is not None:  # the default model's key stays what it was
         material += json.dumps([prompts, shape], sort_keys=True).encode()
     return hashlib.sha256(material).hexdigest()[:16]
 
 
-def ensure_model(python: Path, *, name: str = "tiny-llama", shape: dict | None = None,
+def ensure_model(python: Path, *, name: str = "tiny-llama", shape: dict[str, int] | None = None,
                  prompts: dict[str, tuple[list[int], int]] | None = None) -> TinyModel:
     """The cached model (made on first use by `python`, which has torch and transformers).
-    `shape` overrides make_model.SHAPE; `prompts` (name -> (ids, new tokens)) replaces PROMPTS."""
+    `shape` overrides entries of make_model.SHAPE (config integers by name); `prompts` (name -> (ids,
+    new tokens)) replaces PROMPTS."""
     final = cache.cache_root() / "models" / f"{name}-{model_key(prompts, shape)}"
     wanted = prompts if prompts is not None else {n: (ids, NEW_TOKENS) for n, ids in PROMPTS.items()}
     if not (final / "reference.json").is_file():

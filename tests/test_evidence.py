@@ -83,7 +83,7 @@ UPSTREAM_RAN = {"pr36988": [f"{PREFILL}:710", f"{PREFILL}:712"], "pr38935": []}
 
 def fixture_coverage() -> dict:
     """The coverage section a run with upstream's tests under coverage writes (job/coverage.py)."""
-    from backport.evidence.coverage import totals
+    from backport.evidence.coverage import entries, totals
 
     patches = [
         {
@@ -114,7 +114,8 @@ def fixture_coverage() -> dict:
         {"fix": "pr38935", "file": UTILS, "function": "admit", "first_line": 10, "last_line": 13, "lines": 3,
          "executed_by_unsafe_cases": 0, "unsafe_cases": []},
     ]
-    return {"measured": True, "patches": patches, "totals": totals(patches), "min_percent": None,
+    section = {"measured": True, "patches": patches}
+    return {**section, "totals": totals(entries(section)), "min_percent": None,
             "upstream_tests": {"measured": True, "reason": None}, "pristine_functions": functions,
             "pristine_reason": None}
 

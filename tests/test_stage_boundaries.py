@@ -39,7 +39,6 @@ EDGES: dict[str, str] = {
 
 # Not converted yet (shrinks): what each would become.
 LEFT: dict[str, str] = {
-    "backport.evidence.coverage.totals": "the per-patch coverage rows: a PatchCoverage record",
     "backport.evidence.environment.environment_record": "the probe environment and probe documents: the "
                                                         "tree probe result record",
     "backport.evidence.vulnerabilities.add_aliases": "the pack's vulnerability classes: a VulnClass record",

@@ -9,27 +9,67 @@ and rendered for REPORT.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from backport.vocab import TreeVerdict
 
 
-def totals(patches: list[dict]) -> dict:
-    added = sum(p["added"] for p in patches)
-    executed = sum(p["executed_by_probes"] for p in patches)
-    upstream = [p.get("executed_by_upstream_tests") for p in patches]
+@dataclass(frozen=True)
+class PatchCoverage:
+    """One applied patch's added lines (the section's `patches[]`): how many are executable and not
+    excluded, how many ran under a probe case, under upstream's tests (None: they did not run) or only
+    under them, the excluded ones with their reasons, the ones nothing ran (`file:line`)."""
+
+    fix: str
+    variant: str | None
+    added: int
+    executed_by_probes: int
+    executed_by_upstream_tests: int | None
+    executed_only_by_upstream_tests: tuple[str, ...]
+    excluded: tuple[dict[str, str], ...]  # {"line": "file:N", "reason": ...}
+    not_executed: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"fix": self.fix, "variant": self.variant, "added": self.added,
+                "executed_by_probes": self.executed_by_probes,
+                "executed_by_upstream_tests": self.executed_by_upstream_tests,
+                "executed_only_by_upstream_tests": list(self.executed_only_by_upstream_tests),
+                "excluded": [dict(x) for x in self.excluded], "not_executed": list(self.not_executed)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> PatchCoverage:
+        """An entry of a receipt read back (before upstream coverage an entry had no upstream keys)."""
+        return cls(fix=doc["fix"], variant=doc.get("variant"), added=doc["added"],
+                   executed_by_probes=doc["executed_by_probes"],
+                   executed_by_upstream_tests=doc.get("executed_by_upstream_tests"),
+                   executed_only_by_upstream_tests=tuple(doc.get("executed_only_by_upstream_tests") or ()),
+                   excluded=tuple(doc["excluded"]), not_executed=tuple(doc["not_executed"]))
+
+
+def totals(patches: Sequence[PatchCoverage]) -> dict[str, int | float | None]:
+    added = sum(p.added for p in patches)
+    executed = sum(p.executed_by_probes for p in patches)
+    upstream = [p.executed_by_upstream_tests for p in patches]
     return {"added": added, "executed_by_probes": executed,
-            "executed_by_upstream_tests": None if not patches or None in upstream else sum(upstream),
-            "executed_only_by_upstream_tests": sum(len(p.get("executed_only_by_upstream_tests") or ())
-                                                   for p in patches),
-            "excluded": sum(len(p["excluded"]) for p in patches),
-            "not_executed": sum(len(p["not_executed"]) for p in patches),
+            "executed_by_upstream_tests": None if not patches or None in upstream else sum(
+                n for n in upstream if n is not None),
+            "executed_only_by_upstream_tests": sum(len(p.executed_only_by_upstream_tests) for p in patches),
+            "excluded": sum(len(p.excluded) for p in patches),
+            "not_executed": sum(len(p.not_executed) for p in patches),
             "percent": round(100.0 * executed / added, 1) if added else 100.0}
+
+
+def entries(coverage: dict) -> list[PatchCoverage]:
+    """The section's per-patch entries, read back."""
+    return [PatchCoverage.from_json(p) for p in coverage["patches"]]
 
 
 def summary(coverage: dict | None) -> dict | None:
     """What `summary.coverage` says: the totals and the floor the run was held to (None: not measured)."""
     if not coverage or not coverage.get("measured"):
         return None
-    return {**totals(coverage["patches"]), "min_percent": coverage.get("min_percent")}
+    return {**totals(entries(coverage)), "min_percent": coverage.get("min_percent")}
 
 
 def below_floor(coverage: dict | None) -> bool:
@@ -140,9 +180,9 @@ def problems(
     if record is not None and set(record) != {e["fix"] for e in coverage["patches"]}:
         found.append(f"upstream-tests.json records ran lines for {sorted(record)}, the coverage section has "
                      f"{sorted(e['fix'] for e in coverage['patches'])}")
-    if coverage.get("totals") != totals(coverage["patches"]):
+    if coverage.get("totals") != totals(entries(coverage)):
         found.append(f"coverage.totals {coverage.get('totals')} do not follow from the per-patch entries "
-                     f"{totals(coverage['patches'])}")
+                     f"{totals(entries(coverage))}")
     found += _pristine_problems(coverage, pristine, {e["fix"] for e in coverage["patches"]})
     return found
 
@@ -172,7 +212,7 @@ def render(coverage: dict | None) -> list[str]:
     if not coverage or not coverage.get("measured"):
         reason = (coverage or {}).get("reason", "not measured in this run")
         return lines + [f"Not measured: {reason}.", ""]
-    t = totals(coverage["patches"])
+    t = totals(entries(coverage))
     upstream = coverage.get("upstream_tests") or {"measured": False, "reason": "not recorded"}
     lines += [
         f"{t['executed_by_probes']} of the {t['added']} executable lines the pack adds ran under a probe "

@@ -35,7 +35,7 @@ from unidiff import PatchSet
 from backport import gitops
 from backport.engine.report import ApplyReport, PatchResult
 from backport.errors import BadInput
-from backport.evidence.coverage import totals
+from backport.evidence.coverage import PatchCoverage, totals
 from backport.gitops import blame_commits
 from backport.pack import Pack
 from backport.vocab import PatchStatus, TreeVerdict
@@ -204,7 +204,7 @@ def patch_coverage(
         fix = pack.fixes.get(patch.fix)
         exclusions = fix.coverage_exclude if fix is not None else ()
         added = executed = 0
-        excluded: list[dict] = []
+        excluded: list[dict[str, str]] = []
         not_executed: list[str] = []
         only_upstream: list[str] = []
         upstream_hits: list[str] = []
@@ -240,12 +240,13 @@ def patch_coverage(
                     not_executed.append(where)
         if upstream_ran is not None:
             by_upstream[patch.fix] = upstream_hits
-        patches.append({"fix": patch.fix, "variant": patch.variant, "added": added,
-                        "executed_by_probes": executed,
-                        "executed_by_upstream_tests": None if upstream_ran is None else len(upstream_hits),
-                        "executed_only_by_upstream_tests": only_upstream,
-                        "excluded": excluded, "not_executed": not_executed})
-    section = {"measured": True, "patches": patches, "totals": totals(patches), "min_percent": min_percent,
+        patches.append(PatchCoverage(
+            fix=patch.fix, variant=patch.variant, added=added, executed_by_probes=executed,
+            executed_by_upstream_tests=None if upstream_ran is None else len(upstream_hits),
+            executed_only_by_upstream_tests=tuple(only_upstream), excluded=tuple(excluded),
+            not_executed=tuple(not_executed)))
+    section = {"measured": True, "patches": [p.to_json() for p in patches], "totals": totals(patches),
+               "min_percent": min_percent,
                "upstream_tests": {"measured": upstream_ran is not None,
                                   "reason": None if upstream_ran is not None else upstream_reason}}
     return section, by_upstream

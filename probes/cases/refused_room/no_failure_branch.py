@@ -20,6 +20,30 @@ from probes.rigs.refused_room import (
 from probes.standins import sg
 
 FAILED_ROOM = 4244
+STOP = "Transfer failed"  # what these releases' pop_transferred raises on a Failed poll
+
+
+def no_failure_branch(elsewhere: str) -> None:
+    """Read from the code: up to 0.4.6.post4 a Failed poll raises `STOP` (the pack's release on those
+    releases keeps that for a transfer's own Failed, and releases a refused room only). Elsewhere the
+    case is not applicable: `elsewhere` says what judges that release instead."""
+    import inspect
+
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    if f'raise Exception("{STOP}")' not in inspect.getsource(DecodeTransferQueue.pop_transferred):
+        raise NotApplicable(f"decode has a failed-transfer path of its own (0.4.6.post5 on): {elsewhere}")
+
+
+def pop(rig: TransferRig) -> str | None:
+    """One transfer-queue poll; the release's own stop on a Failed poll is returned, not raised."""
+    try:
+        rig.queue.pop_transferred()
+    except Exception as exc:  # noqa: BLE001 - the release's own stop, recorded by the caller
+        if str(exc) != STOP:
+            raise
+        return str(exc)
+    return None
 
 
 @case(
@@ -33,14 +57,9 @@ def transfer_failure_not_released_as_refused(ctx) -> Outcome:
     pack's release there is for a room prefill reported refused, and only for it: a failed chunk's
     Failed (which 0.4.5.post1 - 0.4.6.post3's decode thread stores as it comes) must not free pages
     that the room's later chunks may still write (the page-lifetime class)."""
-    import inspect
-
     from sglang.srt.disaggregation.base import KVPoll
-    from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
-    if 'raise Exception("Transfer failed")' not in inspect.getsource(DecodeTransferQueue.pop_transferred):
-        raise NotApplicable("decode has a failed-transfer path of its own (0.4.6.post5 on): the "
-                            "page_lifetime cases judge when it releases")
+    no_failure_branch("the page_lifetime cases judge when it releases")
     prefill = MooncakeSide(ctx, "PREFILL", [])
     decode = MooncakeSide(ctx, "DECODE", [])
     rig = decode_rig(ctx)
@@ -48,13 +67,7 @@ def transfer_failure_not_released_as_refused(ctx) -> Outcome:
     # A failed chunk: the tree's prefill records Failed and syncs it to decode.
     decode.socket_in.put(status_frames(prefill, FAILED_ROOM, KVPoll.Failed))
     decode.run("decode_thread")
-    stopped = None
-    try:
-        rig.queue.pop_transferred()
-    except Exception as exc:  # noqa: BLE001 - the release's own stop, recorded below
-        if str(exc) != "Transfer failed":
-            raise
-        stopped = str(exc)
+    stopped = pop(rig)
     after = rig.snapshot(req)
     obs = {"decode_status": int(decode.mgr.request_status[FAILED_ROOM]), "decode_stopped_with": stopped,
            "after_failed": after, "streams": len(rig.ledger.of("stream", rid="failed"))}
@@ -110,13 +123,7 @@ def refused_room_released_on_every_rank_together(ctx) -> Outcome:
     the polls (MIN over the attention-TP group): the report reaches the two ranks one after the other,
     and between the two a rank that acted alone would leave the ranks' queues different (the next
     all-reduce would pair different requests) or stop decode on the other rank's Failed."""
-    import inspect
-
-    from sglang.srt.disaggregation.decode import DecodeTransferQueue
-
-    if 'raise Exception("Transfer failed")' not in inspect.getsource(DecodeTransferQueue.pop_transferred):
-        raise NotApplicable("decode releases a failed transfer on its own failure path (0.4.6.post5 on), "
-                            "agreed by the release's own all-reduce of the polls")
+    no_failure_branch("the release's own all-reduce of the polls agrees its release")
     wire = refuse_at_prefill(ctx, register_first=True)["wire"]  # what real prefill code sent
     ranks = []
     for _rank in (0, 1):
@@ -134,13 +141,7 @@ def refused_room_released_on_every_rank_together(ctx) -> Outcome:
         collective.new_round()
         views = []
         for _decode, rig, req in ranks:
-            try:
-                rig.queue.pop_transferred()
-                stopped = None
-            except Exception as exc:  # noqa: BLE001 - the release's own stop, recorded
-                if str(exc) != "Transfer failed":
-                    raise
-                stopped = str(exc)
+            stopped = pop(rig)
             views.append({"queued": len(rig.queue.queue), "stopped_with": stopped,
                           "streams": len(rig.ledger.of("stream", rid="refused")), **rig.snapshot(req)})
         return views

@@ -295,6 +295,14 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     line = exposure_line("0.5.9", ApplyReport.from_json(apply))
     assert line.startswith("sglang 0.5.9 stays exposed: ") and "no variant of pr36988" in line
     assert "None" not in line and "pr38935 depend(s) on it" in line
+    # read back from a receipt: the same line; a report outside the vocabulary is a finding, not a traceback
+    from backport.errors import Finding
+    from backport.evidence.scope import receipt_apply
+
+    assert exposure_line("0.5.9", receipt_apply({"apply": apply})) == line
+    assert receipt_apply({"apply": None}) is None
+    with pytest.raises(Finding, match="apply report does not read as one"):
+        receipt_apply({"apply": {**apply, "status": "half-applied"}})
 
 
 def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):

@@ -8,6 +8,7 @@ results, and the operating caveats that no case can prove are listed every time.
 from __future__ import annotations
 
 from backport.engine.report import MISSING_DEPENDENCY, NO_VARIANT, ApplyReport
+from backport.errors import Finding
 from backport.evidence.verdicts import PAIR_VERDICTS, REFERENCE, ROLES
 from backport.vocab import PatchStatus, TreeVerdict
 
@@ -201,8 +202,15 @@ def exposure_line(version: str, apply: ApplyReport | None) -> str:
 
 
 def receipt_apply(p: dict) -> ApplyReport | None:
-    """The apply report a receipt's predicate carries (None: no apply ran), read back typed."""
-    return ApplyReport.from_json(p["apply"]) if p.get("apply") is not None else None
+    """The apply report a receipt's predicate carries (None: no apply ran), read back typed; one that
+    does not read as a report is a finding about the bundle, never a traceback."""
+    if p.get("apply") is None:
+        return None
+    try:
+        return ApplyReport.from_json(p["apply"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise Finding(f"the bundle's apply report does not read as one "
+                      f"({type(exc).__name__}: {exc})") from None
 
 
 def exposure_lines(p: dict) -> list[str]:

@@ -180,9 +180,10 @@ def problems(
     if record is not None and set(record) != {e["fix"] for e in coverage["patches"]}:
         found.append(f"upstream-tests.json records ran lines for {sorted(record)}, the coverage section has "
                      f"{sorted(e['fix'] for e in coverage['patches'])}")
-    if coverage.get("totals") != totals(entries(coverage)):
+    derived = totals(entries(coverage))
+    if coverage.get("totals") != derived:
         found.append(f"coverage.totals {coverage.get('totals')} do not follow from the per-patch entries "
-                     f"{totals(entries(coverage))}")
+                     f"{derived}")
     found += _pristine_problems(coverage, pristine, {e["fix"] for e in coverage["patches"]})
     return found
 

@@ -153,6 +153,20 @@ def note_ack(mgr, room: int, rank: int, generation: int | None) -> None:
         mgr.note_abort_ack(room, rank)
 
 
+# What the tree's pop_transferred raises on a Failed poll up to 0.4.6.post4 (no failure branch).
+TRANSFER_FAILED_STOP = "Transfer failed"
+
+
+def failure_stops_decode() -> bool:
+    """Read from the tree's code: a Failed poll stops decode (`raise Exception("Transfer failed")` in
+    ``DecodeTransferQueue.pop_transferred``, up to 0.4.6.post4) instead of releasing the request; the
+    pack's refused-room release there keeps that for a transfer's own Failed."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    source = inspect.getsource(DecodeTransferQueue.pop_transferred)
+    return f'raise Exception("{TRANSFER_FAILED_STOP}")' in source
+
+
 class TransferRig:
     """The tree's DecodeTransferQueue with one request whose transfer failed."""
 

@@ -13,6 +13,7 @@ from probes.rigs.failed_transfer import (
     decode_log,
     drain_acking_manager,
     drain_acking_receiver,
+    failure_stops_decode,
     fake_receiver,
     no_capability_manager,
 )
@@ -30,13 +31,7 @@ def no_capability_backend_releases_at_once(ctx) -> Outcome:
     """#37454 must-preserve: a backend without the drain-ACK capability
     (FAKE) releases a failed transfer's pages at once, exactly once, and
     holds nothing."""
-    import inspect
-
-    from sglang.srt.disaggregation.decode import DecodeTransferQueue
-
-    if 'raise Exception("Transfer failed")' in inspect.getsource(DecodeTransferQueue.pop_transferred):
-        # Read from the code: up to 0.4.6.post4 a transfer's own Failed stops decode (the pack's
-        # refused-room release on those releases keeps that, and releases a refused room only).
+    if failure_stops_decode():
         raise NotApplicable("decode has no failed-transfer path: a transfer's own Failed raises")
     rig = TransferRig(ctx)
     rcv = fake_receiver(504)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import TransferRig
+from probes.rigs.failed_transfer import TRANSFER_FAILED_STOP, TransferRig, failure_stops_decode
 from probes.rigs.refused_room import (
     REFUSED_ROOM,
     FirstTokenBuffers,
@@ -20,18 +20,12 @@ from probes.rigs.refused_room import (
 from probes.standins import sg
 
 FAILED_ROOM = 4244
-STOP = "Transfer failed"  # what these releases' pop_transferred raises on a Failed poll
 
 
 def no_failure_branch(elsewhere: str) -> None:
-    """Read from the code: up to 0.4.6.post4 a Failed poll raises `STOP` (the pack's release on those
-    releases keeps that for a transfer's own Failed, and releases a refused room only). Elsewhere the
-    case is not applicable: `elsewhere` says what judges that release instead."""
-    import inspect
-
-    from sglang.srt.disaggregation.decode import DecodeTransferQueue
-
-    if f'raise Exception("{STOP}")' not in inspect.getsource(DecodeTransferQueue.pop_transferred):
+    """The cases here run where a Failed poll stops decode (up to 0.4.6.post4, read from the code);
+    elsewhere they are not applicable: `elsewhere` says what judges that release instead."""
+    if not failure_stops_decode():
         raise NotApplicable(f"decode has a failed-transfer path of its own (0.4.6.post5 on): {elsewhere}")
 
 
@@ -40,7 +34,7 @@ def pop(rig: TransferRig) -> str | None:
     try:
         rig.queue.pop_transferred()
     except Exception as exc:  # noqa: BLE001 - the release's own stop, recorded by the caller
-        if str(exc) != STOP:
+        if str(exc) != TRANSFER_FAILED_STOP:
             raise
         return str(exc)
     return None

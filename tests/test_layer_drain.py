@@ -1,5 +1,6 @@
 """The pack's own fix `sbp-layer-drain` (issue 41): sbp-abort-hold's prefill half on 0.4.6 - 0.4.9.post6.
-Its scope meets the hold's, its fingerprint reads only its own lines, and on a real release it alone
+Its scope ends where the hold carries its own prefill half (0.4.10), its fingerprint reads only its
+own lines, and on a real release it alone
 turns the per-layer send case safe and keeps the manager's pool up after a failed layer."""
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ def test_scope_meets_the_hold_and_each_release_has_one_variant(pack):
     pins = list(load_pins())
     served = [v for v in pins if fix.in_scope(v)]
     assert served[0] == "0.4.6" and pins[pins.index(served[-1]) + 1] == "0.4.10"
-    assert not any(hold.in_scope(v) for v in served) and hold.in_scope("0.4.10")
+    # the hold's decode side reaches down to 0.4.7; where both serve, the hold's variant carries no
+    # prefill wait of its own and depends on this fix (its prefill half there)
+    both = [v for v in served if hold.in_scope(v)]
+    assert both[0] == "0.4.7" and both[-1] == served[-1] and hold.in_scope("0.4.10")
+    for v in both:
+        variant = pack.variant_for("sbp-abort-hold", v)
+        assert FIX in variant.depends_on and "concurrent.futures.wait" not in variant.path.read_text(), v
     assert sorted(v.name for v in pack.variants[FIX]) == sorted(f"{FIX}-{v}.patch" for v in VARIANTS)
     for v in served:
         assert len([pv for pv in pack.variants[FIX] if pv.applies(v)]) == 1, v

@@ -32,11 +32,12 @@ CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
 PRESERVE_CASE = "transfer_failure_not_released_as_refused"
 # there too: two decode ranks release together, once both heard the report
 RANKS_CASE = "refused_room_released_on_every_rank_together"
-# sbp-refused-hold (0.4.10 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once
+# sbp-refused-hold (0.4.9.post1 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once (on
+# 0.4.7 - 0.4.9 sbp-refused-room reports and sbp-abort-hold's variants there count it)
 HOLD_FIX = "sbp-refused-hold"
 HOLD_CASE = "refused_room_ends_decode_hold"
-HOLD_VARIANTS = ("0.4.10", "0.5.1.post2", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.5.post2", "0.5.9",
-                 "0.5.10", "0.5.12")
+HOLD_VARIANTS = ("0.4.9.post1", "0.4.10", "0.5.1.post2", "0.5.3.post2", "0.5.3.post3", "0.5.4", "0.5.5.post2",
+                 "0.5.9", "0.5.10", "0.5.12")
 # the disaggregation sources a decode waiting timeout lives in (Mooncake's receiver, or the common
 # receiver it inherits from on later releases)
 TIMEOUT_HOMES = ("mooncake/conn.py", "common/conn.py", "base/conn.py")
@@ -61,12 +62,19 @@ def test_scope_and_variants(pack):
 
 
 def test_the_hold_fix_serves_exactly_the_hold_s_releases(pack):
-    """sbp-refused-hold is carried wherever sbp-abort-hold holds (its decode side counts the report in
-    the hold's own record), after it in the series, with a variant for every release of its scope."""
-    fix, hold = pack.fixes[HOLD_FIX], pack.fixes["sbp-abort-hold"]
+    """Wherever sbp-abort-hold holds, a refused room is reported and the report ends the hold: by
+    sbp-refused-hold (its decode side counts the report in the hold's own record; after the hold in
+    the series, with a variant for every release of its scope), or, below it, by sbp-refused-room,
+    whose report the hold's variants there count. Never both on one release."""
+    fix, hold, room = pack.fixes[HOLD_FIX], pack.fixes["sbp-abort-hold"], pack.fixes[FIX]
     pins = load_pins()
     assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935", "sbp-abort-hold")
-    assert [v for v in pins if fix.in_scope(v)] == [v for v in pins if hold.in_scope(v)]
+    held = [v for v in pins if hold.in_scope(v)]
+    assert [v for v in held if fix.in_scope(v) or room.in_scope(v)] == held
+    assert not [v for v in pins if fix.in_scope(v) and room.in_scope(v)]
+    for v in held:  # below sbp-refused-hold the hold's variant counts sbp-refused-room's report
+        if room.in_scope(v):
+            assert "sbp-refused-room" in pack.variant_for("sbp-abort-hold", v).depends_on, v
     assert pack.series.index(HOLD_FIX) == pack.series.index("sbp-abort-hold") + 1
     names = sorted(v.name for v in pack.variants[HOLD_FIX])
     assert names == sorted(f"{HOLD_FIX}-{v}.patch" for v in HOLD_VARIANTS)
@@ -125,7 +133,8 @@ def test_cases_are_not_applicable_exactly_where_decode_has_a_waiting_timeout(rel
 def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases, pack):
     """0.4.8.post1 - 0.4.9: decode holds the refused room's pages on the pristine tree (no report,
     no timeout); on the patched tree prefill reports it in the release's own three frames, decode
-    releases at once and still serves the next valid request."""
+    releases at once (sbp-abort-hold's hold counts the report as the rank's last word: nothing to
+    hold) and still serves the next valid request."""
     pristine = probe_cases("refused_room", version, "pristine")
     patched = probe_cases("refused_room", version, "patched")
     assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys(CASES, "unsafe"),
@@ -135,7 +144,7 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
     assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys(CASES, "safe"),
                                                            PRESERVE_CASE: "not-applicable",
                                                            RANKS_CASE: "not-applicable",
-                                                           HOLD_CASE: "not-applicable"}
+                                                           HOLD_CASE: "safe"}  # the hold counts the report
     held = pristine["decode_releases_refused_room"]["details"]
     assert held["reports_from_prefill"] == 0 and held["refused_after_report"]["pages_held"] > 0
     assert held["valid_served"]  # the pristine decode still reads a real three-frame Success

@@ -1,4 +1,4 @@
-"""One decode rank's real ``MooncakeKVManager`` (DECODE mode, 0.4.10 - 0.5.12.post1), built by its
+"""One decode rank's real ``MooncakeKVManager`` (DECODE mode, 0.4.7 - 0.5.12.post1), built by its
 constructor, for the cases of this pack's ``sbp-abort-hold`` and ``sbp-refused-hold`` (not a probe: no
 cases here); ``build_manager`` builds either mode (probes/rigs/mooncake_prefill.py: PREFILL).
 
@@ -116,12 +116,13 @@ class MooncakeDecodeSide:
             raise RuntimeError(f"the decode manager started no decode_thread (threads: {sorted(bodies)})")
         self._decode_thread = bodies["decode_thread"]
         # from 0.4.8.post1 a status names the prefill rank in a third frame
-        self._ranked = "prefill_rank" in inspect.getsource(self._decode_thread)
+        # a status names its prefill rank from 0.4.8.post1 (before it one rank writes a decode room)
+        self.ranked = "prefill_rank" in inspect.getsource(self._decode_thread)
 
     def deliver(self, room: int, status, prefill_rank: int) -> None:
         """One prefill rank's status for the room, through the tree's own decode thread."""
         frames = [str(room).encode("ascii"), str(int(status)).encode("ascii")]
-        self.deliver_frames(frames + [str(prefill_rank).encode("ascii")] if self._ranked else frames)
+        self.deliver_frames(frames + [str(prefill_rank).encode("ascii")] if self.ranked else frames)
 
     def deliver_frames(self, frames: list[bytes]) -> None:
         """A message as prefill's code sent it, through the tree's own decode thread."""

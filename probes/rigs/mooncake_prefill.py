@@ -1,4 +1,4 @@
-"""One prefill rank's real ``MooncakeKVManager`` (PREFILL mode, 0.4.10 - 0.5.12.post1), built by its
+"""One prefill rank's real ``MooncakeKVManager`` (PREFILL mode, 0.4.7 - 0.5.12.post1), built by its
 constructor, for the cases of this pack's ``sbp-refused-hold`` (not a probe: no cases here).
 
 The constructor runs as in probes/rigs/mooncake_decode.py (``build_manager``); in PREFILL mode its

@@ -55,7 +55,7 @@ Absent structures, decided per case:
 
 Below 0.5.13 (no decode-to-prefill ABORT, no drain ACK) the pack's own ``sbp-abort-hold`` holds a
 failed transfer's pages until every prefill rank's final Success or the timeout;
-``prefill_done_hold`` judges 0.4.10 - 0.5.12.post1 on a real decode ``MooncakeKVManager``
+``prefill_done_hold`` judges 0.4.8.post1 - 0.5.12.post1 on a real decode ``MooncakeKVManager``
 (probes/rigs/mooncake_decode.py), pristine (unsafe: the pages go back at ``pop_transferred``) and
 patched; on such a tree ``failed_transfer_holds_pages_until_drain`` (a prefill fault: no final
 Success ever comes) expects the hold to last until the deferred-release timeout.

@@ -24,21 +24,24 @@ from probes.standins import sg
 ROOM = 7301
 
 
-def _applies(decode_abort: bool) -> None:
+def _applies(decode_abort: bool) -> bool:
     """Applicability from the tree's code (the matrix may not know the release): these cases judge
-    decode without a drain ACK, whose Mooncake decode counts each prefill rank's Success."""
+    decode without a drain ACK. True where its Mooncake decode counts each prefill rank's Success
+    (0.4.8.post1 on); below, one prefill rank writes a decode room and a status names no rank."""
     import inspect
 
     common, mooncake = sg("disaggregation.common.conn"), sg("disaggregation.mooncake.conn")
     if "abort_notified" in inspect.getsource(common):
         raise NotApplicable("decode tells prefill of an abort in this release (ABORT, drain ACK: 0.5.13 on): "
                             "the #35049 chain's cases judge it")
-    if "required_prefill_response_num_table" not in inspect.getsource(mooncake) + inspect.getsource(common):
+    ranked = "required_prefill_response_num_table" in inspect.getsource(mooncake) + inspect.getsource(common)
+    if not ranked and decode_abort:
         raise NotApplicable("decode does not count each prefill rank's Success in this release "
                             "(from 0.4.8.post1)")
     if decode_abort and not callable(getattr(mooncake.MooncakeKVReceiver, "abort", None)):
         raise NotApplicable("decode's abort_request cannot reach a transferring request in this release "
                             "(MooncakeKVReceiver.abort: 0.4.9.post5 on)")
+    return ranked
 
 
 def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSide]:
@@ -53,7 +56,7 @@ def _rig(ctx, timeout: str | None = None) -> tuple[TransferRig, MooncakeDecodeSi
 @case(
     proves=("sbp-abort-hold",),
     # decode's abort_request reaches its transfer queue (MooncakeKVReceiver.abort) from 0.4.9.post5; the
-    # pack's hold serves 0.4.10 - 0.5.12.post1 (from 0.5.13 the drain ACK)
+    # pack's hold serves 0.4.7 - 0.5.12.post1 (from 0.5.13 the drain ACK)
     needs=(">=0.4.9.post5,<0.5.13",),
     must_preserve=False,
     expect="A transfer decode aborts while prefill may still write it keeps its pages and metadata slot "
@@ -103,23 +106,25 @@ def aborted_transfer_held_until_prefill_done(ctx) -> Outcome:
 
 @case(
     proves=("sbp-abort-hold",),
-    # the pack's hold serves 0.4.10 - 0.5.12.post1 (the drain ACK: 0.5.13); from 0.4.8.post1 decode
-    # counts each prefill rank's Success, so the exposure shows there too
-    needs=(">=0.4.8.post1,<0.5.13",),
+    # the pack's hold serves 0.4.7 - 0.5.12.post1 (the drain ACK: 0.5.13); from 0.4.7 decode takes a
+    # prefill rank's Failed as final and frees at once (0.4.7 - 0.4.8: one writer per room)
+    needs=(">=0.4.7,<0.5.13",),
     must_preserve=False,
     expect="A transfer a prefill rank reports Failed (its other writes may still land) keeps its pages until "
-           "the deferred-release timeout even when the other rank succeeded, then releases them exactly once "
-           "with a warning.",
+           "the deferred-release timeout even when the other rank succeeded meanwhile, then releases them "
+           "exactly once (0.4.7 - 0.4.8: the room's one writer reports Failed).",
 )
 def prefill_failure_held_until_timeout(ctx) -> Outcome:
     from sglang.srt.disaggregation.base import KVPoll
 
-    _applies(decode_abort=False)
+    ranked = _applies(decode_abort=False)
     rig, decode = _rig(ctx, timeout="0.3")
-    recv = decode.receiver(ROOM, prefill_ranks=2)
+    recv = decode.receiver(ROOM, prefill_ranks=2 if ranked else 1)
     req = rig.enqueue(recv, "prefill-failed", ROOM)
     decode.deliver(ROOM, KVPoll.Failed, 0)
-    decode.deliver(ROOM, KVPoll.Success, 1)
+    rig.queue.pop_transferred()
+    if ranked:  # the other rank finishes its writes while decode holds the room
+        decode.deliver(ROOM, KVPoll.Success, 1)
     rig.queue.pop_transferred()
     before = rig.snapshot(req)
     time.sleep(0.5)

@@ -1,11 +1,12 @@
-"""Releases with the pack's hold (0.4.10 - 0.5.12.post1): a refused room's reservation ends at once.
+"""Releases with the pack's hold (0.4.7 - 0.5.12.post1): a refused room's reservation ends at once.
 
 sbp-abort-hold keeps a failed transfer's pages until every prefill rank the room waits for sent its
 last word (its final Success) or the deferred-release timeout. Prefill's door (#38935) refuses an
 over-pool request before a KV sender exists, so no rank ever sends that Success: after the router's
 abort, decode kept the reservation it made for the whole prompt until the timeout (live: 400 tokens
 for 45 s; 0.5.22 within 4.2 s). With ``sbp-refused-hold`` prefill reports the refused room
-(ROOM_REFUSED) and decode counts it as the rank's last word.
+(ROOM_REFUSED) and decode counts it as the rank's last word; on 0.4.7 - 0.4.9 the report is
+``sbp-refused-room``'s and sbp-abort-hold's variants there count it.
 
 Driven end to end: the tree's real prefill ``MooncakeKVManager`` (constructor, bootstrap thread,
 transfer workers; probes/rigs/mooncake_prefill.py) behind the real prefill door
@@ -14,7 +15,9 @@ decode thread (probes/rigs/mooncake_decode.py), the real ``MooncakeKVReceiver.ab
 abort through ``Scheduler.abort_request``) and the real ``DecodeTransferQueue.pop_transferred``. A
 tree whose prefill has no ``refuse_room`` sends nothing, as its prefill does. Both orders run: decode
 registers before the refusal and hears it before the abort; the refusal comes first, decode registers
-after it and hears it only once its abort started the hold.
+after it and hears it only once its abort started the hold. Where decode's ``abort_request`` cannot
+reach a transferring request (``MooncakeKVReceiver.abort``: 0.4.9.post5 on) the report alone fails
+the room: the steps are the same without the abort.
 """
 
 from __future__ import annotations
@@ -69,18 +72,19 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     steps = []
     if register_first:
         hear_prefill()
-        recv.abort()  # the router aborts decode's twin once prefill answered its 400
+        _router_abort(recv)
         rig.queue.pop_transferred()
     else:
-        recv.abort()
+        _router_abort(recv)
         rig.queue.pop_transferred()
         steps.append({"step": "abort, pop_transferred (hold)", **rig.snapshot(req)})
         hear_prefill()
     rig.queue.pop_transferred()
     steps.append({"step": "next pop_transferred", **rig.snapshot(req)})
     return {
-        "order": "registered, refused, reported, aborted" if register_first
-        else "refused, registered, aborted, reported",
+        "order": ("registered, refused, reported, aborted" if register_first
+                  else "refused, registered, aborted, reported")
+        + ("" if callable(getattr(recv, "abort", None)) else " (no abort: decode cannot abort a transfer)"),
         "reports": len(prefill.wire) if prefill else 0,
         "prefill_keeps": prefill.keeps(ROOM) if prefill else [],
         "steps": steps,
@@ -90,13 +94,47 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     }
 
 
+def _router_abort(recv) -> None:
+    """The router aborts decode's twin once prefill answered its 400; decode's ``abort_request``
+    reaches a transferring request from 0.4.9.post5 (``MooncakeKVReceiver.abort``), not before."""
+    if callable(getattr(recv, "abort", None)):
+        recv.abort()
+
+
+def _two_ranks(ctx) -> dict[str, Any] | None:
+    """Two prefill ranks write the room (heterogeneous TP) and both refuse it; decode reads the room's
+    failure after the first report: the pages wait for the second (the other rank could still be
+    writing, for all decode knows), then go at the next poll. None where a status names no rank."""
+    decode = MooncakeDecodeSide(ctx)
+    if not decode.ranked:
+        return None
+    refused = sg("disaggregation.mooncake.conn").ROOM_REFUSED
+    rig = TransferRig(ctx)
+    rig.poll_receivers(ctx)
+    recv = decode.receiver(ROOM, prefill_ranks=2)
+    req = rig.enqueue(recv, "refused", ROOM)
+    decode.deliver(ROOM, refused, 0)
+    _router_abort(recv)
+    rig.queue.pop_transferred()
+    steps = [{"step": "rank 0 refused, pop_transferred", **rig.snapshot(req)}]
+    decode.deliver(ROOM, refused, 1)
+    rig.queue.pop_transferred()
+    steps.append({"step": "rank 1 refused, pop_transferred", **rig.snapshot(req)})
+    return {"order": "two ranks refused, one report before the failure is read", "steps": steps,
+            "client_answers": len(rig.ledger.of("stream", rid="refused")),
+            "room_state_left": sorted(name for name in ("held_rooms", "request_status", "failure_records")
+                                      if ROOM in (getattr(decode.mgr, name, None) or {}))}
+
+
 @case(
-    proves=("sbp-refused-hold",),
+    # on 0.4.7 - 0.4.9 sbp-refused-room's report ends the hold (sbp-abort-hold's variants count it)
+    proves=("sbp-refused-hold|sbp-refused-room",),
     needs=("sbp-abort-hold",),
     must_preserve=False,
     expect="A request prefill's door refused releases decode's reservation (pages and metadata slot, "
            "once) at decode's next poll after the router's abort, not at the deferred-release timeout, "
-           "in both orders of registration, refusal, report and abort; prefill keeps nothing for the room.",
+           "in both orders of registration, refusal, report and abort; prefill keeps nothing for the room; "
+           "where two prefill ranks write the room, not before both reported.",
 )
 def refused_room_ends_decode_hold(ctx) -> Outcome:
     if not hasattr(sg("disaggregation.decode").DecodeTransferQueue, "_held_releases_due"):
@@ -105,6 +143,11 @@ def refused_room_ends_decode_hold(ctx) -> Outcome:
     ctx.setenv(TIMEOUT_ENV, "30")
     runs = [_one_order(ctx, register_first=first) for first in (True, False)]
     problems = []
+    ranks = _two_ranks(ctx)
+    if ranks is not None:
+        runs.append(ranks)
+        if not ranks["steps"][0]["pages_held"]:
+            problems.append(f"{ranks['order']}: pages returned before rank 1's report")
     for run in runs:
         last = run["steps"][-1]
         if last["pages_held"] or last["release_calls"] != 1 or last["metadata_frees"] != 1:
@@ -113,7 +156,7 @@ def refused_room_ends_decode_hold(ctx) -> Outcome:
                             f"{last['metadata_frees']} time(s)")
         if run["client_answers"] != 1:
             problems.append(f"{run['order']}: the client was answered {run['client_answers']} time(s)")
-        if run["prefill_keeps"]:
+        if run.get("prefill_keeps"):
             problems.append(f"{run['order']}: prefill still keeps the room in {run['prefill_keeps']}")
         if run["room_state_left"] and not last["pages_held"]:
             problems.append(f"{run['order']}: decode still keeps the room in {run['room_state_left']}")

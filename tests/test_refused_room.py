@@ -32,6 +32,11 @@ CASES = ("prefill_reports_refused_room", "decode_releases_refused_room")
 PRESERVE_CASE = "transfer_failure_not_released_as_refused"
 # there too: two decode ranks release together, once both heard the report
 RANKS_CASE = "refused_room_released_on_every_rank_together"
+# sbp-twin-timeout (the same releases): prefill's twin of a request decode's door refused leaves the
+# bootstrap queue at the bootstrap timeout, and a decode rank registering after that is told refused
+TWIN_FIX = "sbp-twin-timeout"
+TWIN_CASE = "decode_refused_twin_released_at_bootstrap_timeout"
+TWIN_VARIANTS = ("0.4.5.post1", "0.4.6", "0.4.6.post5", "0.4.7", "0.4.8.post1")
 # sbp-refused-hold (0.4.9.post1 - 0.5.12.post1): the same report ends sbp-abort-hold's hold at once (on
 # 0.4.7 - 0.4.9 sbp-refused-room reports and sbp-abort-hold's variants there count it)
 HOLD_FIX = "sbp-refused-hold"
@@ -58,7 +63,24 @@ def test_scope_and_variants(pack):
     assert fix.is_vendor and tuple(fix.depends_on) == ("pr38935",)
     assert [v for v in pins if fix.in_scope(v)] == list(SERVED)
     assert sorted(v.name for v in pack.variants[FIX]) == [f"{FIX}-{v}.patch" for v in VARIANTS]
-    assert [c.name for c in probes.cases_of("refused_room")] == [*CASES, PRESERVE_CASE, RANKS_CASE, HOLD_CASE]
+    assert [c.name for c in probes.cases_of("refused_room")] == [*CASES, PRESERVE_CASE, RANKS_CASE, TWIN_CASE,
+                                                                 HOLD_CASE]
+
+
+def test_the_twin_fix_serves_the_report_s_releases(pack):
+    """sbp-twin-timeout reports a room prefill gives up through sbp-refused-room's report: the same
+    releases (those whose decode has no waiting timeout), after it in the series, one variant each;
+    its case runs exactly where the report's cases do."""
+    fix, room = pack.fixes[TWIN_FIX], pack.fixes[FIX]
+    pins = load_pins()
+    assert fix.is_vendor and tuple(fix.depends_on) == (FIX,)
+    assert [v for v in pins if fix.in_scope(v)] == [v for v in pins if room.in_scope(v)] == list(SERVED)
+    assert pack.series.index(TWIN_FIX) == pack.series.index(FIX) + 1
+    names = sorted(v.name for v in pack.variants[TWIN_FIX])
+    assert names == sorted(f"{TWIN_FIX}-{v}.patch" for v in TWIN_VARIANTS)
+    assert all(pack.variant_for(TWIN_FIX, v) is not None for v in SERVED)
+    twin_runs = [v for v in pins if not expectations.outside_release(f"refused_room/{TWIN_CASE}", v)]
+    assert twin_runs == [v for v in pins if _applicable(v)]
 
 
 def test_the_hold_fix_serves_exactly_the_hold_s_releases(pack):
@@ -137,11 +159,13 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
     hold) and still serves the next valid request."""
     pristine = probe_cases("refused_room", version, "pristine")
     patched = probe_cases("refused_room", version, "patched")
-    assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys(CASES, "unsafe"),
+    assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys([*CASES, TWIN_CASE], "unsafe"),
                                                             PRESERVE_CASE: "not-applicable",
                                                             RANKS_CASE: "not-applicable",
                                                             HOLD_CASE: "not-applicable"}
-    assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys(CASES, "safe"),
+    # the release's own timeout gives the twin up; nothing told a decode rank registering after it
+    assert pristine[TWIN_CASE]["details"]["late_registration_told"] == []
+    assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys([*CASES, TWIN_CASE], "safe"),
                                                            PRESERVE_CASE: "not-applicable",
                                                            RANKS_CASE: "not-applicable",
                                                            HOLD_CASE: "safe"}  # the hold counts the report
@@ -171,10 +195,14 @@ def test_decode_without_a_failure_branch_releases_a_refused_room_only(version, s
     pristine = probe_cases("refused_room", version, "pristine")
     patched = probe_cases("refused_room", version, "patched")
     expected = {PRESERVE_CASE: "safe", HOLD_CASE: "not-applicable"}
-    assert {n: c["verdict"] for n, c in pristine.items()} == {**dict.fromkeys([*CASES, RANKS_CASE], "unsafe"),
-                                                            **expected}
-    assert {n: c["verdict"] for n, c in patched.items()} == {**dict.fromkeys([*CASES, RANKS_CASE], "safe"),
-                                                           **expected}
+    assert {n: c["verdict"] for n, c in pristine.items()} == {
+        **dict.fromkeys([*CASES, RANKS_CASE, TWIN_CASE], "unsafe"), **expected}
+    assert {n: c["verdict"] for n, c in patched.items()} == {
+        **dict.fromkeys([*CASES, RANKS_CASE, TWIN_CASE], "safe"), **expected}
+    stuck = pristine[TWIN_CASE]["details"]["steps"][-1]  # the failed poll stopped prefill, or nothing failed
+    assert stuck["raised"] or stuck["queued"]
+    freed = patched[TWIN_CASE]["details"]["steps"][-1]
+    assert not freed["raised"] and not freed["queued"] and len(freed["streamed"]) == 1
     ranks = patched[RANKS_CASE]["details"]  # between the two reports both ranks hold; then both release
     assert all(v["pages_held"] and v["queued"] == 1 for v in ranks["one_rank_heard"])
     assert all(not v["pages_held"] and v["queued"] == 0 for v in ranks["both_heard"])
@@ -216,10 +244,13 @@ def test_the_report_ends_the_hold_and_only_it(version, probe_cases, probe_python
     assert probe_cases("refused_room", version, "pristine")[HOLD_CASE]["verdict"] == "not-applicable"
     patched = probe_cases("refused_room", version, "patched")[HOLD_CASE]
     assert patched["verdict"] == "safe", patched
-    runs = patched["details"]["runs"]
-    assert [r["reports"] for r in runs] == [1, 1] and [r["client_answers"] for r in runs] == [1, 1]
-    assert all(r["steps"][-1]["pages_held"] == 0 and r["steps"][-1]["release_calls"] == 1 for r in runs)
+    *runs, ranks = patched["details"]["runs"]  # both orders, then two prefill ranks that both refuse
+    assert [r["reports"] for r in runs] == [1, 1]
+    assert [r["client_answers"] for r in [*runs, ranks]] == [1, 1, 1]
+    assert all(r["steps"][-1]["pages_held"] == 0 and r["steps"][-1]["release_calls"] == 1
+               for r in [*runs, ranks])
     assert runs[1]["steps"][0]["pages_held"] > 0  # the abort came first: held until the report
+    assert ranks["steps"][0]["pages_held"] > 0  # one rank's report: held for the other's
 
     series = tmp_path / "patches"
     shutil.copytree(REPO / "patches", series)
@@ -231,4 +262,6 @@ def test_the_report_ends_the_hold_and_only_it(version, probe_cases, probe_python
     doc = run_harness(probe_python, tree.package_root, ["refused_room"], label=f"hold only {version}")
     held = next(c for c in doc["cases"] if c["case"] == HOLD_CASE)
     assert held["verdict"] == "unsafe", held
-    assert all(r["reports"] == 0 and r["steps"][-1]["pages_held"] > 0 for r in held["details"]["runs"])
+    *runs, ranks = held["details"]["runs"]
+    assert all(r["reports"] == 0 and r["steps"][-1]["pages_held"] > 0 for r in runs)
+    assert ranks["steps"][-1]["pages_held"] > 0  # the hold alone ignores the reports decode gets

@@ -134,7 +134,7 @@ class FirstTokenBuffers:
         return torch.full((16, 1), 7)
 
 
-def _registration(room: int) -> list[bytes]:
+def registration(room: int) -> list[bytes]:
     """Decode's pre-allocation message for `room` (MooncakeKVReceiver.init's frames), in the
     release's own layout: ``TransferInfo.from_zmq`` reads the frames in its fields' order
     (0.4.5.x also sends decode's buffer pointers; 0.4.6.post4 adds the rank count)."""
@@ -176,7 +176,7 @@ def refuse_at_prefill(ctx, *, register_first: bool) -> dict[str, Any]:
     try:
         for step in steps:
             if step == "register":
-                prefill.socket_in.put(_registration(REFUSED_ROOM))
+                prefill.socket_in.put(registration(REFUSED_ROOM))
                 prefill.run("bootstrap_thread")
             else:
                 doors.prefill_door(req)

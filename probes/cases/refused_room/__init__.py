@@ -38,14 +38,15 @@ prefill manager (probes/rigs/mooncake_prefill.py), real door, real decode manage
 
 Layout: ``no_timeout`` (releases whose decode has no waiting timeout, 0.4.5.post1 - 0.4.9),
 ``no_failure_branch`` (0.4.5.post1 - 0.4.6.post4, whose decode had no failure branch: the pack's
-release is for a refused room only, on every decode rank together) and ``hold`` (releases with the
-pack's hold), imported below in this order.
+release is for a refused room only, on every decode rank together), ``twin`` (the same releases:
+prefill's twin of a request decode's door refused, ``sbp-twin-timeout``) and ``hold`` (releases
+with the pack's hold), imported below in this order.
 """
 
 import importlib
 
 # The scenario modules, in the order their cases run and are listed (each registers its cases on import).
-SCENARIOS = ("no_timeout", "no_failure_branch", "hold")
+SCENARIOS = ("no_timeout", "no_failure_branch", "twin", "hold")
 
 for _scenario in SCENARIOS:
     importlib.import_module(f"{__name__}.{_scenario}")

@@ -108,7 +108,8 @@ def _two_ranks(ctx) -> dict[str, Any] | None:
     decode = MooncakeDecodeSide(ctx)
     if not decode.ranked:
         return None
-    refused = sg("disaggregation.mooncake.conn").ROOM_REFUSED
+    # the report's wire value (-1 in every variant; a tree without the report names none)
+    refused = getattr(sg("disaggregation.mooncake.conn"), "ROOM_REFUSED", -1)
     rig = TransferRig(ctx)
     rig.poll_receivers(ctx)
     recv = decode.receiver(ROOM, prefill_ranks=2)

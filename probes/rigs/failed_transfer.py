@@ -153,6 +153,14 @@ def note_ack(mgr, room: int, rank: int, generation: int | None) -> None:
         mgr.note_abort_ack(room, rank)
 
 
+def own_polls(ctx, side: str) -> None:
+    """Up to 0.5.12.post1 a PD queue all-reduces its transfer objects' polls over a process group a
+    CPU probe does not have: one TP rank here, so the all-reduce is the polls themselves (`side`:
+    the disaggregation module whose queue polls, "decode" or "prefill")."""
+    ctx.patch(sg(f"disaggregation.{side}"), "poll_and_all_reduce",
+              lambda pollers, *a, **k: [p.poll() for p in pollers])
+
+
 # What the tree's pop_transferred raises on a Failed poll up to 0.4.6.post4 (no failure branch).
 TRANSFER_FAILED_STOP = "Transfer failed"
 
@@ -221,9 +229,8 @@ class TransferRig:
     @staticmethod
     def poll_receivers(ctx) -> None:
         """Up to 0.5.12.post1: the queue reads its receivers' own polls instead of the stand-in
-        verdict (one TP rank: the all-reduce of the polls is the polls themselves)."""
-        ctx.patch(sg("disaggregation.decode"), "poll_and_all_reduce",
-                  lambda pollers, *a, **k: [p.poll() for p in pollers])
+        verdict."""
+        own_polls(ctx, "decode")
 
     def enqueue(self, receiver, rid: str, room: int):
         from sglang.srt.disaggregation.decode import DecodeRequest

@@ -115,8 +115,8 @@ class MooncakeDecodeSide:
         if "decode_thread" not in bodies:
             raise RuntimeError(f"the decode manager started no decode_thread (threads: {sorted(bodies)})")
         self._decode_thread = bodies["decode_thread"]
-        # from 0.4.8.post1 a status names the prefill rank in a third frame
-        # a status names its prefill rank from 0.4.8.post1 (before it one rank writes a decode room)
+        # a status names its prefill rank in a third frame from 0.4.8.post1 (before it one rank
+        # writes a decode room)
         self.ranked = "prefill_rank" in inspect.getsource(self._decode_thread)
 
     def deliver(self, room: int, status, prefill_rank: int) -> None:

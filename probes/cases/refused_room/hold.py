@@ -72,10 +72,10 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     steps = []
     if register_first:
         hear_prefill()
-        _router_abort(recv)
+        aborted = _router_abort(recv)
         rig.queue.pop_transferred()
     else:
-        _router_abort(recv)
+        aborted = _router_abort(recv)
         rig.queue.pop_transferred()
         steps.append({"step": "abort, pop_transferred (hold)", **rig.snapshot(req)})
         hear_prefill()
@@ -84,7 +84,7 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     return {
         "order": ("registered, refused, reported, aborted" if register_first
                   else "refused, registered, aborted, reported")
-        + ("" if callable(getattr(recv, "abort", None)) else " (no abort: decode cannot abort a transfer)"),
+        + ("" if aborted else " (no abort: decode cannot abort a transfer)"),
         "reports": len(prefill.wire) if prefill else 0,
         "prefill_keeps": prefill.keeps(ROOM) if prefill else [],
         "steps": steps,
@@ -94,11 +94,14 @@ def _one_order(ctx, *, register_first: bool) -> dict[str, Any]:
     }
 
 
-def _router_abort(recv) -> None:
+def _router_abort(recv) -> bool:
     """The router aborts decode's twin once prefill answered its 400; decode's ``abort_request``
-    reaches a transferring request from 0.4.9.post5 (``MooncakeKVReceiver.abort``), not before."""
-    if callable(getattr(recv, "abort", None)):
-        recv.abort()
+    reaches a transferring request from 0.4.9.post5 (``MooncakeKVReceiver.abort``), not before.
+    Whether the abort reached it."""
+    if not callable(getattr(recv, "abort", None)):
+        return False
+    recv.abort()
+    return True
 
 
 def _two_ranks(ctx) -> dict[str, Any] | None:

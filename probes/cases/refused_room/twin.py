@@ -24,8 +24,9 @@ import time
 
 from probes import Outcome, case, judged
 from probes.rigs.door import DoorRig
+from probes.rigs.failed_transfer import own_polls
 from probes.rigs.refused_room import DECODE_IP, DECODE_PORT, MooncakeSide, registration
-from probes.standins import make_req, sg
+from probes.standins import make_req
 
 ROOM = 4244
 TIMEOUT_S = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT is read as an integer
@@ -56,9 +57,7 @@ def decode_refused_twin_released_at_bootstrap_timeout(ctx) -> Outcome:
     queue = doors.prefill_queue
     queue.kv_manager = prefill.mgr
     queue.gloo_group = None
-    # one TP rank: the all-reduce of the polls is the polls themselves
-    ctx.patch(sg("disaggregation.prefill"), "poll_and_all_reduce",
-              lambda pollers, *a, **k: [p.poll() for p in pollers])
+    own_polls(ctx, "prefill")
     req = make_req("twin", 64, room=ROOM)
     req.disagg_kv_sender = _twin_sender(prefill.module, prefill.mgr)
     queue.queue.append(req)  # admitted at prefill's door; decode's door refused its twin

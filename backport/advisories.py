@@ -353,7 +353,7 @@ def pack_classes(series_dir: Path) -> dict[str, list[str]]:
 
     if not (Path(series_dir) / CLASSES).is_file():
         return {}
-    return {c["id"]: c["fixes"] for c in load_classes(series_dir)}
+    return {c.id: list(c.fixes) for c in load_classes(series_dir)}
 
 
 def load_for(pack) -> tuple[Advisory, ...]:

@@ -178,14 +178,14 @@ def vulnerabilities_page() -> str:
            "own (no CVE or GHSA exists for the incident; `run --vuln-alias CLASS=ID` adds one).\n\n",
            "| id | name | title | fixes |\n|---|---|---|---|\n"]
     for row in classes:
-        out.append(f"| {row['id']} | `{row['name']}` | {_cell(row['title'])} | "
-                   f"{', '.join(f'`{f}`' for f in row.get('fixes', []))} |\n")
+        out.append(f"| {row.id} | `{row.name}` | {_cell(row.title)} | "
+                   f"{', '.join(f'`{f}`' for f in row.fixes)} |\n")
     for row in classes:
-        out.append(f"\n## {row['id']}: {row['name']}\n\n{' '.join(row['description'].split())}\n\n")
-        out.append(f"- probes: {', '.join(f'`{p}`' for p in row.get('probes', [])) or 'none'}\n")
-        out.append(f"- live scenarios: {', '.join(f'`{s}`' for s in row.get('live', [])) or 'none'}\n")
-        out.append(f"- aliases: {', '.join(row.get('aliases', [])) or 'none yet'}\n")
-        refs = row.get("references", [])
+        out.append(f"\n## {row.id}: {row.name}\n\n{' '.join(row.description.split())}\n\n")
+        out.append(f"- probes: {', '.join(f'`{p}`' for p in row.probes) or 'none'}\n")
+        out.append(f"- live scenarios: {', '.join(f'`{s}`' for s in row.live or ()) or 'none'}\n")
+        out.append(f"- aliases: {', '.join(row.aliases) or 'none yet'}\n")
+        refs = row.references
         if refs:
             out.append("- references: " + ", ".join(f"<{r}>" for r in refs) + "\n")
     return "".join(out)

@@ -65,23 +65,23 @@ def test_vendor_fix_after_every_other_fix_scoped_to_the_served_releases(pack):
 
 
 def test_class_and_advisory_name_the_fix(pack):
-    classes = {c["id"]: c for c in load_classes(REPO / "patches", list(pack.fixes))}
+    classes = {c.id: c for c in load_classes(REPO / "patches", list(pack.fixes))}
     row = classes[CLASS]
-    assert row["fixes"] == [FIX] and row["probes"] == ["bootstrap_routes"]
+    assert row.fixes == (FIX,) and row.probes == ("bootstrap_routes",)
     assert {"https://github.com/sgl-project/sglang/issues/39400",
-            "https://github.com/sgl-project/sglang/pull/39416"} <= set(row["references"])
+            "https://github.com/sgl-project/sglang/pull/39416"} <= set(row.references)
     adv = next(a for a in advisories.load_for(pack) if a.id == "sgl-project/sglang#39400")
     assert adv.pack_class == CLASS
     # `run --vuln-alias` names the class by id or by name, as for the others
-    aliases = {CLASS: ["CVE-2026-99999"], row["name"]: ["GHSA-c3g4-8h2j-mpqr"]}
+    aliases = {CLASS: ["CVE-2026-99999"], row.name: ["GHSA-c3g4-8h2j-mpqr"]}
     more = add_aliases(list(classes.values()), aliases)
-    assert next(c for c in more if c["id"] == CLASS)["aliases"] == ["CVE-2026-99999", "GHSA-c3g4-8h2j-mpqr"]
+    assert next(c for c in more if c.id == CLASS).aliases == ("CVE-2026-99999", "GHSA-c3g4-8h2j-mpqr")
 
 
 def test_the_class_is_fixed_only_where_the_refusal_ran_fixed(pack):
     """A release outside the served range keeps the refusal case unsafe on its head: affected,
     never not_affected (the class names no `introduced_with`: every release has the route)."""
-    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
+    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c.id == CLASS)
 
     def rows(patched_refusal: str) -> list[dict]:
         return [

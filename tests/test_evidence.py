@@ -22,7 +22,7 @@ from backport import cli, evidence
 from backport.errors import BadInput, Finding
 from backport.evidence import TreeInput
 from backport.evidence.artifacts import TREE_DIGEST_METHOD
-from backport.evidence.environment import Toolkit
+from backport.evidence.environment import Environment, Interpreter, Toolkit
 from backport.evidence.table import TABLE_KEYS, attached_from, pointed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -209,16 +209,11 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
     timestamps = {"started": started, "finished": started, "duration_seconds": 61.5,
                   "steps": [{"step": "probe-pristine", "seconds": 20.1}],
                   "paths": {"bundle": str(tmp / "bundle"), "patched_tree": str(patched)}}
-    environment = {
-        "python": "3.11.7",
-        "implementation": "CPython",
-        "platform": "Linux-x86_64",
-        "machine": "x86_64",
-        "torch": "2.13.0+cpu",
-        "packages": {"torch": "2.13.0+cpu", "transformers": "5.12.1"},
-        "toolkit_python": "3.11.7",
-        "toolkit_packages": {"gitpython": "3.1.45"},
-    }
+    environment = Environment(
+        probe=Interpreter(python="3.11.7", implementation="CPython", platform="Linux-x86_64",
+                          machine="x86_64", packages={"torch": "2.13.0+cpu", "transformers": "5.12.1"}),
+        toolkit_python="3.11.7", toolkit_packages={"gitpython": "3.1.45"},
+    )
     return evidence.assemble(evidence.RunRecord(
         mode="backport",
         target={"spec": "sglang==0.5.19", "kind": "wheel", "version": "0.5.19", "artifact_sha256": D[1],
@@ -507,7 +502,8 @@ def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
     bundle = evidence.assemble(evidence.RunRecord(
         mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
         probe_docs=docs, apply_report=None, patches=[], series_files=[], upstream_tests=None,
-        environment=p["environment"], toolkit=Toolkit.from_json(p["toolkit"]), timestamps=p["timestamps"]))
+        environment=Environment.from_json(p["environment"]), toolkit=Toolkit.from_json(p["toolkit"]),
+        timestamps=p["timestamps"]))
     out = evidence.write_bundle(tmp_path / "pair", bundle)
     assert "apply-report.json" not in _files(out)
     assert "No patch applied (the head tree is given" in (out / "REPORT.md").read_text()

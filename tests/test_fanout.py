@@ -154,7 +154,7 @@ def test_merge_writes_one_vex_every_attestation_and_the_summary(two_bundles, tmp
     assert all(len(s["products"]) == 1 for s in document["statements"])
     # both bundles are of one product (the same patched tree): each class is stated once for it
     # (every class of the pack's classes file, in id order: a new class needs no edit here)
-    class_ids = sorted(c["id"] for c in load_classes(resources.pack_dir()))
+    class_ids = sorted(c.id for c in load_classes(resources.pack_dir()))
     assert len(class_ids) >= 7
     assert [s["vulnerability"]["name"] for s in document["statements"]] == class_ids
     # the bundles' own VEX timestamps are the pack's date (the same inputs give the same bytes)

@@ -26,7 +26,7 @@ from backport.engine import apply_series
 from backport.engine import decide as decide_module
 from backport.engine import overlay as overlay_module
 from backport.evidence.verdicts import case_rows, summarise
-from backport.evidence.vulnerabilities import action_statement, class_status, load_classes
+from backport.evidence.vulnerabilities import VulnClass, action_statement, class_status, load_classes
 from backport.job.run import unserved
 from backport.pack import load_pack
 from backport.tree import clone_tree
@@ -75,10 +75,10 @@ def _renamed(monkeypatch, rename) -> None:
     monkeypatch.setattr(overlay_module, "HunkResult", wrap(overlay_module.HunkResult))
 
 
-def _cases(row: dict, verdict: str, pair: str) -> list[dict]:
+def _cases(row: VulnClass, verdict: str, pair: str) -> list[dict]:
     """One case row per probe of the class, all with the same verdict on both trees."""
     return [{"probe": probe, "case": "c", "must_preserve": False, "pair": pair,
-             "verdicts": {"pristine": verdict, "patched": verdict}} for probe in row["probes"]]
+             "verdicts": {"pristine": verdict, "patched": verdict}} for probe in row.probes]
 
 
 def _upstream(fix: str) -> dict:
@@ -90,7 +90,7 @@ def _upstream(fix: str) -> dict:
     return {"files": [{"fix": fix, "path": path, "rev": rev}], "trees": trees}
 
 
-def verdicts(report, version: str, classes: list[dict]) -> dict:
+def verdicts(report, version: str, classes: list[VulnClass]) -> dict:
     """Every verdict drawn from one apply report (its messages aside)."""
     apply = report.to_json()
     probes = {role: {"cases": [{"probe": "p", "case": "c", "verdict": "safe"}]}
@@ -110,7 +110,7 @@ def verdicts(report, version: str, classes: list[dict]) -> dict:
         quiet = class_status(row, _cases(row, "not-applicable", "not-applicable"), apply)
         # exposed: the action statement names the fixes the pack has no backport of
         exposed = class_status(row, _cases(row, "unsafe", "still-unsafe"), apply)
-        out[row["id"]] = (quiet.status, quiet.notes, exposed.status,
+        out[row.id] = (quiet.status, quiet.notes, exposed.status,
                           action_statement(row, exposed, version, apply))
     return out
 

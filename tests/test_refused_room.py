@@ -113,7 +113,7 @@ def test_a_missing_fix_reads_affected_never_fixed(pack):
     """The class with refused_room unsafe on the patched tree (0.4.8.post1 before its variant, had
     the cases run there) is affected; with the cases not-applicable it reads fixed, which is why
     not-applicable must stay where decode releases the reservation by itself."""
-    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
+    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c.id == CLASS)
 
     def rows(patched: str) -> list[dict]:
         pair = {"safe": "fixed", "unsafe": "still-unsafe", "not-applicable": "not-applicable"}[patched]
@@ -175,7 +175,7 @@ def test_three_frame_releases_unsafe_pristine_safe_patched(version, probe_cases,
     released = patched["decode_releases_refused_room"]["details"]
     assert released["reports_from_prefill"] == 1 and released["pages_free_vs_baseline_after_report"] == 0
     assert released["refused_after_report"]["metadata_frees"] == 1 and released["valid_served"]
-    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c["id"] == CLASS)
+    row = next(c for c in load_classes(REPO / "patches", list(pack.fixes)) if c.id == CLASS)
     rows = [{"probe": "refused_room", "case": n, "must_preserve": False, "pair": "fixed",
              "verdicts": {"pristine": pristine[n]["verdict"], "patched": patched[n]["verdict"]}}
             for n in CASES]

@@ -34,17 +34,10 @@ EDGES: dict[str, str] = {
     "backport.evidence.verify.finding_reason": "reads predicate.summary of a verified receipt",
     "backport.evidence.merge.merge": "the merged summary, written as merged.json and printed by --json",
     "backport.evidence.merge.shards": "returns the CI matrix, printed as JSON for the workflow",
-    "backport.evidence.environment.interpreter_environment": "the probe interpreter's own JSON report",
 }
 
 # Not converted yet (shrinks): what each would become.
-LEFT: dict[str, str] = {
-    "backport.evidence.environment.environment_record": "the probe environment and probe documents: the "
-                                                        "tree probe result record",
-    "backport.evidence.vulnerabilities.add_aliases": "the pack's vulnerability classes: a VulnClass record",
-    "backport.evidence.vulnerabilities.load_classes": "the pack's vulnerability classes: a VulnClass record",
-    "backport.evidence.vulnerabilities.pack_classes": "the pack's vulnerability classes: a VulnClass record",
-}
+LEFT: dict[str, str] = {}
 
 
 def _module(path: Path) -> str:

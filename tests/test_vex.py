@@ -15,7 +15,7 @@ from backport import cli, evidence, resources
 from backport.errors import BadInput
 from backport.evidence import cyclonedx, vex
 from backport.evidence.table import attached_from
-from backport.evidence.vulnerabilities import add_aliases, class_status, load_classes, pack_classes
+from backport.evidence.vulnerabilities import VulnClass, add_aliases, class_status, load_classes, pack_classes
 from backport.pack import load_pack
 from backport.records import LiveResult, ScenarioResult
 from backport.vocab import TreeVerdict
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def classes() -> list[dict]:
+def classes() -> list[VulnClass]:
     return pack_classes(load_pack(resources.pack_dir()))
 
 
@@ -53,26 +53,26 @@ def _row(probe, case, pristine, patched, *, must_preserve=False, pair=None):
 
 def test_every_fix_and_every_probe_belongs_to_exactly_one_class(classes):
     pack = load_pack(resources.pack_dir())
-    fixes = [f for c in classes for f in c["fixes"]]
+    fixes = [f for c in classes for f in c.fixes]
     assert sorted(fixes) == sorted(pack.fixes)
     # a probe is a module of probes/ or a package of scenario modules (probes/prefill_drain/): its top-level
     # name
     cases_dir = REPO / "probes" / "cases"
     probe_modules = sorted({p.relative_to(cases_dir).parts[0].removesuffix(".py")
                             for p in cases_dir.rglob("*.py") if "\n@case(" in p.read_text()})
-    assert sorted(p for c in classes for p in c["probes"]) == probe_modules
+    assert sorted(p for c in classes for p in c.probes) == probe_modules
     for c in (
         classes
     ):  # each fix's report (its patches' Bug:), where it names one, is one of its class's references
-        assert {pack.fixes[f].bug for f in c["fixes"]} - {""} <= set(c["references"]), c["id"]
-    by_name = {c["name"]: c for c in classes}
+        assert {pack.fixes[f].bug for f in c.fixes} - {""} <= set(c.references), c.id
+    by_name = {c.name: c for c in classes}
     # sbp-abort-hold (ours, below 0.5.13 only) is not needed where upstream's chain is: 0.5.22 still ships
     # every fix the class needs there
-    assert by_name["page-lifetime-release-race"]["upstream_fixed_in"] == "0.5.22"
-    assert by_name["page-lifetime-release-race"]["pack_reach"] == "0.5.13"
-    assert by_name["rejected-request-handoff"]["pack_reach"] == "0.4.5.post1"
-    assert by_name["rejected-request-handoff"]["upstream_fixed_in"] is None  # the coverage check is ours
-    assert by_name["flush-during-deferred-hold"]["upstream_fixed_in"] is None  # ours (0.5.23: an exception)
+    assert by_name["page-lifetime-release-race"].upstream_fixed_in == "0.5.22"
+    assert by_name["page-lifetime-release-race"].pack_reach == "0.5.13"
+    assert by_name["rejected-request-handoff"].pack_reach == "0.4.5.post1"
+    assert by_name["rejected-request-handoff"].upstream_fixed_in is None  # the coverage check is ours
+    assert by_name["flush-during-deferred-hold"].upstream_fixed_in is None  # ours (0.5.23: an exception)
 
 
 def test_a_bad_classes_file_is_bad_input(tmp_path):
@@ -93,7 +93,7 @@ def test_aliases_are_added_by_class_id_or_name_and_checked(classes):
     more = add_aliases(
         classes, {"SBP-2026-0001": ["CVE-2026-12345"], "page-lifetime-release-race": ["GHSA-c3g4-8h2j-mpqr"]}
     )
-    assert [c["aliases"] for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"]] + [[]] * (
+    assert [list(c.aliases) for c in more] == [["CVE-2026-12345"], ["GHSA-c3g4-8h2j-mpqr"]] + [[]] * (
         len(more) - 2
     )
     with pytest.raises(BadInput, match="no vulnerability class 'nope'"):
@@ -157,12 +157,12 @@ def test_run_checks_vuln_alias_before_anything_runs(capsys):
     ],
 )
 def test_class_status_follows_from_the_cases(classes, rows, status):
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     assert class_status(page, rows).status == status
 
 
 def test_an_unsafe_case_shows_the_exposure_whatever_else_errored(classes):
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     status = class_status(
         page, [_row("page_lifetime", "a", "unsafe", "unsafe"), _row("prefill_drain", "b", "safe", "error")]
     )
@@ -183,14 +183,14 @@ def test_every_live_scenario_a_class_names_exists(classes):
     from backport.live.scenarios import REGISTRY
 
     known = {s.name for s in REGISTRY} | {race.NAME}
-    named = [name for c in classes for name in c.get("live", [])]
+    named = [name for c in classes for name in (c.live or [])]
     assert named and set(named) <= known, set(named) - known
 
 
 def test_the_live_race_is_cited_and_an_unsafe_one_is_an_exposure(classes):
     """The page-lifetime class names its live scenario: cited where it ran, affected when the patched
     deployment was unsafe though every probe case was fixed; another class's scenario counts not here."""
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     rows = [_row("page_lifetime", "a", "unsafe", "safe")]
     assert class_status(page, rows).status == "fixed"
     cited = class_status(page, rows, live=_live("safe"))
@@ -208,7 +208,7 @@ def test_live_notes_do_not_depend_on_the_order_the_receipt_keeps_verdicts_in(cla
     its own verify on that order alone."""
     import json
 
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     rows = [_row("page_lifetime", "a", "unsafe", "safe")]
     written = class_status(page, rows, live=_live("safe")).notes
     read_back = class_status(page, rows, live=json.loads(json.dumps(_live("safe"), sort_keys=True))).notes
@@ -236,7 +236,7 @@ def test_a_live_race_unsafe_where_the_pack_claims_nothing_keeps_the_class_open(c
     the run fails on it (still-unsafe), the class stays affected and the VEX cites the live run."""
     from backport.evidence import live as live_evidence
 
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     section = live_evidence.section({"pristine": _race_document("unsafe"),
                                      "patched": _race_document("unsafe")})
     row = section["scenarios"][0]
@@ -257,7 +257,7 @@ def test_a_race_safe_only_through_the_timeout_is_not_cited_as_a_drain_ack(classe
     timeout released A's pages; the predicate carries it and the class's notes say so."""
     from backport.evidence import live as live_evidence
 
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     section = live_evidence.section({"pristine": _race_document("unsafe"),
                                      "patched": _race_document("safe", timeout=True)})
     assert section["scenarios"][0]["runs"]["patched"]["released_through_timeout"] is True
@@ -284,7 +284,7 @@ def test_an_exposure_run_speaks_for_the_pristine_tree(classes):
     }
     rows = case_rows(docs)
     assert [r["pair"] for r in rows] == ["still-unsafe", "held"]
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     status = class_status(page, rows)
     assert (
         status.status == "affected" and status.tree == "pristine" and "on the pristine tree" in status.notes
@@ -310,7 +310,7 @@ def test_an_exposed_release_gets_an_action_statement(tmp_path, classes):
         "patches": [{"fix": "pr35049", "status": "not-applicable", "reason": "0.5.12 is outside scope"}]
     }
     rows = [_row("page_lifetime", "failed_transfer_holds_pages_until_drain", "unsafe", "unsafe")]
-    page = next(c for c in classes if c["name"] == "page-lifetime-release-race")
+    page = next(c for c in classes if c.name == "page-lifetime-release-race")
     from backport.evidence.vulnerabilities import action_statement
 
     text = action_statement(page, class_status(page, rows), "0.5.12", apply_report)
@@ -335,8 +335,8 @@ FLUSH_CASE = "flush_during_deferred_hold_frees_nothing_twice"
 def test_a_class_whose_code_is_absent_is_not_affected(classes, pr35049, status):
     """SBP-2026-0003 is `introduced_with` #35049's code: where the tree has none, no case can run
     and the vulnerable code is not present; anywhere else a case that did not run proves nothing."""
-    flush = next(c for c in classes if c["name"] == "flush-during-deferred-hold")
-    assert flush["introduced_with"] == "pr35049"
+    flush = next(c for c in classes if c.name == "flush-during-deferred-hold")
+    assert flush.introduced_with == "pr35049"
     apply = {"patches": [] if pr35049 is None else [{"fix": "pr35049", **pr35049}]}
     got = class_status(flush, [_row("flush_holds", FLUSH_CASE, "not-applicable", "not-applicable")], apply)
     assert got.status == status, got
@@ -395,10 +395,10 @@ def test_a_bundle_holds_valid_openvex_and_cyclonedx(bundle):
     statuses = {s["vulnerability"]["name"]: s["status"] for s in document["statements"]}
     # the fixture's admission cases are fixed or held; its one page-lifetime case ran on no tree, and
     # no case of any other class is in it: one statement per class of the pack
-    class_ids = {c["id"] for c in load_classes(resources.pack_dir())}
+    class_ids = {c.id for c in load_classes(resources.pack_dir())}
     assert statuses == {i: "under_investigation" for i in class_ids} | {"SBP-2026-0001": "fixed"}
     tree = receipt["predicate"]["inputs"]["trees"]["patched"]["tree_digest"]
-    references = {c["id"]: c["references"] for c in load_classes(resources.pack_dir())}
+    references = {c.id: c.references for c in load_classes(resources.pack_dir())}
     for statement in document["statements"]:
         # no export: the patched tree is the only product, and no purl speaks for upstream's build
         assert statement["products"] == [{"@id": f"urn:sglang-backport:tree:dirHash1:{tree}"}]
@@ -533,7 +533,7 @@ def test_two_runs_of_the_same_inputs_differ_only_in_the_timestamps_field(tmp_pat
         r1, r2 = (json.loads((b / "receipt.json").read_bytes()) for b in (one, two))
         assert r1["predicate"].pop("timestamps") != r2["predicate"].pop("timestamps") and r1 == r2
         issued = json.loads((one / "vex.openvex.json").read_bytes())["timestamp"]
-        assert issued == max(c["last_update"] for c in classes) + "T00:00:00+00:00"
+        assert issued == max(c.last_update for c in classes) + "T00:00:00+00:00"
         assert json.loads((one / "sbom.cdx.json").read_bytes())["metadata"]["timestamp"] == issued
         sign.sign_bundle(one, keys[0])
         assert cli.main(["merge", str(one), "--out", str(tmp_path / "merged")]) == 0

@@ -31,7 +31,7 @@ from backport.evidence.identifiers import (
     product_version,
 )
 from backport.evidence.layout import canonical_json
-from backport.evidence.vulnerabilities import action_statement, class_status, issued
+from backport.evidence.vulnerabilities import ClassStatus, VulnClass, action_statement, class_status, issued
 from backport.vocab import VexStatus
 
 VEX_CDX = "vex.cdx.json"
@@ -40,7 +40,7 @@ SBOM_VERSION = 1  # cyclonedx-python-lib writes every BOM as version 1
 _RANK = {"exploitable": 0, "in_triage": 1, "not_affected": 2, "resolved_with_pedigree": 3}
 
 
-def _entry(row: dict, status, statement: dict, link: str) -> dict:
+def _entry(row: VulnClass, status: ClassStatus, statement: dict, link: str) -> dict:
     p = statement["predicate"]
     primary = primary_id(row)
     analysis: dict = {"state": cyclonedx._STATES[status.status], "detail": status.notes}
@@ -49,13 +49,13 @@ def _entry(row: dict, status, statement: dict, link: str) -> dict:
     if status.status == VexStatus.AFFECTED:
         analysis["response"] = ["update"]
     entry = {
-        "bom-ref": f"vulnerability:{row['id']}",
+        "bom-ref": f"vulnerability:{row.id}",
         "id": primary,
         "source": cyclonedx.alias_source(primary),
         "references": [{"id": other, "source": cyclonedx.alias_source(other)} for other in other_ids(row)],
-        "description": row["title"],
-        "detail": row["description"],
-        "advisories": [{"url": u} for u in row["references"]],
+        "description": row.title,
+        "detail": row.description,
+        "advisories": [{"url": u} for u in row.references],
         "analysis": analysis,
         "affects": [{"ref": link}],
     }
@@ -71,7 +71,7 @@ def build(statement: dict, standards: dict) -> dict:
     p = statement["predicate"]
     link = bom_link(cyclonedx.serial_number(statement), SBOM_VERSION, cyclonedx.product_ref(statement))
     entries = [_entry(row, class_status(row, p["cases"], p["apply"], p.get("live")), statement, link)
-               for row in standards["classes"]]
+               for row in map(VulnClass.from_json, standards["classes"])]
     serial = uuid.uuid5(uuid.NAMESPACE_URL, document_id(statement) + "#vex.cdx.json")
     return _document(f"urn:uuid:{serial}", issued(statement, standards), entries)
 

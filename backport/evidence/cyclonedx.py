@@ -36,7 +36,7 @@ from backport.evidence.identifiers import (
 )
 from backport.evidence.layout import HEAD, canonical_json, product_role
 from backport.evidence.problem import Problem
-from backport.evidence.vulnerabilities import action_statement, class_status, issued
+from backport.evidence.vulnerabilities import VulnClass, action_statement, class_status, issued
 from backport.vocab import PatchStatus, VexStatus
 
 SBOM = "sbom.cdx.json"
@@ -56,7 +56,7 @@ def _component(statement: dict, standards: dict):
     patched = p["inputs"]["trees"][role]
     pristine = p["inputs"]["trees"].get("pristine") or {}
     wheel = (p.get("export") or {}).get("wheel")
-    class_of = {fix: row for row in standards["classes"] for fix in row["fixes"]}
+    class_of = {fix: row for row in map(VulnClass.from_json, standards["classes"]) for fix in row.fixes}
     patches = []
     for item in p["inputs"]["patches"]:
         if item.get("status") != PatchStatus.APPLIED:
@@ -67,17 +67,17 @@ def _component(statement: dict, standards: dict):
                 type=IssueClassification.DEFECT,
                 id=item["fix"],
                 name=item["variant"],
-                references=[XsUri(u) for u in (row or {}).get("fix_urls", {}).get(item["fix"], [])],
+                references=[XsUri(u) for u in ((row.fix_urls if row else None) or {}).get(item["fix"], [])],
             )
         ]
         if row is not None:
             resolves.append(
                 IssueType(
                     type=IssueClassification.SECURITY,
-                    id=row["id"],
-                    name=row["name"],
-                    description=row["title"],
-                    references=[XsUri(u) for u in row["references"]],
+                    id=row.id,
+                    name=row.name,
+                    description=row.title,
+                    references=[XsUri(u) for u in row.references],
                 )
             )
         patches.append(Patch(type=PatchClassification.BACKPORT, resolves=resolves))
@@ -148,10 +148,10 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str, aliased: bool =
 
     p = statement["predicate"]
     found = []
-    for row in standards["classes"]:
+    for row in map(VulnClass.from_json, standards["classes"]):
         status = class_status(row, p["cases"], p["apply"], p.get("live"))
         # aliased: the CVE/GHSA is the id scanners match and the SBP id a reference (module docstring)
-        primary, others = (primary_id(row), other_ids(row)) if aliased else (row["id"], list(row["aliases"]))
+        primary, others = (primary_id(row), other_ids(row)) if aliased else (row.id, list(row.aliases))
         origin = alias_source(primary)
         own = VulnerabilitySource(name=origin["name"], url=XsUri(origin["url"]))
         references = [
@@ -166,14 +166,14 @@ def _vulnerabilities(statement: dict, standards: dict, ref: str, aliased: bool =
             recommendation = action_statement(row, status, product_version(statement), p["apply"])
         found.append(
             Vulnerability(
-                bom_ref=f"vulnerability:{row['id']}",
+                bom_ref=f"vulnerability:{row.id}",
                 id=primary,
                 source=own,
                 references=references,
-                description=row["title"],
-                detail=row["description"],
+                description=row.title,
+                detail=row.description,
                 recommendation=recommendation,
-                advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row["references"]],
+                advisories=[VulnerabilityAdvisory(url=XsUri(u)) for u in row.references],
                 analysis=VulnerabilityAnalysis(
                     state=ImpactAnalysisState(_STATES[status.status]),
                     detail=detail,

@@ -133,16 +133,32 @@ print(json.dumps({"python": platform.python_version(), "implementation": platfor
 """
 
 
-def interpreter_environment(python: str, packages: Iterable[str] = KEY_PACKAGES) -> dict:
+@dataclass(frozen=True)
+class Interpreter:
+    """One interpreter as `_ENV_SCRIPT` reports it (None where it could not be read)."""
+
+    python: str | None
+    implementation: str | None
+    platform: str | None
+    machine: str | None
+    packages: dict[str, str | None]
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Interpreter:
+        return cls(python=doc.get("python"), implementation=doc.get("implementation"),
+                   platform=doc.get("platform"), machine=doc.get("machine"),
+                   packages=dict(doc.get("packages") or {}))
+
+
+def interpreter_environment(python: str, packages: Iterable[str] = KEY_PACKAGES) -> Interpreter:
     """Python, platform and package versions of an interpreter, read without importing the packages."""
     packages = list(packages)
     try:
         proc = subprocess.run([python, "-c", _ENV_SCRIPT, json.dumps(packages)],
                               check=False, capture_output=True, text=True, timeout=120)
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return {"python": None, "implementation": None, "platform": None, "machine": None,
-                "packages": {name: None for name in packages}}
+        return Interpreter.from_json(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, AttributeError):
+        return Interpreter(None, None, None, None, {name: None for name in packages})
 
 
 def probe_torch(probe_docs: dict[str, dict]) -> str | list[str] | None:
@@ -151,17 +167,31 @@ def probe_torch(probe_docs: dict[str, dict]) -> str | list[str] | None:
     return torch[0] if len(torch) == 1 else (torch or None)
 
 
-def environment_record(probe_env: dict, probe_docs: dict[str, dict]) -> dict:
-    """The receipt's environment: the probe interpreter (where SGLang ran) and the toolkit's Python."""
-    own = interpreter_environment(sys.executable, TOOLKIT_PACKAGES) if probe_env is not None else {}
-    probe_env = probe_env or {}
-    return {
-        "python": probe_env.get("python"),
-        "implementation": probe_env.get("implementation"),
-        "platform": probe_env.get("platform"),
-        "machine": probe_env.get("machine"),
-        "torch": probe_torch(probe_docs),
-        "packages": probe_env.get("packages", {}),
-        "toolkit_python": own.get("python") or platform.python_version(),
-        "toolkit_packages": own.get("packages", {}),
-    }
+@dataclass(frozen=True)
+class Environment:
+    """The receipt's predicate.environment: the probe interpreter (where SGLang ran) and the toolkit's
+    Python. The torch the probes ran with is not here: the statement takes it from the probe documents
+    (`probe_torch`), where `verify` checks it."""
+
+    probe: Interpreter
+    toolkit_python: str
+    toolkit_packages: dict[str, str | None]
+
+    def to_json(self, torch: str | list[str] | None) -> dict:
+        return {"python": self.probe.python, "implementation": self.probe.implementation,
+                "platform": self.probe.platform, "machine": self.probe.machine, "torch": torch,
+                "packages": dict(self.probe.packages), "toolkit_python": self.toolkit_python,
+                "toolkit_packages": dict(self.toolkit_packages)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Environment:
+        """A receipt's predicate.environment read back (its torch is the probe documents')."""
+        return cls(probe=Interpreter.from_json(doc), toolkit_python=doc.get("toolkit_python") or "",
+                   toolkit_packages=dict(doc.get("toolkit_packages") or {}))
+
+
+def environment_record(probe_env: Interpreter) -> Environment:
+    """The receipt's environment: the probe interpreter and the toolkit's own Python."""
+    own = interpreter_environment(sys.executable, TOOLKIT_PACKAGES)
+    return Environment(probe=probe_env, toolkit_python=own.python or platform.python_version(),
+                       toolkit_packages=own.packages)

@@ -3,9 +3,14 @@ vulnerability classes' IRIs and the VEX document's id (shared by the OpenVEX and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from packageurl import PackageURL
 
 from backport.evidence.layout import product_role
+
+if TYPE_CHECKING:
+    from backport.evidence.vulnerabilities import VulnClass
 
 SITE = "https://sglang-backport.dev"
 
@@ -31,18 +36,18 @@ def document_id(statement: dict) -> str:
     key = wheel["sha256"] if wheel else trees[product_role(trees)]["tree_digest"]
     return f"{SITE}/vex/sglang-{product_version(statement)}/{key}"
 
-def primary_id(row: dict) -> str:
+def primary_id(row: VulnClass) -> str:
     """The id a scanner's findings carry for a class: its first CVE/GHSA alias (CVE before GHSA, as
     sorted), else the class's own SBP id. trivy keys CycloneDX VEX by `vulnerabilities[].id` alone
     and go-vex compares a finding's id to `name`, `@id` and `aliases`: a CVE only in references
     would suppress nothing."""
-    aliases = sorted(row.get("aliases") or ())
-    return aliases[0] if aliases else row["id"]
+    aliases = sorted(row.aliases)
+    return aliases[0] if aliases else row.id
 
-def other_ids(row: dict) -> list[str]:
+def other_ids(row: VulnClass) -> list[str]:
     """The class's ids besides `primary_id`: the SBP id and the remaining aliases."""
     primary = primary_id(row)
-    return [i for i in [row["id"], *sorted(row.get("aliases") or ())] if i != primary]
+    return [i for i in [row.id, *sorted(row.aliases)] if i != primary]
 
 def bom_link(serial_number: str, version: int, ref: str) -> str:
     """A CycloneDX BOM-Link to one element of a BOM (`urn:cdx:<serial>/<version>#<bom-ref>`): the

@@ -1,7 +1,7 @@
 """The record of one run as the evidence stage takes it: what `bundle.assemble` lays out and
 `statement.build_statement` states, one frozen value instead of sixteen keyword arguments.
 
-The fields that are JSON documents already (the target, environment, timestamps, the
+The fields that are JSON documents already (the target, timestamps, the
 apply report, probe and upstream-test documents) stay documents here: they are written to the
 bundle as they are (normalised by scrub.py), and their shape is the bundle's (schemas/).
 """
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backport.evidence.artifacts import Exported
-from backport.evidence.environment import Toolkit
+from backport.evidence.environment import Environment, Toolkit
+from backport.evidence.vulnerabilities import VulnClass
 from backport.records import LiveResult
 
 
@@ -59,13 +60,13 @@ class RunRecord:
     patches: list[dict]
     series_files: list[dict]
     upstream_tests: dict | None
-    environment: dict
+    environment: Environment
     toolkit: Toolkit
     timestamps: dict
     reference_choice: str | None = None
     extra_paths: tuple[tuple[str | Path, str], ...] = ()
     coverage: dict | None = None
     export: Exported | None = None
-    vulnerabilities: list[dict] | None = None
+    vulnerabilities: list[VulnClass] | None = None
     live: dict[str, LiveResult] | None = None
     advisories: dict | None = None

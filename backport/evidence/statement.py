@@ -65,7 +65,7 @@ def build_statement(record: RunRecord, files: dict[str, str]) -> dict:
         "schema_version": formats.current(),
         "mode": r.mode,
         "toolkit": r.toolkit.to_json(),
-        "environment": r.environment,
+        "environment": r.environment.to_json(probe_torch(probes)),
         "inputs": {
             "target": r.target,
             "series": r.series_files,

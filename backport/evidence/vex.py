@@ -45,7 +45,7 @@ from backport.evidence.identifiers import (  # noqa: F401 - the names scanners m
 from backport.evidence.layout import canonical_json, product_role
 from backport.evidence.problem import Problem
 from backport.evidence.statement import first_schema_error, schema_place
-from backport.evidence.vulnerabilities import action_statement, class_status, issued
+from backport.evidence.vulnerabilities import VulnClass, action_statement, class_status, issued
 
 VEX = "vex.openvex.json"
 STANDARDS = "standards.json"
@@ -83,15 +83,15 @@ def build_vex(statement: dict, standards: dict, aliased: bool = True) -> dict:
     version = p["inputs"]["trees"][product_role(p["inputs"]["trees"])]["version"]
     toolkit = p["toolkit"]
     statements = []
-    for row in standards["classes"]:
+    for row in map(VulnClass.from_json, standards["classes"]):
         status = class_status(row, p["cases"], p["apply"], p.get("live"))
-        name, aliases = (primary_id(row), other_ids(row)) if aliased else (row["id"], list(row["aliases"]))
-        vulnerability = {"@id": vulnerability_iri(row["id"]), "name": name, "description": row["title"]}
+        name, aliases = (primary_id(row), other_ids(row)) if aliased else (row.id, list(row.aliases))
+        vulnerability: dict = {"@id": vulnerability_iri(row.id), "name": name, "description": row.title}
         if aliases:
             vulnerability["aliases"] = aliases
         item = {"vulnerability": vulnerability, "products": products(statement), "status": status.status,
-                "status_notes": f"{status.notes}. Fixes of the class: {', '.join(row['fixes'])}. "
-                                f"References: {' '.join(row['references'])}"}
+                "status_notes": f"{status.notes}. Fixes of the class: {', '.join(row.fixes)}. "
+                                f"References: {' '.join(row.references)}"}
         if status.status == VexStatus.AFFECTED:
             item["action_statement"] = action_statement(row, status, version, p["apply"])
         if status.status == VexStatus.NOT_AFFECTED:
@@ -138,8 +138,8 @@ def schema_errors(document: object) -> str | None:
     return f"does not match the OpenVEX 0.2.0 schema at {where}: {error.message[:200]}"
 
 
-def standards_document(classes: list[dict], git_trees: dict[str, str | None]) -> dict:
-    return {"classes": classes, "git_trees": dict(sorted(git_trees.items()))}
+def standards_document(classes: list[VulnClass], git_trees: dict[str, str | None]) -> dict:
+    return {"classes": [c.to_json() for c in classes], "git_trees": dict(sorted(git_trees.items()))}
 
 
 def bundle_files(statement: dict, standards: dict, aliased: bool = True) -> dict[str, bytes]:

@@ -32,13 +32,18 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
 from backport.errors import BadInput
 from backport.vocab import Cause, PairVerdict, PatchStatus, TreeVerdict, VexStatus
+
+if TYPE_CHECKING:
+    from backport.pack.model import Pack, PatchVariant
 
 FILE = "vulnerabilities.toml"
 BUNDLE_FILE = "vulnerabilities.json"
@@ -49,6 +54,8 @@ _KEYS = {"id": str, "name": str, "title": str, "description": str, "fixes": list
 # introduced_with: the fix whose code brings the vulnerable code (see the docstring); live: the live
 # tier's scenarios that show the class on a real PD deployment (cited, and an unsafe one is an exposure)
 _OPTIONAL = {"introduced_with": str, "live": list}
+# the keys with_releases and with_dates add to a class (standards.json carries them)
+_DERIVED = ("upstream_fixed_in", "pack_reach", "fix_urls", "last_update")
 _CLEAN = {PairVerdict.FIXED, PairVerdict.HELD, PairVerdict.ADDED, PairVerdict.NOT_APPLICABLE}
 
 
@@ -56,7 +63,58 @@ def _fail(path: Path, where: str, what: str) -> BadInput:
     return BadInput(f"{path}: {where}: {what}")
 
 
-def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class VulnClass:
+    """One class of vulnerabilities.toml as the stages hand it on: the row as written (checked by
+    `load_classes`), then the facts derived from the pack and the release matrix (`with_releases`,
+    `with_dates`). The bundle's standards.json carries `to_json()`, which the VEX writers read back as
+    the document it is; None-valued optional keys of the file are absent there, as they are in the file."""
+
+    id: str
+    name: str
+    title: str
+    description: str
+    fixes: tuple[str, ...]
+    probes: tuple[str, ...]
+    references: tuple[str, ...]
+    aliases: tuple[str, ...]
+    introduced_with: str | None = None
+    live: tuple[str, ...] | None = None
+    upstream_fixed_in: str | None = None   # derived (with_releases); None also when nothing ships it
+    pack_reach: str | None = None          # derived (with_releases)
+    fix_urls: dict[str, list[str]] | None = None  # derived (with_releases): None until derived
+    last_update: str | None = None         # derived (with_dates)
+    derived: frozenset[str] = frozenset()  # which derived keys the document carries
+
+    @classmethod
+    def from_json(cls, row: dict) -> VulnClass:
+        """A checked row of the file, or a class of a bundle's standards.json (with its derived keys)."""
+        derived = frozenset(k for k in _DERIVED if k in row)
+        return cls(id=row["id"], name=row["name"], title=row["title"], description=row["description"],
+                   fixes=tuple(row["fixes"]), probes=tuple(row["probes"]),
+                   references=tuple(row["references"]),
+                   aliases=tuple(row["aliases"]), introduced_with=row.get("introduced_with"),
+                   live=None if "live" not in row else tuple(row["live"]),
+                   upstream_fixed_in=row.get("upstream_fixed_in"), pack_reach=row.get("pack_reach"),
+                   fix_urls=None if row.get("fix_urls") is None else dict(row["fix_urls"]),
+                   last_update=row.get("last_update"), derived=derived)
+
+    def to_json(self) -> dict:
+        doc: dict = {"id": self.id, "name": self.name, "title": self.title, "description": self.description,
+                     "fixes": list(self.fixes), "probes": list(self.probes),
+                     "references": list(self.references),
+                     "aliases": list(self.aliases)}
+        if self.introduced_with is not None:
+            doc["introduced_with"] = self.introduced_with
+        if self.live is not None:
+            doc["live"] = list(self.live)
+        for key in sorted(self.derived):
+            value = getattr(self, key)
+            doc[key] = {f: list(u) for f, u in value.items()} if key == "fix_urls" else value
+        return doc
+
+
+def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[VulnClass]:
     """The classes of `series_dir/vulnerabilities.toml`, checked (bad input names the row)."""
     path = Path(series_dir) / FILE
     try:
@@ -107,7 +165,7 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
                 unknown = [f for f in row[key] if f not in fix_ids]
                 if unknown:
                     raise _fail(path, where, f"fix {unknown[0]!r} is not in fixes.toml")
-        classes.append(dict(row))
+        classes.append(VulnClass.from_json(row))
     if fix_ids is not None:
         missing = [f for f in fix_ids if f not in seen_fixes]
         if missing:
@@ -115,7 +173,7 @@ def load_classes(series_dir: Path, fix_ids: list[str] | None = None) -> list[dic
     return classes
 
 
-def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list[dict]:
+def with_releases(classes: list[VulnClass], fixes: dict, versions: list[str]) -> list[VulnClass]:
     """Each class with `upstream_fixed_in` (the first of `versions` that ships every fix of the
     class it needs; None: none does) and `pack_reach` (the first that ships or gets a backport of
     each). A release needs every upstream fix of the class, and the pack's own (vendor) fixes
@@ -125,7 +183,7 @@ def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list
     ordered = sorted(versions, key=Version)
     done = []
     for row in classes:
-        own = [fixes[f] for f in row["fixes"] if f in fixes]
+        own = [fixes[f] for f in row.fixes if f in fixes]
 
         def needed(v: str, own: list = own) -> list:
             return [f for f in own if f.origin != "vendor" or f.in_scope(v)]
@@ -133,15 +191,16 @@ def with_releases(classes: list[dict], fixes: dict, versions: list[str]) -> list
         upstream = [v for v in ordered if needed(v) and all(f.is_fixed_in(v) for f in needed(v))]
         reach = [v for v in ordered
                  if needed(v) and all(f.is_fixed_in(v) or f.in_scope(v) for f in needed(v))]
-        done.append({**row, "upstream_fixed_in": upstream[0] if upstream else None,
-                     "pack_reach": reach[0] if reach else None,
-                     "fix_urls": {f.id: [f.url] for f in own if f.url}})
+        done.append(dataclasses.replace(
+            row, upstream_fixed_in=upstream[0] if upstream else None, pack_reach=reach[0] if reach else None,
+            fix_urls={f.id: [f.url] for f in own if f.url},
+            derived=row.derived | {"upstream_fixed_in", "pack_reach", "fix_urls"}))
     return done
 
 
-def add_aliases(classes: list[dict], aliases: dict[str, list[str]]) -> list[dict]:
+def add_aliases(classes: list[VulnClass], aliases: dict[str, list[str]]) -> list[VulnClass]:
     """Classes with more aliases (`run --vuln-alias CLASS=ID`), by class id or name."""
-    known = {c["id"] for c in classes} | {c["name"] for c in classes}
+    known = {c.id for c in classes} | {c.name for c in classes}
     for key, ids in aliases.items():
         if key not in known:
             raise BadInput(
@@ -150,11 +209,13 @@ def add_aliases(classes: list[dict], aliases: dict[str, list[str]]) -> list[dict
         for alias in ids:
             if not ALIAS.fullmatch(alias):
                 raise BadInput(f"--vuln-alias {key}={alias}: not a CVE-... or GHSA-... id")
-    return [{**c, "aliases": sorted(set(c["aliases"]) | set(aliases.get(c["id"], []))
-                                    | set(aliases.get(c["name"], [])))} for c in classes]
+    return [dataclasses.replace(c, aliases=tuple(sorted(set(c.aliases) | set(aliases.get(c.id, []))
+                                                        | set(aliases.get(c.name, []))))) for c in classes]
 
 
-def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[dict] | None:
+def pack_classes(
+    pack: Pack, releases_path: Path | None = None, aliases: Iterable[tuple[str, str]] = ()
+) -> list[VulnClass] | None:
     """The classes of a loaded pack, checked against its fixes, with the release facts derived and
     the extra aliases ((class, id) pairs) added; None for a pack without a classes file (no VEX)."""
     from backport.releases import load_releases
@@ -169,16 +230,15 @@ def pack_classes(pack, releases_path: Path | None = None, aliases=()) -> list[di
     return add_aliases(with_dates(classes, pack.variants), grouped)
 
 
-def with_dates(classes: list[dict], variants) -> list[dict]:
+def with_dates(classes: list[VulnClass], variants: Mapping[str, Sequence[PatchVariant]]) -> list[VulnClass]:
     """Each class with `last_update`: the newest Last-Update of its fixes' patch variants (None
     without any), the date its VEX statements speak as of."""
     found = [
-        max((v.last_update for f in row["fixes"] for v in variants.get(f, ())), default=None)
+        max((v.last_update for f in row.fixes for v in variants.get(f, ())), default=None)
         for row in classes
     ]
-    return [
-        {**row, "last_update": None if day is None else day.isoformat()} for row, day in zip(classes, found)
-    ]
+    return [dataclasses.replace(row, last_update=None if day is None else day.isoformat(),
+                                derived=row.derived | {"last_update"}) for row, day in zip(classes, found)]
 
 
 def issued(statement: dict, standards: dict) -> str:
@@ -207,13 +267,13 @@ def _roles(row: dict) -> list[str]:
 
 
 def class_status(
-    row: dict, cases: list[dict], apply: dict | None = None, live: dict | None = None
+    row: VulnClass, cases: list[dict], apply: dict | None = None, live: dict | None = None
 ) -> ClassStatus:
     """The status the receipt's case rows (and its apply report, for `introduced_with`) support
     for one class (module docstring); the class's live scenarios, where they ran, are cited, and one
     unsafe on the product tree makes the class affected whatever the probes said."""
     status = _probed_status(row, cases, apply)
-    scenarios = [r for r in (live or {}).get("scenarios", []) if r["scenario"] in row.get("live", ())]
+    scenarios = [r for r in (live or {}).get("scenarios", []) if r["scenario"] in (row.live or ())]
     if not scenarios:
         return status
     role = status.tree
@@ -241,8 +301,8 @@ def _timeout_note(row: dict, role: str) -> str:
     return " (through decode's deferred-release timeout, not a drain ACK)"
 
 
-def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassStatus:
-    own = [c for c in cases if c["probe"] in row["probes"]]
+def _probed_status(row: VulnClass, cases: list[dict], apply: dict | None) -> ClassStatus:
+    own = [c for c in cases if c["probe"] in row.probes]
     names = tuple(f"{c['probe']}/{c['case']}" for c in own)
     by_pair: dict[str, list[str]] = {}
     for c in own:
@@ -266,7 +326,7 @@ def _probed_status(row: dict, cases: list[dict], apply: dict | None) -> ClassSta
         return ClassStatus(VexStatus.UNDER_INVESTIGATION, names, f"must-preserve case(s) regressed (first: "
                            f"{broken[0]}); cases: {counts}")
     if not ran:
-        absent = _code_absent(row.get("introduced_with"), apply)
+        absent = _code_absent(row.introduced_with, apply)
         if absent:
             return ClassStatus(VexStatus.NOT_AFFECTED, names, f"vulnerable code not present: {absent}; the "
                                f"{len(own)} case(s) of the class need it and did not run", tree=role)
@@ -303,27 +363,27 @@ def _product(cases: list[dict]) -> str:
     return "patched" if not cases or "patched" in cases[0]["verdicts"] else "pristine"
 
 
-def action_statement(row: dict, status: ClassStatus, version: str, apply_report: dict | None) -> str:
+def action_statement(row: VulnClass, status: ClassStatus, version: str, apply_report: dict | None) -> str:
     """What an operator of this exposed release does (an `affected` statement must say)."""
     lacking = [
         p["fix"]
         for p in (apply_report or {}).get("patches", [])
-        if p.get("fix") in row["fixes"]
+        if p.get("fix") in row.fixes
         and (
             (p.get("status") == PatchStatus.NOT_APPLICABLE and not _ships(p))
             or (p.get("status") == PatchStatus.FAILED and not p.get("variant"))
         )
     ]
-    parts = [f"sglang {version} stays exposed to {row['name']} with this pack"]
+    parts = [f"sglang {version} stays exposed to {row.name} with this pack"]
     if lacking:
         parts[0] += f": it carries no backport of {', '.join(lacking)} for this release"
     parts[0] += f" ({len(status.unsafe)} case(s) unsafe on the {status.tree} tree, first {status.unsafe[0]})"
-    if row.get("pack_reach"):
-        parts.append(f"move to sglang {row['pack_reach']} or later and install its backport wheel "
+    if row.pack_reach:
+        parts.append(f"move to sglang {row.pack_reach} or later and install its backport wheel "
                      f"(sglang-backport run sglang==X --export)")
-    if row.get("upstream_fixed_in"):
+    if row.upstream_fixed_in:
         parts.append(
-            f"or upgrade to upstream sglang {row['upstream_fixed_in']} or later, which ships every fix "
-            f"of the class ({', '.join(row['fixes'])})"
+            f"or upgrade to upstream sglang {row.upstream_fixed_in} or later, which ships every fix "
+            f"of the class ({', '.join(row.fixes)})"
         )
     return "; ".join(parts) + "."

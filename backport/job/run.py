@@ -363,7 +363,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
             patches=run.patches,
             series_files=series_files(the_plan),
             upstream_tests=upstream,
-            environment=evidence.environment_record(evidence.interpreter_environment(python), probe_docs),
+            environment=evidence.environment_record(evidence.interpreter_environment(python)),
             toolkit=evidence.toolkit_info(),
             timestamps={
                 "started": run.started_at,

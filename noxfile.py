@@ -65,7 +65,7 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff and mypy as .ci/run runs them (mypy needs the package's dependencies to read their types)."""
     session.install("-e", ".[test]")
-    session.run("ruff", "check", "backport", "probes", "tests", "benchmarks")
+    session.run("ruff", "check", "backport", "probes", "tests", "tools", "benchmarks")
     session.run("mypy")
 
 

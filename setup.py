@@ -8,8 +8,11 @@ that nothing collides with another project's top-level `probes`:
     evidence/receipt.schema.json -> sglang_backport_data/receipt.schema.json
     patches/                     -> sglang_backport_data/patches/
 
-`backport/resources.py` finds them through importlib.resources. setup.py rather than
-pyproject.toml because the backport packages are discovered while the others are mapped.
+`backport/resources.py` finds them through importlib.resources. Nothing at run time reads the
+installed names: the probe package imports itself relatively and is started from its own folder
+(probes/runtime/launch.py), so a checkout and a wheel run the same code (docs/decisions.md, "One
+layout"). setup.py rather than pyproject.toml because the backport packages are discovered while the
+others are mapped.
 """
 
 from setuptools import find_packages, setup

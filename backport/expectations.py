@@ -22,12 +22,14 @@ says what the rule already derives is refused, so every exception stays news.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache as memoize
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -111,29 +113,32 @@ def outside_release(key: str, version: str | None) -> bool:
 
 
 def _registered_cases(directory: Path) -> list:
-    """The cases of the probe package in `directory`. Its modules import each other as `probes.*`;
-    when this process has not imported that very package (installed, it ships under another
-    name), it is loaded under that name for the read and taken out of sys.modules again."""
-    current = sys.modules.get("probes")
-    here = getattr(current, "__file__", None)
-    if current is not None and here and Path(here).resolve().parent == directory.resolve():
-        return [c for name in current.PROBE_NAMES for c in current.cases_of(name)]
-    saved = {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")}
-    for name in saved:
-        del sys.modules[name]
+    """The cases of the probe package in `directory` (its registry, read in this process)."""
+    module = _probe_package(Path(directory).resolve())
+    return [c for name in module.PROBE_NAMES for c in module.cases_of(name)]
+
+
+@memoize
+def _probe_package(directory: Path) -> ModuleType:
+    """The probe package in `directory`, imported from that folder under a name of this toolkit's own,
+    one per folder (a checkout's probes/ and an installed copy are the same code by two paths). The
+    package imports itself relatively, so no name (`probes` in the probe child) is borrowed or replaced
+    here; nothing already imported is touched."""
+    name = f"sglang_backport_probes_{hashlib.sha256(str(directory).encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, directory / "__init__.py",
+                                                  submodule_search_locations=[str(directory)])
+    if spec is None or spec.loader is None:
+        raise BadInput(f"{directory}: not a probe package (no __init__.py to load)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        spec = importlib.util.spec_from_file_location("probes", directory / "__init__.py",
-                                                      submodule_search_locations=[str(directory)])
-        if spec is None or spec.loader is None:
-            raise BadInput(f"{directory}: not a probe package (no __init__.py to load)")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["probes"] = module
         spec.loader.exec_module(module)
-        return [c for name in module.PROBE_NAMES for c in module.cases_of(name)]
-    finally:
-        for name in [k for k in sys.modules if k == "probes" or k.startswith("probes.")]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def check_rules(series: Sequence[str], rules: Sequence[CaseRule] | None = None) -> list[str]:

@@ -48,8 +48,8 @@ def pack_dir() -> Path:
 
 
 def probes_dir() -> Path:
-    """The probe package that runs inside the probe environment (never imported here). Its
-    modules import each other as `probes.*`: the harness links this directory under that name."""
+    """The probe package that runs inside the probe environment (`runtime/launch.py` registers it from
+    this folder; expectations.py reads its case registry from here)."""
     root = checkout_root()
     return root / "probes" if root else _installed(PROBES_PACKAGE)
 

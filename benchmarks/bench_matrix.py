@@ -35,11 +35,12 @@ def main() -> int:
     from backport.engine import apply_series
     from backport.pack import load_pack
     from backport.probing import ensure_env, run_harness, run_matrix
-    from backport.probing.harness import link_probes, probe_environ
+    from backport.probing.harness import probe_environ
     from backport.releases import load_releases
     from backport.resources import pack_dir
     from backport.sources import materialise
     from backport.tree import clone_tree
+    from probes.runtime.harness import CORE_MODULES
 
     releases = load_releases()
     parser = argparse.ArgumentParser()
@@ -86,13 +87,12 @@ def main() -> int:
         singles_s = time.perf_counter() - started
 
         floor_s = 0.0
-        with tempfile.TemporaryDirectory(prefix="bench-floor-") as link:
-            link_probes(Path(link))
-            bare = [python, "-c", ("import importlib\nfrom probes.runtime.harness import CORE_MODULES\n"
-                                  "for m in CORE_MODULES: importlib.import_module(m)")]
+        with tempfile.TemporaryDirectory(prefix="bench-floor-") as scratch:
+            bare = [python, "-c", "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)",
+                    *CORE_MODULES]
             for root in roots:
                 started = time.perf_counter()
-                subprocess.run(bare, env=probe_environ(python, root, Path(link)), cwd=link, check=True,
+                subprocess.run(bare, env=probe_environ(python, root), cwd=scratch, check=True,
                                capture_output=True)
                 floor_s += time.perf_counter() - started
 

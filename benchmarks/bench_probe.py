@@ -3,7 +3,7 @@
 Importing SGLang's disaggregation and scheduler modules dominates a probe run (~8 s on a CPU);
 the probes themselves should add little on top. For one tree this runs, alternately and
 `--repeat` times each, (a) a fresh interpreter that only imports the harness's modules and
-(b) a fresh interpreter that runs every probe (`python -m probes.runtime.harness`), both as the
+(b) a fresh interpreter that runs every probe (the harness, through `probes/runtime/launch.py`), both as the
 toolkit runs them (same PYTHONPATH, same environment), and prints the median wall times and
 their ratio. Goal: at most 1.5x. It also times (c) the probe run with `--coverage` over every
 file the pack touches, as `run` does, against (b). Goal: at most 1.3x.
@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 
 def timed(cmd: list[str], env: dict[str, str], cwd: str) -> float:
@@ -33,10 +32,11 @@ def timed(cmd: list[str], env: dict[str, str], cwd: str) -> float:
 
 def main() -> int:
     from backport.pack import load_pack
-    from backport.probing.env import PROBES_DIR, ensure_env
-    from backport.probing.harness import probe_environ
+    from backport.probing.env import ensure_env
+    from backport.probing.harness import launch, probe_environ
     from backport.resources import pack_dir
     from backport.sources import materialise
+    from probes.runtime.harness import CORE_MODULES
 
     parser = argparse.ArgumentParser()
     parser.add_argument("spec", nargs="?", default="sglang==0.5.19")
@@ -46,12 +46,11 @@ def main() -> int:
     python = str(ensure_env())
     tree = materialise(args.spec).tree
     with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
-        (Path(tmp) / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
-        env = probe_environ(python, tree.package_root, Path(tmp))
-        # the harness's own module list, imported in the child (importing `probes` costs nothing)
-        bare = [python, "-c", ("import importlib\nfrom probes.runtime.harness import CORE_MODULES\n"
-                               "for m in CORE_MODULES: importlib.import_module(m)")]
-        probe = [python, "-m", "probes.runtime.harness", "--tree", str(tree.package_root)]
+        env = probe_environ(python, tree.package_root)
+        # the harness's own module list, imported in the child
+        bare = [python, "-c", "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)",
+                *CORE_MODULES]
+        probe = [*launch(python, "harness"), "--tree", str(tree.package_root)]
         files = sorted({fp.path for variants in load_pack(pack_dir()).variants.values() for v in variants
                         for fp in v.files})
         covered = probe + [a for f in files for a in ("--coverage", f)]

@@ -18,11 +18,11 @@ states the safe behaviour and reports what it observed. The package is sorted by
 
 This package runs inside the probe virtualenv, never in the toolkit's: it uses
 only the standard library, torch and the tree under test. It never imports
-``backport``. Entry point: ``python -m probes.runtime.harness --tree PKGROOT``.
+``backport``, and imports itself relatively, so it runs under any name from any folder. Entry point:
+``python probes/runtime/launch.py harness --tree PKGROOT``.
 
-The shared case machinery lives here (not in ``harness``) because the harness
-runs as ``__main__``: probe modules importing ``probes.runtime.harness`` would get a
-second copy of these classes.
+The shared case machinery lives here (not in ``harness``): the package's root is what every case
+imports, and the one place the registry lives.
 """
 
 from __future__ import annotations

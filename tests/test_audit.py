@@ -364,17 +364,16 @@ def test_bad_input_without_json_is_one_line(capsys):
 
 
 def build_server_info(python: str, tree: Path, *nodes: str, backend: str = "mooncake") -> list[dict]:
-    """`probes.runtime.server_info` for one tree in the probe environment: one document per node."""
+    """tests/server_info.py for one tree in the probe environment: one document per node."""
     from backport.probing.harness import probe_environ
 
     with tempfile.TemporaryDirectory(prefix="audit-probe-") as tmp:
-        (Path(tmp) / "probes").symlink_to(REPO / "probes", target_is_directory=True)
-        cmd = [python, "-m", "probes.runtime.server_info", "--tree", str(tree), "--context-length",
+        cmd = [python, str(REPO / "tests" / "server_info.py"), "--tree", str(tree), "--context-length",
                str(INCIDENT_CONTEXT), "--page-size", "64", "--backend", backend]
         for node in nodes:
             cmd += ["--node", node]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600, cwd=tmp,
-                              env=probe_environ(python, tree, Path(tmp)))
+                              env=probe_environ(python, tree))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return [n["server_info"] for n in json.loads(proc.stdout)["nodes"]]
 

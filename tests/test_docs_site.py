@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import docsgen
+from tools import docsgen
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_generated_pages_are_current():
     stale = docsgen.stale(docsgen.render())
     assert not stale, (
-        f"stale generated pages {stale}: run .venv/bin/python -m tests.docsgen and commit docs/generated/"
+        f"stale generated pages {stale}: run .venv/bin/python -m tools.docsgen and commit docs/generated/"
     )
 
 

@@ -1,4 +1,4 @@
-"""The live table's records (tests/data/live-runs.json, written by `python -m tests.live_runs BUNDLE...`).
+"""The live table's records (tests/data/live-runs.json, written by `python -m tools.live_runs BUNDLE...`).
 
 A record is what a verified `run --live` bundle showed; these checks catch a row edited by hand
 (a pair verdict the roles' verdicts do not give, a `pass` with a live finding, an unpinned
@@ -15,7 +15,7 @@ from backport.errors import BadInput
 from backport.evidence.verdicts import is_finding, pair_verdict
 from backport.releases import load_releases
 from tests.conftest import REPO
-from tests.live_runs import load, record
+from tools.live_runs import load, record
 
 FIXTURE = REPO / "tests" / "fixtures" / "bundle-format-3"  # a real bundle, written without --live
 RECORDS = load()

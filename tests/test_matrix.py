@@ -46,7 +46,7 @@ def expected_exit(version: str) -> int:
 
 
 def release_table() -> str:
-    """The per-release table of docs/generated/releases.md (tests/docsgen.py), rendered from the matrix."""
+    """The per-release table of docs/generated/releases.md (tools/docsgen.py), rendered from the matrix."""
     lines = ["| release | `run` exit | pristine -> patched, per case | note |", "|---|---|---|---|"]
     for version in MEASURED:
         rows = pair_rows(version)
@@ -151,11 +151,11 @@ def test_release_table_page_is_the_matrix():
     reference = (REPO / "docs" / "reference.md").read_text()
     assert f"Cases ({len(CASE_KEYS)}, same names and order on every release)" in reference
     table = release_table()
-    # the docs site's generated page (tests/docsgen.py) carries the table; stale: regenerate
+    # the docs site's generated page (tools/docsgen.py) carries the table; stale: regenerate
     page = (REPO / "docs" / "generated" / "releases.md").read_text()
     assert table in page, (
         "docs/generated/releases.md's per-release table differs from the matrix; it should read:\n" + table
-        + "\nregenerate: .venv/bin/python -m tests.docsgen"
+        + "\nregenerate: .venv/bin/python -m tools.docsgen"
     )
 
 
@@ -335,16 +335,17 @@ def test_every_added_line_ran_or_is_excluded_with_a_reason(version, matrix_doc, 
     assert all(x["reason"] for p in section["patches"] for x in p["excluded"])
 
 
-def test_the_case_registry_reads_the_same_where_probes_is_not_imported():
-    """Installed, the probe package ships as `sglang_backport_probes`: the matrix reads it under
-    its own name for a moment and leaves sys.modules as it was."""
+def test_the_case_registry_reads_the_same_from_an_installed_copy(tmp_path):
+    """Installed, the probe package lies in site-packages as `sglang_backport_probes`: the registry is
+    read from that folder as it is (the package imports itself relatively), with the same cases, and
+    the `probes` package this process imported from the checkout is neither replaced nor touched."""
+    import shutil
     import sys
 
-    before = {k: v for k, v in sys.modules.items() if k.startswith("probes")}
-    del sys.modules["probes"]
-    try:
-        cases = expectations._registered_cases(REPO / "probes")
-    finally:
-        sys.modules["probes"] = before["probes"]
+    copy = tmp_path / "site-packages" / "sglang_backport_probes"
+    shutil.copytree(REPO / "probes", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")}
+    cases = expectations._registered_cases(copy)
     assert [f"{c.probe}/{c.name}" for c in cases] == CASE_KEYS
-    assert {k: v for k, v in sys.modules.items() if k.startswith("probes")} == before
+    assert {k: v for k, v in sys.modules.items() if k == "probes" or k.startswith("probes.")} == before
+    assert all(c.run.__module__.startswith("sglang_backport_probes_") for c in cases)

@@ -1,11 +1,11 @@
 """The pack's output, held still: every pinned release's patched tree has the git tree id recorded in
-tests/data/patched-trees.json (`python -m tests.patched_trees`), and the pack's files do not repeat
+tests/data/patched-trees.json (`python -m tools.patched_trees`), and the pack's files do not repeat
 themselves (issue 46 item 5).
 
 A change to the pack's files that must not change what it writes (merging two variants into one
 Applies-To range, a header edit) keeps every tree id; a change meant to change a patched tree (a new
 variant, a fix reaching more releases) regenerates the baseline with `.venv/bin/python -m
-tests.patched_trees --write` and says why in its commit.
+tools.patched_trees --write` and says why in its commit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from backport import gitops
 from backport.pack import load_pack
 from backport.releases import load_pins
 from tests.conftest import REPO
-from tests.patched_trees import REGENERATE, recorded
+from tools.patched_trees import REGENERATE, recorded
 
 PINNED = list(load_pins())
 

@@ -17,6 +17,7 @@ import git
 import pytest
 
 from backport import cli, evidence
+from backport.probing.harness import launch
 from backport.tree import tree_digest
 from tests.synthetic import write_tree
 
@@ -217,17 +218,12 @@ def test_the_harness_reports_the_given_version_never_the_fallback(tmp_path):
 
     co = tmp_path / "co"
     checkout(co, "9.9.2", upstream_layout=True)
-    link = tmp_path / "probes-parent"
-    link.mkdir()
-    (link / "probes").symlink_to(REPO / "probes", target_is_directory=True)
-    env = {"PYTHONPATH": f"{link}:{co / 'python'}", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PYTHONPATH": str(co / "python"), "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
 
     def harness(*extra):
         proc = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "probes.runtime.harness",
+                *launch(sys.executable, "harness"),
                 "--tree",
                 str(co / "python"),
                 "--probe",

@@ -22,15 +22,17 @@ from pathlib import Path
 
 import pytest
 
+from backport.probing.harness import launch
+
 REPO = Path(__file__).resolve().parent.parent
 SHIMS = REPO / "probes" / "standins" / "shims" / "torchvision"
 PATCHES = REPO / "patches"
 
 def harness(tree: Path, *probes: str, python: str, extra_path: Path | None = None):
-    """Run `python -m probes.runtime.harness` the way the toolkit's runner does."""
-    path = [str(REPO), str(SHIMS)] + ([str(extra_path)] if extra_path else []) + [str(tree)]
+    """Run the harness the way the toolkit's runner does (launch.py, the probe package off the path)."""
+    path = [str(SHIMS)] + ([str(extra_path)] if extra_path else []) + [str(tree)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    cmd = [python, "-m", "probes.runtime.harness", "--tree", str(tree)]
+    cmd = [*launch(python, "harness"), "--tree", str(tree)]
     for p in probes:
         cmd += ["--probe", p]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)

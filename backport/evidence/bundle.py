@@ -91,9 +91,8 @@ def assemble(record: RunRecord) -> Bundle:
     path the raw documents may hold, as (path, replacement) pairs, longest first; an empty
     replacement makes paths under it relative. This module guesses no path: the caller passes
     at least the series directory (``""``) and the cache root (``"<cache>"``), and any
-    directory of its own that a document can name (the probing side replaces the temporary
-    link through which the harness imported `probes` before it returns a document; a caller
-    that keeps such a link passes ``(link, "probes")``).
+    directory of its own that a document can name (the probing side names the probe package's
+    folder `probes` before it returns a document: probing/harness.scrub_package_path).
     """
     extra_paths = list(record.extra_paths)
     git = git_trees(record.trees)  # once: the subjects and standards.json both name them

@@ -15,6 +15,7 @@ from backport.probing.env import PROBES_DIR, SHIMS
 from backport.probing.supervise import Heartbeat, supervise
 
 log = logging.getLogger("backport.probing")
+LAUNCHER = PROBES_DIR / "runtime" / "launch.py"
 
 
 # Packages some releases import at module level that a CPU environment cannot have; each has a
@@ -31,10 +32,12 @@ def missing_packages(python: str) -> tuple[str, ...]:
     return tuple(proc.stdout.split()) if proc.returncode == 0 else STAND_INS
 
 
-def probe_environ(python: str, package_root: Path | None, probes_parent: Path) -> dict[str, str]:
-    """The environment of a probe interpreter: `probes_parent` (where the `probes` link is), the
-    stand-ins this interpreter needs, then the tree (None: the matrix adds each tree itself)."""
-    paths = [str(probes_parent)] + [str(SHIMS / name) for name in missing_packages(python)]
+def probe_environ(python: str, package_root: Path | None, first: Path | None = None) -> dict[str, str]:
+    """The environment of a probe interpreter: `first` (a folder of the caller's own, e.g. upstream
+    tests' scratch path), the stand-ins this interpreter needs, then the tree (None: the matrix adds
+    each tree itself). The probe package is not on the path: `launch` registers it from its folder."""
+    paths = [str(first)] if first is not None else []
+    paths += [str(SHIMS / name) for name in missing_packages(python)]
     if package_root is not None:
         paths.append(str(package_root))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -42,11 +45,17 @@ def probe_environ(python: str, package_root: Path | None, probes_parent: Path) -
     return env
 
 
-def link_probes(directory: Path) -> Path:
-    """Put only the `probes` package on the path (through a link), never the directory it sits in,
-    which may be a site-packages with another SGLang."""
-    (directory / "probes").symlink_to(PROBES_DIR, target_is_directory=True)
-    return directory
+def launch(python: str, entry: str) -> list[str]:
+    """The command that runs one entry of the probe runtime (harness, matrix) in `python`:
+    `probes/runtime/launch.py`, which registers the probe package from its own folder (a checkout's or
+    an installed wheel's), so that neither that folder's parent nor a link to it is ever on the path."""
+    return [python, str(LAUNCHER), entry]
+
+
+def scrub_package_path(text: str) -> str:
+    """A probe document names the probe package's files as `probes/...` (tracebacks in case details),
+    wherever the package lies on this machine."""
+    return text.replace(str(PROBES_DIR), "probes")
 
 
 def absolute_interpreter(python: str) -> str:
@@ -81,21 +90,16 @@ def run_harness(python: str, package_root: Path, probes: list[str] | None = None
     package_root = check_package_root(package_root)
     log.info("probing %s ...", label or package_root)
     with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
-        link_probes(Path(tmp))
         python = absolute_interpreter(python)
-        cmd = [python, "-m", "probes.runtime.harness", "--tree", str(package_root)]
+        cmd = [*launch(python, "harness"), "--tree", str(package_root)]
         for name in probes or []:
             cmd += ["--probe", name]
         if version and version != "unknown":
             cmd += ["--version", version]
         what = label or str(package_root)
         beat = Heartbeat(log.info, lambda seconds: f"      probing {what}: still running, {seconds:.0f} s")
-        code = supervise(cmd, env=probe_environ(python, package_root, Path(tmp)), cwd=tmp,
+        code = supervise(cmd, env=probe_environ(python, package_root), cwd=tmp,
                          stdout=Path(tmp) / "out.json", stderr=Path(tmp) / "err.log", tick=beat)
-        # The link's temporary name is this module's business: tracebacks in case details
-        # name it, so it is replaced here by a stable one before anyone records the document.
-        stdout = (
-            (Path(tmp) / "out.json").read_text(errors="replace").replace(str(Path(tmp) / "probes"), "probes")
-        )
+        stdout = scrub_package_path((Path(tmp) / "out.json").read_text(errors="replace"))
         stderr = (Path(tmp) / "err.log").read_text(errors="replace")
     return read_document(stdout, stderr, code, package_root)

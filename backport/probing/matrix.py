@@ -18,9 +18,10 @@ from backport.errors import Finding
 from backport.probing.harness import (
     absolute_interpreter,
     check_package_root,
-    link_probes,
+    launch,
     probe_environ,
     read_document,
+    scrub_package_path,
 )
 from backport.probing.supervise import supervise
 
@@ -84,11 +85,10 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
     log.info("probing %d tree(s), %d at a time: %s", len(unique), jobs,
              ", ".join(labels or [str(r) for r in unique]))
     with tempfile.TemporaryDirectory(prefix="sglang-backport-probes-") as tmp:
-        link_probes(Path(tmp))
         out = Path(tmp) / "out"
         out.mkdir()
         python = absolute_interpreter(python)
-        cmd = [python, "-m", "probes.runtime.matrix", "--jobs", str(jobs), "--out", str(out),
+        cmd = [*launch(python, "matrix"), "--jobs", str(jobs), "--out", str(out),
                "--bytecode", str(cache.cache_root() / "bytecode")]
         decided = dict(zip(roots, versions or [], strict=False))
         for root in unique:
@@ -106,7 +106,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
         watch = _Watch(out, [names[root] for root in unique])
         code = supervise(
             cmd,
-            env=probe_environ(python, None, Path(tmp)),
+            env=probe_environ(python, None),
             cwd=tmp,
             stdout=Path(tmp) / "matrix.out",
             stderr=Path(tmp) / "matrix.err",
@@ -117,7 +117,6 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
             tail = "\n".join((Path(tmp) / "matrix.err").read_text(errors="replace").strip().splitlines()[-8:])
             raise Finding(f"probe matrix exited {code}:\n{tail}")
         summary = json.loads((Path(tmp) / "matrix.out").read_text().strip().splitlines()[-1])
-        link = str(Path(tmp) / "probes")
         documents = {}
         for index, root in enumerate(unique):
             text = (out / f"{index}.json").read_text() if (out / f"{index}.json").exists() else ""
@@ -125,7 +124,7 @@ def run_matrix(python: str, package_roots: list[Path], probes: list[str] | None 
                 (out / f"{index}.log").read_text(errors="replace") if (out / f"{index}.log").exists() else ""
             )
             documents[root] = read_document(
-                text.replace(link, "probes"), stderr, summary["exit_codes"][index], root
+                scrub_package_path(text), stderr, summary["exit_codes"][index], root
             )
     log.info("      shared imports once: %.1f s", summary["preload_seconds"])
     slowest = sorted(zip(summary["seconds"], (names[r] for r in unique)), reverse=True)[:3]

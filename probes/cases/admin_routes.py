@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged, tree_version
+from .. import NotApplicable, Outcome, case, judged, tree_version
 
 ADMIN_KEY = "probe-admin-key"
 API_KEY = "probe-user-key"

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.bootstrap import (
+from .. import NotApplicable, Outcome, case, judged
+from ..rigs.bootstrap import (
     ONE_RANK,
     POISONED,
     PREFILL_RANK,

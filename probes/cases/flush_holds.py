@@ -26,9 +26,9 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
-from probes.standins.scheduler import InertCollaborator, flush_cache
+from .. import NotApplicable, Outcome, case, judged
+from ..rigs.failed_transfer import TransferRig, drain_acking_manager, drain_acking_receiver, note_ack
+from ..standins.scheduler import InertCollaborator, flush_cache
 
 ROOM = 601
 

@@ -20,8 +20,8 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged, tree_version
-from probes.standins.scheduler import InertCollaborator, flush_cache, make_scheduler_shell
+from .. import NotApplicable, Outcome, case, judged, tree_version
+from ..standins.scheduler import InertCollaborator, flush_cache, make_scheduler_shell
 
 RESERVED_TOKENS = 400  # what the live tier saw decode hold for the refused over-pool request
 PAGE_SIZE = 1
@@ -76,8 +76,8 @@ def flush_with_queued_transfer_frees_nothing_twice(ctx) -> Outcome:
     names). The real ``Scheduler.flush_cache`` decides whether the flush clears the pool first."""
     from packaging.version import Version
 
-    from probes.standins import Ledger, prefill_bootstrap_queue_attr
-    from probes.standins.memory import CountingTokenToKVPoolAllocator
+    from ..standins import Ledger, prefill_bootstrap_queue_attr
+    from ..standins.memory import CountingTokenToKVPoolAllocator
 
     if tree_version() >= Version("0.5.13"):
         raise NotApplicable("from 0.5.13 the idle check is is_fully_idle, which counts the PD queues "

@@ -42,17 +42,17 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-from probes import SAFE, UNSAFE, Outcome, case
-from probes.rigs.coverage import (
+from .. import SAFE, UNSAFE, Outcome, case
+from ..rigs.coverage import (
     DecodeSide,
     PagePoolStandIn,
     PrefillSide,
     copy_metadata_row,
     set_forward_range,
 )
-from probes.rigs.coverage_run import coverage_rig, refused
-from probes.rigs.door import DoorRig, size_prefill_pool
-from probes.standins import (
+from ..rigs.coverage_run import coverage_rig, refused
+from ..rigs.door import DoorRig, size_prefill_pool
+from ..standins import (
     construct_with,
     describe_finish,
     give_kv_row,
@@ -62,12 +62,12 @@ from probes.standins import (
     sg,
     sg_attr,
 )
-from probes.standins.memory import (
+from ..standins.memory import (
     CountingTokenToKVPoolAllocator,
     RecordingReqToMetadataIdxAllocator,
     patch_cache_helpers,
 )
-from probes.standins.scheduler import deliver_prefill_result, make_scheduler_shell
+from ..standins.scheduler import deliver_prefill_result, make_scheduler_shell
 
 PAGE_SIZE = 16
 PREFILL_POOL_TOKENS = 256  # the prefill worker's KV pool (681,280 in the incident)

@@ -30,9 +30,9 @@ import sys
 import time
 from typing import Any
 
-from probes import Outcome, case, judged
-from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
-from probes.rigs.mori import ConstructedMoriDecodeManager
+from .. import Outcome, case, judged
+from ..rigs.failed_transfer import TIMEOUT_ENV, TransferRig
+from ..rigs.mori import ConstructedMoriDecodeManager
 
 TIMEOUT_S = 0.5
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.retire import RetireRig
-from probes.standins import Ledger, mark_aborted, sg, sg_attr
+from .. import NotApplicable, Outcome, case, judged
+from ..rigs.retire import RetireRig
+from ..standins import Ledger, mark_aborted, sg, sg_attr
 
 ROW = 0
 OTHER_REQUEST_SLOTS = 5000  # where the row's stale tail points: slots of the row's previous owner

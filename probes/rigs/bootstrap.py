@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import sg, sg_attr
+from ..standins import sg, sg_attr
 
 TOKEN_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"
 # prefill rank 0's real endpoint, and the one the attacker substitutes (TEST-NET-3)

@@ -18,13 +18,13 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, construct_with, describe_finish, give_kv_row, make_req
-from probes.standins.memory import (
+from ..standins import Ledger, construct_with, describe_finish, give_kv_row, make_req
+from ..standins.memory import (
     CountingTokenToKVPoolAllocator,
     RecordingReqToMetadataIdxAllocator,
 )
-from probes.standins.scheduler import make_scheduler_shell
-from probes.standins.transport import recording_sender_class
+from ..standins.scheduler import make_scheduler_shell
+from ..standins.transport import recording_sender_class
 
 CHECK_ENV = "SGLANG_DISAGGREGATION_TRANSFER_COVERAGE_CHECK"
 COVERAGE_SLOT = 7  # the spare cached_tokens slot the fix uses

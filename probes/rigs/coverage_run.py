@@ -7,8 +7,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome
-from probes.rigs.coverage import (
+from .. import SAFE, UNSAFE, NotApplicable, Outcome
+from ..standins import Ledger, pin_runtime, sg
+from ..standins.memory import patch_cache_helpers
+from .coverage import (
     CHECK_ENV,
     COVERAGE_SLOT,
     DecodeSide,
@@ -16,8 +18,6 @@ from probes.rigs.coverage import (
     PrefillSide,
     metadata_buffers,
 )
-from probes.standins import Ledger, pin_runtime, sg
-from probes.standins.memory import patch_cache_helpers
 
 
 def coverage_rig(ctx, ranks: int = 1) -> MinAllReduce:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from probes import NotApplicable
-from probes.standins import Ledger, describe_finish, pin_runtime, prefill_bootstrap_queue_attr, sg
-from probes.standins.memory import CountingTokenToKVPoolAllocator, MetadataBuffersStandIn, patch_cache_helpers
-from probes.standins.scheduler import make_scheduler_shell, wrap_beam_coordinator
-from probes.standins.transport import KVManagerStandIn, patch_transport
+from .. import NotApplicable
+from ..standins import Ledger, describe_finish, pin_runtime, prefill_bootstrap_queue_attr, sg
+from ..standins.memory import CountingTokenToKVPoolAllocator, MetadataBuffersStandIn, patch_cache_helpers
+from ..standins.scheduler import make_scheduler_shell, wrap_beam_coordinator
+from ..standins.transport import KVManagerStandIn, patch_transport
 
 NUM_KV_HEADS = 8
 PREFILL_POOL_TOKENS = 4096

@@ -22,16 +22,16 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from probes.rigs.coverage import MinAllReduce
-from probes.standins import Ledger, construct_with, give_kv_row, make_req, pin_runtime, sg, sg_attr
-from probes.standins.memory import (
+from ..standins import Ledger, construct_with, give_kv_row, make_req, pin_runtime, sg, sg_attr
+from ..standins.memory import (
     CountingTokenToKVPoolAllocator,
     MetadataBuffersStandIn,
     RecordingReqToMetadataIdxAllocator,
     ReqToTokenPoolStandIn,
     patch_cache_helpers,
 )
-from probes.standins.scheduler import make_scheduler_shell
+from ..standins.scheduler import make_scheduler_shell
+from .coverage import MinAllReduce
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"

@@ -10,8 +10,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable
-from probes.rigs.coverage import (
+from .. import NotApplicable
+from ..standins import Ledger, construct_with, give_kv_row, make_req, sg
+from ..standins.memory import patch_cache_helpers
+from .coverage import (
     CompletedTransferReceiver,
     DecodeSide,
     PrefillSide,
@@ -19,9 +21,7 @@ from probes.rigs.coverage import (
     set_reservation,
     tree_fill_len,
 )
-from probes.rigs.coverage_run import coverage_rig
-from probes.standins import Ledger, construct_with, give_kv_row, make_req, sg
-from probes.standins.memory import patch_cache_helpers
+from .coverage_run import coverage_rig
 
 
 class HostStagedPreallocStandIn:
@@ -98,7 +98,7 @@ def restore_side(ctx, ledger, rank: int, prompt_tokens: int, room: int):
     from sglang.srt.disaggregation.decode import HiCacheRestoreResult
     from sglang.srt.disaggregation.decode_hicache_mixin import DecodePrefixMatch
 
-    from probes.standins.hicache import restore_tree, start_load_back
+    from ..standins.hicache import restore_tree, start_load_back
 
     side = DecodeSide(ctx, ledger, rank=rank)
     hc = restore_tree(ledger)

@@ -39,8 +39,8 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable
-from probes.standins import (
+from .. import NotApplicable
+from ..standins import (
     Ledger,
     ParallelStandIn,
     PipelineGroupStandIn,
@@ -48,7 +48,7 @@ from probes.standins import (
     release_disagg_defaults,
     sg,
 )
-from probes.standins.transfer_engine import DecodePeerWire
+from ..standins.transfer_engine import DecodePeerWire
 
 LOCALHOST = "127.0.0.1"
 

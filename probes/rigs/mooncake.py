@@ -15,9 +15,9 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable
-from probes.standins import DRAIN_EVENT_FIELDS, DRAIN_EVENT_KINDS, Ledger, pin_runtime, sg, sg_attr
-from probes.standins.transfer_engine import DecodePeerWire, TransferEngineStandIn, WorkerStopped, abort_frames
+from .. import NotApplicable
+from ..standins import DRAIN_EVENT_FIELDS, DRAIN_EVENT_KINDS, Ledger, pin_runtime, sg, sg_attr
+from ..standins.transfer_engine import DecodePeerWire, TransferEngineStandIn, WorkerStopped, abort_frames
 
 
 def kv_indices(count: int):

@@ -17,8 +17,8 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from probes.rigs.manager import LOCALHOST, _kv_args, pin_manager_runtime
-from probes.standins import construct_with, pin_runtime, release_disagg_defaults, sg
+from ..standins import construct_with, pin_runtime, release_disagg_defaults, sg
+from .manager import LOCALHOST, _kv_args, pin_manager_runtime
 
 
 class Stopped(Exception):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from probes.rigs.mooncake_decode import Feed, build_manager, run_captured
-from probes.standins import sg
+from ..standins import sg
+from .mooncake_decode import Feed, build_manager, run_captured
 
 DECODE_IP, DECODE_PORT, DECODE_SESSION = "127.0.0.1", 17100, "127.0.0.1:19000"
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import threading
 
-from probes import NotApplicable
-from probes.rigs.manager import LOCALHOST, _kv_args, pin_manager_runtime
-from probes.standins import Ledger, pin_runtime, release_disagg_defaults, sg
+from .. import NotApplicable
+from ..standins import Ledger, pin_runtime, release_disagg_defaults, sg
+from .manager import LOCALHOST, _kv_args, pin_manager_runtime
 
 PREFILL_ADDR = "10.0.0.2:8998"
 

@@ -21,9 +21,8 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable
-from probes.rigs.mooncake import constructor_socket_state
-from probes.standins import (
+from .. import NotApplicable
+from ..standins import (
     DRAIN_EVENT_FIELDS,
     DRAIN_EVENT_KINDS,
     Ledger,
@@ -32,7 +31,8 @@ from probes.standins import (
     sg,
     sg_attr,
 )
-from probes.standins.transfer_engine import DecodePeerWire, WorkerStopped, abort_frames
+from ..standins.transfer_engine import DecodePeerWire, WorkerStopped, abort_frames
+from .mooncake import constructor_socket_state
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 ROOM = 801

@@ -16,11 +16,11 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable
-from probes.rigs.door import REJECTION, DoorRig
-from probes.rigs.failed_transfer import TransferRig
-from probes.rigs.mooncake_decode import Feed, capture_threads, run_captured
-from probes.standins import make_req, reject_at_intake, sg
+from .. import NotApplicable
+from ..standins import make_req, reject_at_intake, sg
+from .door import REJECTION, DoorRig
+from .failed_transfer import TransferRig
+from .mooncake_decode import Feed, capture_threads, run_captured
 
 REFUSED_ROOM = 4242
 VALID_ROOM = 4243

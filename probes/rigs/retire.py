@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes import Outcome, judged
-from probes.standins import (
+from .. import Outcome, judged
+from ..standins import (
     Ledger,
     describe_finish,
     give_kv_row,
@@ -17,9 +17,9 @@ from probes.standins import (
     prefill_bootstrap_queue_attr,
     sg,
 )
-from probes.standins.memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
-from probes.standins.scheduler import deliver_prefill_result, make_scheduler_shell
-from probes.standins.transport import recording_sender_class
+from ..standins.memory import CountingTokenToKVPoolAllocator, patch_cache_helpers
+from ..standins.scheduler import deliver_prefill_result, make_scheduler_shell
+from ..standins.transport import recording_sender_class
 
 PAGE_SIZE = 16
 SAMPLED_TOKEN = 7

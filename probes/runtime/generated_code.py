@@ -24,7 +24,7 @@ import types
 import typing
 from importlib.util import MAGIC_NUMBER
 
-from probes.runtime.bytecode import entry_path, store
+from .bytecode import entry_path, store
 
 
 class CodeCache:

@@ -2,8 +2,8 @@
 
 Usage (the tree is the only ``sglang`` on the path)::
 
-    PYTHONPATH=<dir containing probes/>:<probes/standins/shims>:<PKGROOT> \\
-        python -m probes.runtime.harness --tree PKGROOT [--probe NAME ...]
+    PYTHONPATH=<probes/standins/shims>:<PKGROOT> \\
+        python PACKAGE/runtime/launch.py harness --tree PKGROOT [--probe NAME ...]
 
 PKGROOT is the directory that contains ``sglang/``. All probes of the tree run
 in this one interpreter: importing the SGLang modules costs ~8 s, paid once.
@@ -29,7 +29,7 @@ import traceback
 from enum import Enum
 from typing import Any
 
-from probes import (
+from .. import (
     ERROR,
     FALLBACK_VERSIONS,
     NOT_APPLICABLE,
@@ -153,7 +153,7 @@ def start_coverage(tree: str, files: list[str]):
         return None
     import coverage
 
-    from probes.runtime.preload import preload
+    from .preload import preload
 
     preload()  # third-party imports are not what is measured: keep them out of the tracer
 
@@ -205,7 +205,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m probes.runtime.harness")
+    parser = _Parser(prog="launch.py harness")
     parser.add_argument("--tree", required=True, help="directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
     parser.add_argument(
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bad_input(tree, f"{tree} has no sglang/ package", real_stdout)
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from probes.standins.addons import install as install_addons
-    from probes.standins.addons import install_module_standins
+    from ..standins.addons import install as install_addons
+    from ..standins.addons import install_module_standins
 
     install_addons()  # names older releases read from torch/triton that today's lack (standins/addons.py)
     install_module_standins()  # 0.4.10's 3FS client, whose C++ source its wheel lacks (standins/addons.py)
@@ -299,6 +299,3 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout.flush()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

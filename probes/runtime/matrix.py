@@ -2,14 +2,14 @@
 
 Usage (run by the toolkit inside the probe environment; no tree on the path)::
 
-    python -m probes.runtime.matrix --jobs 2 --out DIR --tree ROOT1 --tree ROOT2 ...
+    python PACKAGE/runtime/launch.py matrix --jobs 2 --out DIR --tree ROOT1 --tree ROOT2 ...
 
 Importing one release's disaggregation modules costs 8-10 s, two thirds of it in third-party
 packages every release shares (torch, transformers, openai, sympy, ...). This process imports
 those once, then forks one child per tree. A child puts its tree on `sys.path`, imports that
-tree's `sglang` and runs the ordinary harness (`probes.runtime.harness.main`), so it sees exactly what a
-single harness run sees: no `sglang` module exists before the fork, and the path order (probes,
-stand-ins, the tree) is the same. Children run `--jobs` at a time. Each writes
+tree's `sglang` and runs the ordinary harness (`harness.main`), so it sees exactly what a
+single harness run sees: no `sglang` module exists before the fork, and the path order (stand-ins,
+the tree) is the same. Children run `--jobs` at a time. Each writes
 `DIR/<index>.json` (the harness document) and `DIR/<index>.log` (its stderr); the exit status of
 this process is 0 when every child ran, 2 on bad input.
 """
@@ -23,10 +23,10 @@ import os
 import sys
 import time
 
-from probes.runtime.bytecode import install as install_bytecode_cache
-from probes.runtime.generated_code import install as install_generated_code
-from probes.runtime.preload import preload
-from probes.runtime.source_blocks import install as install_source_blocks
+from .bytecode import install as install_bytecode_cache
+from .generated_code import install as install_generated_code
+from .preload import preload
+from .source_blocks import install as install_source_blocks
 
 
 def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str, bytecode: str | None,
@@ -34,7 +34,7 @@ def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str
     """In the forked child: this tree's path, stdout to the document, stderr to the log."""
     if bytecode:
         install_bytecode_cache(tree, bytecode)
-    sys.path.append(tree)  # after the probes and stand-ins, as in a single harness run
+    sys.path.append(tree)  # after the stand-ins, as in a single harness run
     os.environ["PYTHONPATH"] = os.pathsep.join([*os.environ.get("PYTHONPATH", "").split(os.pathsep), tree])
     fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     fd_log = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -42,7 +42,7 @@ def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str
     os.dup2(fd_log, 2)
     sys.stdout = os.fdopen(1, "w", closefd=False)
     sys.stderr = os.fdopen(2, "w", closefd=False)
-    from probes.runtime import harness
+    from . import harness
 
     args = (["--tree", tree] + [a for name in probes for a in ("--probe", name)]
             + [a for rel in coverage for a in ("--coverage", rel)]
@@ -57,7 +57,7 @@ def _child(tree: str, probes: list[str], coverage: list[str], out: str, log: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m probes.runtime.matrix")
+    parser = argparse.ArgumentParser(prog="launch.py matrix")
     parser.add_argument("--tree", action="append", required=True, help="a directory that contains sglang/")
     parser.add_argument("--probe", action="append", default=[], help="probe to run (repeatable)")
     parser.add_argument("--coverage", action="append", default=[], metavar="FILE",
@@ -124,10 +124,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(
-        code
-    )  # every child is reaped and the summary written: skip torch's 1-2 s of interpreter teardown
+# launch.py ends this process with os._exit once main returns (every child reaped, the summary written)
+FAST_EXIT = True

@@ -19,7 +19,7 @@ import json
 import sys
 from importlib.util import MAGIC_NUMBER
 
-from probes.runtime.bytecode import entry_path, store
+from .bytecode import entry_path, store
 
 _original = inspect.getsourcelines
 

@@ -5,7 +5,7 @@ helpers that return a request's pages.
 
 from __future__ import annotations
 
-from probes.standins import Ledger, drop_kv_row
+from . import Ledger, drop_kv_row
 
 
 class RecordingReqToMetadataIdxAllocator:

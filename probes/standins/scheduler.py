@@ -9,8 +9,8 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, ParallelStandIn, construct_with, describe_finish
-from probes.standins.memory import RecordingRadixCache, RecordingReqToMetadataIdxAllocator
+from . import Ledger, ParallelStandIn, construct_with, describe_finish
+from .memory import RecordingRadixCache, RecordingReqToMetadataIdxAllocator
 
 
 class RecordingSchedulerOutputStreamer:

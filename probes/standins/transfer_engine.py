@@ -5,7 +5,7 @@ ABORT frames a decode rank sends and the ZMQ pushes back to decode.
 
 from __future__ import annotations
 
-from probes.standins import Ledger, sg_attr
+from . import Ledger, sg_attr
 
 
 class WorkerStopped(BaseException):

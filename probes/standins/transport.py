@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes.standins import Ledger, has_method, sg
+from . import Ledger, has_method, sg
 
 
 class _TransferFailed(Exception):

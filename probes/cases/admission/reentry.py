@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.door import REJECTION, DoorRig, handoff_summary
-from probes.standins import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.door import REJECTION, DoorRig, handoff_summary
+from ...standins import (
     has_retraction_backup_slot,
     make_req,
     mark_aborted,

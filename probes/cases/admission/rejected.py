@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
-from probes.rigs.door import REJECTION, DoorRig, handoff_summary, retired_cleanly
-from probes.standins import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
+from ...rigs.door import REJECTION, DoorRig, handoff_summary, retired_cleanly
+from ...standins import (
     Ledger,
     aborted_prefetch_releasable,
     construct_with,

@@ -5,8 +5,8 @@ probes/cases/page_lifetime/.
 
 from __future__ import annotations
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
+from ...rigs.failed_transfer import (
     DEFERRED_ENV,
     TransferRig,
     WarningRecorder,
@@ -17,7 +17,7 @@ from probes.rigs.failed_transfer import (
     fake_receiver,
     no_capability_manager,
 )
-from probes.standins import sg_attr
+from ...standins import sg_attr
 
 
 @case(

@@ -7,16 +7,16 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import (
+from ... import NotApplicable, Outcome, case, judged
+from ...rigs.failed_transfer import (
     PrefillPeerSocket,
     TransferRig,
     drain_acking_manager,
     drain_acking_receiver,
     note_ack,
 )
-from probes.standins import Ledger, construct_with, sg
-from probes.standins.scheduler import InertCollaborator
+from ...standins import Ledger, construct_with, sg
+from ...standins.scheduler import InertCollaborator
 
 
 @case(

@@ -7,15 +7,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.failed_transfer import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.failed_transfer import (
     TIMEOUT_ENV,
     TransferRig,
     drain_acking_manager,
     drain_acking_receiver,
     note_ack,
 )
-from probes.standins import Ledger, pin_runtime
+from ...standins import Ledger, pin_runtime
 
 HOLD_TIMEOUT = 0.3
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
-from probes.rigs.mooncake_decode import MooncakeDecodeSide
-from probes.standins import sg
+from ... import NotApplicable, Outcome, case, judged
+from ...rigs.failed_transfer import TIMEOUT_ENV, TransferRig
+from ...rigs.mooncake_decode import MooncakeDecodeSide
+from ...standins import sg
 
 ROOM = 7301
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
-from probes.rigs.manager import CONSTRUCTED_ROOM, constructed, constructed_details
-from probes.rigs.mooncake import DECODE_PEERS
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case, judged
+from ...rigs.manager import CONSTRUCTED_ROOM, constructed, constructed_details
+from ...rigs.mooncake import DECODE_PEERS
 
 
 @case(
@@ -76,7 +76,7 @@ def constructed_manager_poisoned_room_withholds_ack_until_reopened(ctx) -> Outco
     """0.5.22's failed-send rule (#41402 backport) on the poisoned-room set ``CommonKVManager.__init__``
     creates: ``poison_deferred_ack_room`` is what the transfer worker calls after a send that may still be
     writing."""
-    from probes.rigs.manager import registry_class
+    from ...rigs.manager import registry_class
 
     if not hasattr(registry_class(), "poison_deferred_ack_room"):
         raise NotApplicable(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import SAFE, UNSAFE, Outcome, case, judged
-from probes.rigs.mooncake import DECODE_PEERS, ROOM, PrefillRig
+from ... import SAFE, UNSAFE, Outcome, case, judged
+from ...rigs.mooncake import DECODE_PEERS, ROOM, PrefillRig
 
 
 def _verdict_no_ack_in_flight(rig: PrefillRig, safe_text: str, what: str) -> Outcome:
@@ -255,7 +255,7 @@ def failed_aux_or_state_send_withholds_ack(ctx) -> Outcome:
 def _nixl_failed_batch(ctx, plan: list[str]) -> dict:
     """One NIXL failed batch (``plan``: the first chunk's writes), ABORTs, the room's next chunk, clear() and
     a late ABORT; the summary with the writes still running before the probe settled them."""
-    from probes.rigs.nixl import NixlPrefillRig
+    from ...rigs.nixl import NixlPrefillRig
 
     rig = NixlPrefillRig(ctx, plan=plan)
     rig.run_worker([rig.chunk(0, last=False)])

@@ -11,9 +11,9 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.mooncake import DEFERRED_ENV, deferral_flag, kv_indices
-from probes.standins import Ledger, pin_runtime, sg
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.mooncake import DEFERRED_ENV, deferral_flag, kv_indices
+from ...standins import Ledger, pin_runtime, sg
 
 LAYER_PTRS = (1 << 20, 2 << 20)  # two layers of prefill KV (source pointers)
 DECODE_LAYER_PTRS = [3 << 20, 4 << 20]  # the same two layers on decode
@@ -41,8 +41,8 @@ def per_layer_send_reports_failure_after_every_write(ctx) -> Outcome:
     0.4.6 - 0.4.6.post3 give up on the failed layer by raising (their failure branch shuts down an undefined
     ``executor``: NameError) while the sibling write still lands: the transfer thread dies with it, which ends
     the send as early as the return of 0.4.6.post4 and later does, and is judged the same."""
-    from probes.rigs.future_wait import PendingFutureWait, RecordingPool
-    from probes.standins.transfer_engine import PerLayerEngineStandIn
+    from ...rigs.future_wait import PendingFutureWait, RecordingPool
+    from ...standins.transfer_engine import PerLayerEngineStandIn
 
     pin_runtime(ctx)
     ctx.setenv(DEFERRED_ENV, "true")

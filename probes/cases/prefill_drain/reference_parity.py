@@ -5,9 +5,9 @@ state send stops the room's writes. The probe: probes/cases/prefill_drain/.
 
 from __future__ import annotations
 
-from probes import Outcome, case, judged
-from probes.rigs.manager import CONSTRUCTED_ROOM, constructed, constructed_details
-from probes.rigs.mooncake import DECODE_PEERS, PrefillRig
+from ... import Outcome, case, judged
+from ...rigs.manager import CONSTRUCTED_ROOM, constructed, constructed_details
+from ...rigs.mooncake import DECODE_PEERS, PrefillRig
 
 
 def _nixl_targets_left(rig, room: int) -> list[str]:
@@ -41,8 +41,8 @@ def nixl_settled_error_uncounts_and_acks(ctx) -> Outcome:
     stays at 1, the targets are held (clear() keeps them while counted) and decode waits its full release
     timeout while prefill keeps the count and target entries (0.5.20), or the room is poisoned on every error
     (0.5.17 - 0.5.19 before this change)."""
-    from probes.rigs.nixl import ROOM as NIXL_ROOM
-    from probes.rigs.nixl import NixlPrefillRig
+    from ...rigs.nixl import ROOM as NIXL_ROOM
+    from ...rigs.nixl import NixlPrefillRig
 
     rig = NixlPrefillRig(ctx, plan=["err"])  # the first KV write fails; every other handle lands
     rig.run_worker([rig.chunk(0, last=True)])
@@ -78,9 +78,9 @@ def _nixl_cleared_room_skip(ctx, *, at_metadata_read: bool) -> dict:
     """Decode rank 0 ABORTs a room whose chunk is counted, the scheduler clears it, decode rank 1 ABORTs the
     cleared room; then the worker skips the chunk. ``at_metadata_read``: all three happen while the worker,
     having counted the chunk and seen the room live, is about to read its transfer metadata."""
-    from probes.rigs.nixl import DECODE_PEERS as NIXL_PEERS
-    from probes.rigs.nixl import ROOM as NIXL_ROOM
-    from probes.rigs.nixl import NixlPrefillRig, PausedAtMetadataRead
+    from ...rigs.nixl import DECODE_PEERS as NIXL_PEERS
+    from ...rigs.nixl import ROOM as NIXL_ROOM
+    from ...rigs.nixl import NixlPrefillRig, PausedAtMetadataRead
 
     rig = NixlPrefillRig(ctx)
     chunk = rig.chunk(0, last=False)

@@ -23,8 +23,8 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.standins import sg
+from ... import NotApplicable, Outcome, case, judged
+from ...standins import sg
 
 LOCALHOST = "127.0.0.1"
 LOCK_ROOM, RACE_ROOM = 721, 722
@@ -145,7 +145,7 @@ def abort_ack_sent_under_endpoint_lock(ctx) -> Outcome:
     shares the socket with take the endpoint's lock (a lock the other pushes skip would exclude nothing)."""
     import zmq
 
-    from probes.rigs.manager import ConstructedPrefillManager, registry_class
+    from ...rigs.manager import ConstructedPrefillManager, registry_class
 
     if not hasattr(registry_class(), "_send_abort_ack"):
         raise NotApplicable("the prefill sends no drain ABORT_ACK in this release")

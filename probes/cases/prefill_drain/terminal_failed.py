@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from probes import SAFE, UNSAFE, Outcome, case
-from probes.rigs.mooncake import ROOM, PrefillRig, deliver_to_bootstrap_thread, kv_indices
-from probes.standins import sg
+from ... import SAFE, UNSAFE, Outcome, case
+from ...rigs.mooncake import ROOM, PrefillRig, deliver_to_bootstrap_thread, kv_indices
+from ...standins import sg
 
 
 def _status_name(KVPoll, value) -> str:
@@ -33,8 +33,8 @@ def _writes_after_first_ack(ledger) -> int:
 def _nixl_healthy_room(ctx) -> dict:
     """The control: both chunks of a room no decode rank aborts land; the room concludes Success and its
     transfer metadata is dropped; a late ABORT for the concluded room (nothing in flight) is ACKed at once."""
-    from probes.rigs.nixl import ROOM as NIXL_ROOM
-    from probes.rigs.nixl import NixlPrefillRig
+    from ...rigs.nixl import ROOM as NIXL_ROOM
+    from ...rigs.nixl import NixlPrefillRig
 
     rig = NixlPrefillRig(ctx)
     rig.run_worker([rig.chunk(0, last=False)])
@@ -65,8 +65,8 @@ def nixl_aborted_room_stays_failed_after_inflight_chunk(ctx) -> Outcome:
     common rule of 0.5.19 alone the same run posts the next chunk's writes after the ACK. Control (an error
     when it fails): a room no decode rank aborts concludes Success, drops its metadata and ACKs a late ABORT
     at once."""
-    from probes.rigs.nixl import ROOM as NIXL_ROOM
-    from probes.rigs.nixl import NixlPrefillRig
+    from ...rigs.nixl import ROOM as NIXL_ROOM
+    from ...rigs.nixl import NixlPrefillRig
 
     rig = NixlPrefillRig(ctx, plan=["hold"])
     rig.agent.during = lambda: (rig.abort_from(0), rig.abort_from(1))

@@ -3,9 +3,9 @@ The probe: probes/cases/prefill_retire/."""
 
 from __future__ import annotations
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.retire import RetireRig, handed_on, retire_verdict, retired_once
-from probes.standins import (
+from ... import NotApplicable, Outcome, case, judged
+from ...rigs.retire import RetireRig, handed_on, retire_verdict, retired_once
+from ...standins import (
     aborted_prefetch_releasable,
     describe_finish,
     has_method,

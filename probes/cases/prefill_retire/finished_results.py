@@ -3,8 +3,8 @@ The probe: probes/cases/prefill_retire/."""
 
 from __future__ import annotations
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.retire import SAMPLED_TOKEN, RetireRig, retire_verdict, retired_once
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.retire import SAMPLED_TOKEN, RetireRig, retire_verdict, retired_once
 
 
 class _RejectingGrammar:

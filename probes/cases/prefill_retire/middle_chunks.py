@@ -3,9 +3,9 @@ The probe: probes/cases/prefill_retire/."""
 
 from __future__ import annotations
 
-from probes import Outcome, case, judged
-from probes.rigs.retire import RetireRig, retire_verdict, retired_once
-from probes.standins import (
+from ... import Outcome, case, judged
+from ...rigs.retire import RetireRig, retire_verdict, retired_once
+from ...standins import (
     mark_aborted,
 )
 

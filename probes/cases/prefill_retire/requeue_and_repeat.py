@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case, judged, tree_version
-from probes.rigs.retire import RetireRig
-from probes.standins import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case, judged, tree_version
+from ...rigs.retire import RetireRig
+from ...standins import (
     has_method,
     reject_at_intake,
     sg,

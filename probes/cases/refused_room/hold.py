@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.door import REJECTION, DoorRig
-from probes.rigs.failed_transfer import TIMEOUT_ENV, TransferRig
-from probes.rigs.mooncake_decode import MooncakeDecodeSide
-from probes.rigs.mooncake_prefill import MooncakePrefillSide
-from probes.standins import make_req, reject_at_intake, sg
+from ... import NotApplicable, Outcome, case, judged
+from ...rigs.door import REJECTION, DoorRig
+from ...rigs.failed_transfer import TIMEOUT_ENV, TransferRig
+from ...rigs.mooncake_decode import MooncakeDecodeSide
+from ...rigs.mooncake_prefill import MooncakePrefillSide
+from ...standins import make_req, reject_at_intake, sg
 
 ROOM = 7401
 PAGES = 4

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from probes import NotApplicable, Outcome, case, judged
-from probes.rigs.failed_transfer import TRANSFER_FAILED_STOP, TransferRig, failure_stops_decode
-from probes.rigs.refused_room import (
+from ... import NotApplicable, Outcome, case, judged
+from ...rigs.failed_transfer import TRANSFER_FAILED_STOP, TransferRig, failure_stops_decode
+from ...rigs.refused_room import (
     REFUSED_ROOM,
     FirstTokenBuffers,
     MooncakeSide,
@@ -17,7 +17,7 @@ from probes.rigs.refused_room import (
     refuse_at_prefill,
     status_frames,
 )
-from probes.standins import sg
+from ...standins import sg
 
 FAILED_ROOM = 4244
 

@@ -4,8 +4,8 @@ probes/rigs/refused_room.py)."""
 
 from __future__ import annotations
 
-from probes import Outcome, case, judged
-from probes.rigs.refused_room import (
+from ... import Outcome, case, judged
+from ...rigs.refused_room import (
     DECODE_IP,
     DECODE_PORT,
     REFUSED_ROOM,

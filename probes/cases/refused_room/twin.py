@@ -22,11 +22,11 @@ from __future__ import annotations
 import inspect
 import time
 
-from probes import Outcome, case, judged
-from probes.rigs.door import DoorRig
-from probes.rigs.failed_transfer import own_polls
-from probes.rigs.refused_room import DECODE_IP, DECODE_PORT, MooncakeSide, registration
-from probes.standins import make_req
+from ... import Outcome, case, judged
+from ...rigs.door import DoorRig
+from ...rigs.failed_transfer import own_polls
+from ...rigs.refused_room import DECODE_IP, DECODE_PORT, MooncakeSide, registration
+from ...standins import make_req
 
 ROOM = 4244
 TIMEOUT_S = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT is read as an integer

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import inspect
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.coverage import DecodeSide, PrefillSide, set_reservation, tree_fill_len
-from probes.rigs.coverage_run import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.coverage import DecodeSide, PrefillSide, set_reservation, tree_fill_len
+from ...rigs.coverage_run import (
     commit_outcome,
     coverage_rig,
     one_handoff,
@@ -18,7 +18,7 @@ from probes.rigs.coverage_run import (
     require_coverage_slot,
     run_ranks,
 )
-from probes.standins import Ledger, drop_kv_row, give_kv_row
+from ...standins import Ledger, drop_kv_row, give_kv_row
 
 # ---------------------------------------------------------------------------
 

@@ -3,18 +3,18 @@ restore from host memory. The probe: probes/cases/transfer_coverage/."""
 
 from __future__ import annotations
 
-from probes import SAFE, UNSAFE, NotApplicable, Outcome, case
-from probes.rigs.coverage import DecodeSide, PrefillSide
-from probes.rigs.coverage_run import (
+from ... import SAFE, UNSAFE, NotApplicable, Outcome, case
+from ...rigs.coverage import DecodeSide, PrefillSide
+from ...rigs.coverage_run import (
     commit_outcome,
     coverage_rig,
     refused,
     release_from_every_rank,
     run_ranks,
 )
-from probes.rigs.host_memory import host_staged_handoff, restore_side
-from probes.standins import Ledger, sg
-from probes.standins.memory import patch_cache_helpers
+from ...rigs.host_memory import host_staged_handoff, restore_side
+from ...standins import Ledger, sg
+from ...standins.memory import patch_cache_helpers
 
 # --- decode host receive (0.5.21+): the reservation is made after Success ---
 
@@ -88,7 +88,7 @@ def _restore_rig_or_skip(*, refusal: bool = True) -> None:
                             "which this rig does not build")
     from packaging.version import Version
 
-    from probes import tree_version
+    from ... import tree_version
 
     if tree_version() < Version("0.5.16"):
         raise NotApplicable(
@@ -112,7 +112,7 @@ def refusal_during_pending_restore_keeps_restore_pages(ctx) -> Outcome:
     all-reduce. Then memory pressure evicts everything evictable, before and
     after the copy finishes (the tree's real ``evict`` and ``loading_check``).
     0.5.20+ releases the restore through lock receipts, which this rig does not build."""
-    from probes.standins.hicache import evict_all
+    from ...standins.hicache import evict_all
 
     _restore_rig_or_skip()
     collective = coverage_rig(ctx, ranks=2)

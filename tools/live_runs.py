@@ -1,8 +1,8 @@
 """The live table's data: what each pinned release's `run --live` bundle showed, one record per release.
 
-A maintainer tool beside tests.docsgen (which renders docs/generated/live.md from the records):
+A maintainer tool beside tools.docsgen (which renders docs/generated/live.md from the records):
 
-    .venv/bin/python -m tests.live_runs BUNDLE...   # verify each bundle, record its live tier
+    .venv/bin/python -m tools.live_runs BUNDLE...   # verify each bundle, record its live tier
 
 Bundles are too large to commit (~0.6 MB each), so a record keeps what the table shows and the
 receipt's sha256 and the toolkit commit that wrote it: whoever holds the bundle can check the row
@@ -64,7 +64,7 @@ def load() -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.live_runs")
+    parser = argparse.ArgumentParser(prog="python -m tools.live_runs")
     parser.add_argument("bundles", nargs="+", type=Path, help="bundle directories `run --live` wrote")
     args = parser.parse_args(argv)
     records = load()

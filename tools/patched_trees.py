@@ -1,4 +1,4 @@
-"""Every pinned release's patched tree, by git tree id: `python -m tests.patched_trees [--series DIR]
+"""Every pinned release's patched tree, by git tree id: `python -m tools.patched_trees [--series DIR]
 [--write] [VERSION...]`.
 
 For each release of the matrix (patches/releases.toml, measured or not) the pinned wheel's pristine
@@ -10,10 +10,10 @@ The tree id covers every byte the pack writes and nothing about how the pack is 
 name the variant file, tree ids do not), so it is what a change to the pack's files that must not
 change its output is checked against: merging two variants, widening an Applies-To, moving a header.
 
-    python -m tests.patched_trees                 print {release: tree id} as JSON
-    python -m tests.patched_trees --write         rewrite tests/data/patched-trees.json (the baseline
+    python -m tools.patched_trees                 print {release: tree id} as JSON
+    python -m tools.patched_trees --write         rewrite tests/data/patched-trees.json (the baseline
                                                   tests/test_patched_trees.py holds the pack to)
-    python -m tests.patched_trees --series DIR    the same for another pack (with its releases.toml)
+    python -m tools.patched_trees --series DIR    the same for another pack (with its releases.toml)
 
 Regenerate the baseline whenever a change is meant to change a patched tree (a new variant, a fix
 that reaches more releases), and say why in the commit.
@@ -36,8 +36,8 @@ from backport.resources import pack_dir
 from backport.sources import materialise
 from backport.tree import clone_tree
 
-BASELINE = Path(__file__).resolve().parent / "data" / "patched-trees.json"
-REGENERATE = ".venv/bin/python -m tests.patched_trees --write"
+BASELINE = Path(__file__).resolve().parent.parent / "tests" / "data" / "patched-trees.json"
+REGENERATE = ".venv/bin/python -m tools.patched_trees --write"
 
 
 def recorded() -> dict[str, str]:

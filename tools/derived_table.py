@@ -1,4 +1,4 @@
-"""Print the release matrix in full: `python -m tests.derived_table [VERSION...] > table.txt`.
+"""Print the release matrix in full: `python -m tools.derived_table [VERSION...] > table.txt`.
 
 One line per fact, sorted the same way every time, so that two printouts diff cleanly:
 

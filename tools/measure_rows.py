@@ -1,4 +1,4 @@
-"""Measure release-matrix rows: `python -m tests.measure_rows 0.5.19 0.5.20 ...`.
+"""Measure release-matrix rows: `python -m tools.measure_rows 0.5.19 0.5.20 ...`.
 
 Fetches each release, applies the pack to a fresh clone, probes the pristine and patched trees in
 one probe matrix, and compares what ran with what the rule derives (backport/expectations.py,

@@ -2,7 +2,7 @@
 
 Usage (inside the probe environment; the tree is the only ``sglang`` on the path)::
 
-    python -m probes.runtime.server_info --tree PKGROOT --context-length 1048576 [--page-size 64] \\
+    python tests/server_info.py --tree PKGROOT --context-length 1048576 [--page-size 64] \\
         [--backend mooncake] --node prefill:681280 --node decode:681280:kv-checksum ...
 
 Each ``--node MODE:POOL_TOKENS[:kv-checksum]`` is one server (MODE null, prefill or decode);
@@ -165,7 +165,7 @@ def build(args, node) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     global _real_stdout
-    parser = argparse.ArgumentParser(prog="python -m probes.runtime.server_info")
+    parser = argparse.ArgumentParser(prog="tests/server_info.py")
     parser.add_argument("--tree", required=True)
     parser.add_argument("--context-length", type=int, required=True)
     parser.add_argument("--page-size", type=int, default=1)
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "nodes": nodes}, default=str, sort_keys=True) + "\n")
     _real_stdout.flush()
     return 0
+
 
 
 if __name__ == "__main__":

@@ -48,6 +48,20 @@ def test_tree_without_sglang_is_bad_input(tmp_path):
     assert doc["tree"] == str(tmp_path) and "no sglang/" in doc["error"]
 
 
+def test_the_launcher_keeps_the_package_folder_off_the_path(tmp_path):
+    """The child registers the probe package from its folder: neither that folder's parent (a
+    site-packages, a checkout) nor a link to the package is on its path, and nothing is linked."""
+    from backport.probing.harness import probe_environ
+
+    env = probe_environ(sys.executable, tmp_path)
+    assert not any((Path(p) / "probes").exists() or (Path(p) / "sglang_backport_probes").exists()
+                   for p in env["PYTHONPATH"].split(os.pathsep))
+    proc = subprocess.run([*launch(sys.executable, "harness"), "--tree", str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "no sglang/" in json.loads(proc.stdout)["error"], proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no link made in the working folder
+
+
 def test_unknown_probe_is_bad_input(tmp_path):
     (tmp_path / "sglang").mkdir()
     (tmp_path / "sglang" / "__init__.py").write_text("")

@@ -65,8 +65,10 @@ def installed(tmp_path_factory) -> Path:
     # every kind of probe module ships, and the probes that are packages of scenario modules ship whole
     assert {"sglang_backport_probes/cases/prefill_drain/drain_ack.py",
             "sglang_backport_probes/cases/page_lifetime/drain_hold.py", "sglang_backport_probes/rigs/door.py",
-            "sglang_backport_probes/standins/addons.py",
-            "sglang_backport_probes/runtime/harness.py"} <= set(names)
+            "sglang_backport_probes/standins/addons.py", "sglang_backport_probes/runtime/harness.py",
+            "sglang_backport_probes/runtime/launch.py"} <= set(names)
+    # what only the tests run does not ship, nor do the maintainer tools
+    assert not any(n.endswith("/server_info.py") or n.startswith("tools/") for n in names)
     assert not any(n.startswith("probes/") for n in names), (
         "the probes must not install as top-level `probes`"
     )

@@ -1,7 +1,9 @@
 """Stage results that cross packages, where the producing package is heavy to import: the reader
 (evidence/, at `verify`) takes the type without importing the producer (live/, ~300 ms of imports).
 
-The live tier's result for one tree: a frozen record per tree and per scenario (live/tier.py).
+The live tier's result for one tree: a frozen record per tree and per scenario (live/tier.py). The
+probe harness's result for one tree (`TreeProbe`, a `CaseResult` per case): the job's record of what
+the probes said, written as probes/<role>.json.
 
 `to_json` is the bundle's `live/<role>.json` (evidence/live.py reads it) and `live --json`'s per-tree
 document; its keys do not change. `details` stays a mapping: what a scenario observed, its own shape
@@ -64,3 +66,77 @@ class LiveResult:
         scenarios = tuple(ScenarioResult.from_json(s) for s in doc["scenarios"])
         return cls(tree=doc["tree"], version=doc["version"], startup_seconds=doc["startup_seconds"],
                    server=doc["server"], scenarios=scenarios)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case on one tree as the probe harness reports it (probes/<role>.json's `cases[]`)."""
+
+    probe: str
+    case: str
+    must_preserve: bool
+    expect: str
+    observed: str
+    verdict: TreeVerdict
+    details: dict[str, Any] = field(default_factory=dict)
+    beyond_upstream: bool = False  # written only when set (every other case document stays as it was)
+
+    def to_json(self) -> dict:
+        doc = {"probe": self.probe, "case": self.case, "must_preserve": self.must_preserve,
+               "expect": self.expect, "observed": self.observed, "verdict": self.verdict,
+               "details": self.details}
+        if self.beyond_upstream:
+            doc["beyond_upstream"] = True
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> CaseResult:
+        return cls(probe=doc["probe"], case=doc["case"], must_preserve=doc["must_preserve"],
+                   expect=doc["expect"], observed=doc["observed"], verdict=TreeVerdict(doc["verdict"]),
+                   details=doc.get("details") or {}, beyond_upstream=bool(doc.get("beyond_upstream", False)))
+
+
+# the probe harness's document (probes/runtime/harness.py): every key, and those it writes only when set
+_PROBE_KEYS = {"tree", "version", "sglang_file", "python", "torch", "import_seconds", "cases"}
+_PROBE_OPTIONAL = {"import_seconds", "coverage", "coverage_unavailable"}
+
+
+@dataclass(frozen=True)
+class TreeProbe:
+    """One tree's probe result: the harness's document as the job hands it on (the run record, then
+    probes/<role>.json). `import_seconds` is None once the bundle moved it to its timestamps; `coverage`
+    (per file: statements, executed, the lines each case ran) None once the coverage measure took it."""
+
+    tree: str
+    version: str
+    sglang_file: str | None
+    python: str | None
+    torch: str | None
+    cases: tuple[CaseResult, ...]
+    import_seconds: float | None = None
+    coverage: dict[str, Any] | None = None
+    coverage_unavailable: str | None = None
+
+    def to_json(self) -> dict:
+        doc: dict[str, Any] = {"tree": self.tree, "version": self.version, "sglang_file": self.sglang_file,
+                               "python": self.python, "torch": self.torch,
+                               "cases": [c.to_json() for c in self.cases]}
+        for key in sorted(_PROBE_OPTIONAL):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict) -> TreeProbe:
+        """The harness's document; a key it does not know is refused (a record never drops what the
+        harness wrote: the bundle would lose it silently)."""
+        unknown = set(doc) - _PROBE_KEYS - _PROBE_OPTIONAL
+        missing = _PROBE_KEYS - _PROBE_OPTIONAL - set(doc)
+        if unknown or missing:
+            raise ValueError(f"a probe document with keys {sorted(unknown)} unknown, {sorted(missing)} "
+                             f"missing")
+        return cls(tree=doc["tree"], version=doc["version"], sglang_file=doc["sglang_file"],
+                   python=doc["python"], torch=doc["torch"],
+                   cases=tuple(CaseResult.from_json(c) for c in doc["cases"]),
+                   import_seconds=doc.get("import_seconds"), coverage=doc.get("coverage"),
+                   coverage_unavailable=doc.get("coverage_unavailable"))

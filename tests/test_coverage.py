@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import git
@@ -28,6 +29,7 @@ from backport.job.coverage import (
     times_added,
     upstream_lines,
 )
+from backport.records import TreeProbe
 from backport.upstream import TestRef, run_upstream_tests
 from backport.vocab import ApplyStatus, HunkStatus, PatchStatus
 from tests import test_upstream_tests as shared
@@ -67,15 +69,26 @@ def run_inputs(tmp_path):
                                  fix="pr38935", variant="pr38935-0.5.19.patch", status=PatchStatus.APPLIED,
                                  commit=commit, hunks=(HunkResult(file=UTILS, status=HunkStatus.EXACT),)),))
     probe_docs = {
-        "patched": {"cases": [], "coverage": {UTILS: {"statements": PATCHED_STATEMENTS,
-                                                      "executed": [1, 4, 5, 6, 7, 10, 14, 16, 18, 19]}}},
-        "pristine": {
-            "cases": [{"probe": "admission", "case": "rejected", "verdict": "unsafe"},
-                      {"probe": "admission", "case": "valid", "verdict": "safe"}],
-            "coverage": {UTILS: {"statements": PRISTINE_STATEMENTS, "executed": PRISTINE_STATEMENTS,
-                                 "cases": {"admission/rejected": [12], "admission/valid": [12, 13]}}}},
+        "patched": _harness_doc(patched, [], {UTILS: {"statements": PATCHED_STATEMENTS,
+                                                      "executed": [1, 4, 5, 6, 7, 10, 14, 16, 18, 19]}}),
+        "pristine": _harness_doc(
+            pristine, [("rejected", "unsafe"), ("valid", "safe")],
+            {UTILS: {"statements": PRISTINE_STATEMENTS, "executed": PRISTINE_STATEMENTS,
+                     "cases": {"admission/rejected": [12], "admission/valid": [12, 13]}}}),
     }
     return trees, apply_json, probe_docs
+
+
+def _harness_doc(root: Path, cases: list[tuple[str, str]], coverage: dict) -> dict:
+    """A probe harness document (as probes/runtime/harness.py writes it) with admission cases."""
+    return {"tree": str(root), "version": "0.5.19", "sglang_file": None, "python": "3.11.7", "torch": None,
+            "import_seconds": 1.0, "coverage": coverage,
+            "cases": [{"probe": "admission", "case": case, "must_preserve": False, "expect": "",
+                       "observed": "", "verdict": verdict, "details": {}} for case, verdict in cases]}
+
+
+def _probes(docs: dict[str, dict]) -> dict[str, TreeProbe]:
+    return {role: TreeProbe.from_json(doc) for role, doc in docs.items()}
 
 
 def _upstream_doc(executed: list[int] | None, **extra) -> dict:
@@ -91,7 +104,7 @@ PACK = SimpleNamespace(fixes={})
 def test_a_line_is_not_executed_only_when_neither_probes_nor_upstream_tests_ran_it(run_inputs):
     trees, apply_json, probe_docs = run_inputs
     upstream = _upstream_doc([10, 11, 16])
-    section = measure(trees, apply_json, PACK, probe_docs, None, upstream)
+    section, stripped = measure(trees, apply_json, PACK, _probes(probe_docs), None, upstream)
     (patch,) = section["patches"]
     assert (patch["added"], patch["executed_by_probes"], patch["executed_by_upstream_tests"]) == (4, 2, 3)
     assert patch["executed_only_by_upstream_tests"] == [f"{UTILS}:11"]
@@ -101,7 +114,7 @@ def test_a_line_is_not_executed_only_when_neither_probes_nor_upstream_tests_ran_
     # upstream-tests.json keeps, per fix, only the added lines its tests ran (not the raw line lists)
     patched_entry = upstream["trees"][1]
     assert patched_entry["added_lines_executed"] == {"pr38935": [f"{UTILS}:10", f"{UTILS}:11", f"{UTILS}:16"]}
-    assert "coverage" not in patched_entry and all("coverage" not in d for d in probe_docs.values())
+    assert "coverage" not in patched_entry and all(p.coverage is None for p in stripped.values())
     # what verify re-derives holds, against the same upstream document and pristine results
     assert problems(section, upstream=upstream, pristine=probe_docs["pristine"]) == []
     assert "Upstream's tests ran 3 of them, 1 that no probe case ran; 1 ran under neither." in "\n".join(
@@ -117,7 +130,7 @@ def test_a_line_is_not_executed_only_when_neither_probes_nor_upstream_tests_ran_
 ])
 def test_upstream_tests_not_measured_stay_null_with_the_reason(run_inputs, upstream, reason):
     trees, apply_json, probe_docs = run_inputs
-    section = measure(trees, apply_json, PACK, probe_docs, None, copy.deepcopy(upstream))
+    section, _ = measure(trees, apply_json, PACK, _probes(probe_docs), None, copy.deepcopy(upstream))
     (patch,) = section["patches"]
     assert patch["executed_by_upstream_tests"] is None and patch["executed_only_by_upstream_tests"] == []
     assert patch["not_executed"] == [f"{UTILS}:11", f"{UTILS}:17"]  # the probes' own verdict
@@ -130,7 +143,7 @@ def test_upstream_tests_not_measured_stay_null_with_the_reason(run_inputs, upstr
 def test_the_sections_contradictions_are_found(run_inputs):
     trees, apply_json, probe_docs = run_inputs
     upstream = _upstream_doc([10, 11, 16])
-    section = measure(trees, apply_json, PACK, probe_docs, None, upstream)
+    section, _ = measure(trees, apply_json, PACK, _probes(probe_docs), None, upstream)
     pristine = probe_docs["pristine"]
 
     def found(edit_section=None, edit_upstream=None) -> list[str]:
@@ -162,7 +175,7 @@ def test_pristine_functions_name_what_a_fix_changes_and_what_the_unsafe_cases_ra
                                   probe_docs["pristine"])
     assert entry == {"fix": "pr38935", "file": UTILS, "function": "admit", "first_line": 10, "last_line": 13,
                      "lines": 3, "executed_by_unsafe_cases": 1, "unsafe_cases": ["admission/rejected"]}
-    section = measure(trees, apply_json, PACK, probe_docs, None, None)
+    section, _ = measure(trees, apply_json, PACK, _probes(probe_docs), None, None)
     assert section["pristine_functions"] == [entry] and section["pristine_reason"] is None
     assert (
         "| pr38935 | `sglang/srt/disaggregation/utils.py:10-13` `admit` | 3 | 1 | `admission/rejected` |"
@@ -194,7 +207,7 @@ def test_methods_and_removed_lines_are_found_by_qualified_name(tmp_path):
 def test_without_per_case_coverage_the_functions_are_listed_uncounted(run_inputs):
     trees, apply_json, probe_docs = run_inputs
     del probe_docs["pristine"]["coverage"][UTILS]["cases"]
-    section = measure(trees, apply_json, PACK, probe_docs, None, None)
+    section, _ = measure(trees, apply_json, PACK, _probes(probe_docs), None, None)
     (entry,) = section["pristine_functions"]
     assert (entry["lines"], entry["executed_by_unsafe_cases"], entry["unsafe_cases"]) == (None, None, [])
     assert section["pristine_reason"] == "the pristine probe run recorded no per-case coverage"
@@ -247,7 +260,7 @@ def _exclusion_pack(tmp_path, **entry) -> SimpleNamespace:
 
 def test_a_listed_run_of_added_lines_is_excluded_with_its_reason(run_inputs, tmp_path):
     trees, apply_json, probe_docs = run_inputs
-    section = measure(trees, apply_json, _exclusion_pack(tmp_path), probe_docs, None, None)
+    section, _ = measure(trees, apply_json, _exclusion_pack(tmp_path), _probes(probe_docs), None, None)
     (patch,) = section["patches"]
     assert patch["excluded"] == [{"line": f"{UTILS}:17", "reason": "a reviewed reason"}]
     assert patch["not_executed"] == [f"{UTILS}:11"] and patch["added"] == 3
@@ -261,8 +274,9 @@ def test_a_listed_run_of_added_lines_is_excluded_with_its_reason(run_inputs, tmp
 def test_an_exclusion_names_its_variant_and_its_place(run_inputs, tmp_path):
     trees, apply_json, probe_docs = run_inputs
     for other in ({"variants": ["pr38935-0.5.18.patch"]}, {"after": "queue.append(req)"}):
-        section = measure(copy.deepcopy(trees), copy.deepcopy(apply_json), _exclusion_pack(tmp_path, **other),
-                          copy.deepcopy(probe_docs), None, None)
+        pack = _exclusion_pack(tmp_path, **other)
+        probes = _probes(copy.deepcopy(probe_docs))
+        section, _ = measure(copy.deepcopy(trees), copy.deepcopy(apply_json), pack, probes, None, None)
         assert section["patches"][0]["excluded"] == [], other
         assert section["patches"][0]["not_executed"] == [f"{UTILS}:11", f"{UTILS}:17"], other
 

@@ -24,6 +24,7 @@ from backport.evidence import TreeInput
 from backport.evidence.artifacts import TREE_DIGEST_METHOD
 from backport.evidence.environment import Environment, Interpreter, Toolkit
 from backport.evidence.table import TABLE_KEYS, attached_from, pointed
+from backport.records import TreeProbe
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((REPO / "evidence" / "receipt.schema.json").read_text())
@@ -218,7 +219,8 @@ def fixture_run(tmp: Path, *, cases=PASSING_CASES, started="2026-11-30T10:00:00+
         mode="backport",
         target={"spec": "sglang==0.5.19", "kind": "wheel", "version": "0.5.19", "artifact_sha256": D[1],
                 "commit": None, "unpinned": False, "head": None},
-        trees=trees, probe_docs=probe_docs, apply_report=apply_report, patches=patches,
+        trees=trees, probes={role: TreeProbe.from_json(doc) for role, doc in probe_docs.items()},
+        apply_report=apply_report, patches=patches,
         series_files=[{"path": "fixes.toml", "sha256": D[9]}], upstream_tests=upstream,
         environment=environment,
         toolkit=Toolkit(version="0.1.0", git_commit=None, git_dirty=None,
@@ -501,7 +503,8 @@ def test_upstream_pair_bundle_has_no_apply_report(tmp_path):
     docs = {role: {**evidence.statement.embedded(p, f"probes/{role}.json"), "tree": "/x"} for role in trees}
     bundle = evidence.assemble(evidence.RunRecord(
         mode="upstream-pair", target={**p["inputs"]["target"], "head": "sglang==0.5.22"}, trees=trees,
-        probe_docs=docs, apply_report=None, patches=[], series_files=[], upstream_tests=None,
+        probes={role: TreeProbe.from_json(doc) for role, doc in docs.items()}, apply_report=None, patches=[],
+        series_files=[], upstream_tests=None,
         environment=Environment.from_json(p["environment"]), toolkit=Toolkit.from_json(p["toolkit"]),
         timestamps=p["timestamps"]))
     out = evidence.write_bundle(tmp_path / "pair", bundle)

@@ -59,6 +59,7 @@ from backport.evidence.scrub import normalise_document, normalise_probe
 from backport.evidence.statement import PREDICATE_TYPE, build_statement
 from backport.evidence.table import pointed
 from backport.evidence.verdicts import ROLES
+from backport.records import TreeProbe
 
 from . import vex
 
@@ -103,11 +104,12 @@ def assemble(record: RunRecord) -> Bundle:
     tree_paths = _tree_paths(trees)
     probes: dict[str, dict] = {}
     for role in ROLES:
-        if role not in record.probe_docs:
+        if role not in record.probes:
             continue
         tree = trees[role]
-        root = tree.package_root or Path(record.probe_docs[role].get("tree", "/"))
-        doc, volatile = normalise_probe(record.probe_docs[role], role, root, [*extra_paths, *tree_paths])
+        root = tree.package_root or Path(record.probes[role].tree)
+        doc, volatile = normalise_probe(record.probes[role].to_json(), role, root,
+                                        [*extra_paths, *tree_paths])
         probes[role] = doc
         if "import_seconds" in volatile:
             import_seconds[role] = volatile["import_seconds"]
@@ -131,7 +133,9 @@ def assemble(record: RunRecord) -> Bundle:
                 sources[f"{item.get('path')}@{item.get('rev')}"] = source
     if sources:
         timestamps["upstream_test_sources"] = sources
-    normalised = dataclasses.replace(record, trees=trees, probe_docs=probes, apply_report=apply_doc,
+    normalised = dataclasses.replace(record, trees=trees,
+                                     probes={role: TreeProbe.from_json(doc) for role, doc in probes.items()},
+                                     apply_report=apply_doc,
                                      upstream_tests=upstream, timestamps=timestamps)
     export, live = record.export, record.live
 

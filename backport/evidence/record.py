@@ -1,9 +1,10 @@
 """The record of one run as the evidence stage takes it: what `bundle.assemble` lays out and
 `statement.build_statement` states, one frozen value instead of sixteen keyword arguments.
 
-The fields that are JSON documents already (the target, timestamps, the
-apply report, probe and upstream-test documents) stay documents here: they are written to the
-bundle as they are (normalised by scrub.py), and their shape is the bundle's (schemas/).
+The probe results are `TreeProbe` records (records.py); the fields that are JSON documents already
+(the target, timestamps, the apply report as `ApplyReport.to_json` gives it, the upstream-test
+document) stay documents here: they are written to the bundle as they are (normalised by scrub.py),
+and their shape is the bundle's (schemas/).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from backport.evidence.artifacts import Exported
 from backport.evidence.environment import Environment, Toolkit
 from backport.evidence.vulnerabilities import VulnClass
-from backport.records import LiveResult
+from backport.records import LiveResult, TreeProbe
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RunRecord:
     mode: str
     target: dict
     trees: dict[str, TreeInput]
-    probe_docs: dict[str, dict]
+    probes: dict[str, TreeProbe]
     apply_report: dict | None
     patches: list[dict]
     series_files: list[dict]

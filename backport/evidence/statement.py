@@ -55,7 +55,8 @@ def build_statement(record: RunRecord, files: dict[str, str]) -> dict:
     patched tree and, with `export`, the exported files. The statement is the attached one (the module
     docstring): `table.pointed` of it is what receipt.json holds."""
     r = record
-    probes, trees, upstream = r.probe_docs, r.trees, r.upstream_tests or {}
+    probes = {role: probe.to_json() for role, probe in r.probes.items()}
+    trees, upstream = r.trees, r.upstream_tests or {}
     export = None if r.export is None else r.export.record
     live = None if r.live is None else live_evidence.section(r.live)
     rows = case_rows(probes)

@@ -25,6 +25,7 @@ code no verdict rests on.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import tomllib
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from backport.errors import BadInput
 from backport.evidence.coverage import PatchCoverage, totals
 from backport.gitops import blame_commits
 from backport.pack import Pack
+from backport.records import TreeProbe
 from backport.vocab import PatchStatus, TreeVerdict
 
 EXCLUSIONS = "coverage-exclusions.toml"
@@ -377,14 +379,14 @@ def pristine_reason(pristine_doc: dict) -> str | None:
     return None
 
 
-def measure(trees: dict, report: ApplyReport | None, pack: Pack, probe_docs: dict[str, dict],
-            min_percent: float | None, upstream_doc: dict | None) -> dict | None:
-    """The run's coverage section (None: nothing was applied). The raw per-file line lists are not
-    kept (every tree's document would carry thousands of line numbers the section summarises): the
-    probe documents lose theirs, and upstream's record for the patched tree becomes, per fix, the
-    added lines its tests ran (`added_lines_executed`), which `verify` checks the section against."""
+def measure(trees: dict, report: ApplyReport | None, pack: Pack, probes: dict[str, TreeProbe],
+            min_percent: float | None, upstream_doc: dict | None) -> tuple[dict | None, dict[str, TreeProbe]]:
+    """The run's coverage section (None: nothing was applied), and the probe results without their raw
+    per-file line lists (every tree's document would carry thousands of line numbers the section
+    summarises). Upstream's record for the patched tree becomes, per fix, the added lines its tests ran
+    (`added_lines_executed`), which `verify` checks the section against."""
     section = None
-    if report is not None and "patched" in probe_docs:
+    if report is not None and "patched" in probes:
         patched = trees["patched"]
         prefix = str(patched.package_root.relative_to(patched.tree_path)).strip(".")
         prefix = f"{prefix}/" if prefix else ""
@@ -393,12 +395,12 @@ def measure(trees: dict, report: ApplyReport | None, pack: Pack, probe_docs: dic
             prefix,
             report,
             pack,
-            probe_docs["patched"],
+            probes["patched"].to_json(),
             min_percent,
             upstream=upstream_lines(upstream_doc),
         )
-        if section["measured"] and "pristine" in probe_docs:
-            pristine = probe_docs["pristine"]
+        if section["measured"] and "pristine" in probes:
+            pristine = probes["pristine"].to_json()
             section["pristine_functions"] = pristine_functions(
                 trees["pristine"].package_root, patched.tree_path, prefix, report, pristine
             )
@@ -412,7 +414,6 @@ def measure(trees: dict, report: ApplyReport | None, pack: Pack, probe_docs: dic
                 entry["added_lines_executed"] = by_upstream
     for entry in (upstream_doc or {}).get("trees") or []:
         entry.pop("coverage", None)
-    for doc in probe_docs.values():
-        doc.pop("coverage", None)
-        doc.pop("coverage_unavailable", None)
-    return section
+    stripped = {role: dataclasses.replace(probe, coverage=None, coverage_unavailable=None)
+                for role, probe in probes.items()}
+    return section, stripped

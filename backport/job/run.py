@@ -32,6 +32,7 @@ from backport.job.live import live_documents
 from backport.job.plan import Plan, RunOptions, bundle_dir, is_user_checkout, plan
 from backport.job.progress import Progress
 from backport.probing import ensure_env, run_matrix
+from backport.records import TreeProbe
 from backport.sources import clone_pristine, materialise
 from backport.tree import Tree, clone_commit, decided_version, tree_digest
 from backport.vocab import ApplyStatus, PatchStatus, RunResult
@@ -112,11 +113,11 @@ def fetch_head(the_plan: Plan, work: list[Path]) -> Tree:
     return clone
 
 
-def check_probed(trees: dict[str, evidence.TreeInput], probe_docs: dict[str, dict]) -> None:
+def check_probed(trees: dict[str, evidence.TreeInput], probes: dict[str, TreeProbe]) -> None:
     """Each recorded tree digest, taken again from the tree after it was probed (and run live and
     under upstream's tests): a tree that changed meanwhile is a finding, never a silent pass."""
     for role, tree in trees.items():
-        probed = (probe_docs.get(role) or {}).get("tree")
+        probed = probes[role].tree if role in probes else None
         if probed and Path(probed).resolve() != tree.root().resolve():
             raise Finding(f"the {role} probes ran on {probed}, not on the recorded tree {tree.package_root}")
         now = tree_digest(tree.root())
@@ -285,7 +286,7 @@ def prepare(the_plan: Plan, progress: Progress) -> Prepared:
     )
 
 
-def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, dict]]:
+def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> list[dict[str, TreeProbe]]:
     """Every tree of every run in one probe matrix (a tree shared by runs, the reference, once)."""
     roots = [t.root() for run in runs for t in run.trees.values()]
     labels = [f"{role} {t.version}" for run in runs for role, t in run.trees.items()]
@@ -297,7 +298,7 @@ def probe_all(python: str, runs: list[Prepared], *, jobs: int | None = None) -> 
     for run in runs[1:]:
         run.progress.index += 1
         run.progress.steps.append(dict(first.steps[-1]))
-    return [{role: next(documents) for role in run.trees} for run in runs]
+    return [{role: TreeProbe.from_json(next(documents)) for role in run.trees} for run in runs]
 
 
 def export_files(run: Prepared) -> evidence.Exported | None:
@@ -323,7 +324,7 @@ def export_files(run: Prepared) -> evidence.Exported | None:
                                   label=lineage.label, patch_set_sha256=lineage.patch_set_sha256)
 
 
-def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcome:
+def finish(run: Prepared, python: str, probes: dict[str, TreeProbe]) -> RunOutcome:
     """Upstream's tests (when asked), the live tier (when asked) and the bundle of one run."""
     the_plan, options, progress = run.plan, run.plan.options, run.progress
     live = None
@@ -340,9 +341,9 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
         with progress.step("upstream-tests", "running upstream's unit tests for the fixes"):
             upstream = upstream_tests(run.trees, the_plan.series_dir, python, options.upstream_base_url,
                                       touched_files(run.apply))
-    check_probed(run.trees, probe_docs)
+    check_probed(run.trees, probes)
     # the patches' executed lines and the pristine functions the fixes change; drops the raw line lists
-    coverage = measure(run.trees, run.apply, the_plan.pack, probe_docs, options.min_coverage, upstream)
+    coverage, probes = measure(run.trees, run.apply, the_plan.pack, probes, options.min_coverage, upstream)
     with progress.step("bundle", "writing the evidence bundle"):
         exported = export_files(run)
         source, trees = run.source, run.trees
@@ -358,7 +359,7 @@ def finish(run: Prepared, python: str, probe_docs: dict[str, dict]) -> RunOutcom
                 "head": options.head,
             },
             trees=trees,
-            probe_docs=probe_docs,
+            probes=probes,
             apply_report=None if run.apply is None else run.apply.to_json(),
             patches=run.patches,
             series_files=series_files(the_plan),

@@ -109,8 +109,7 @@ class VulnClass:
         if self.live is not None:
             doc["live"] = list(self.live)
         for key in sorted(self.derived):
-            value = getattr(self, key)
-            doc[key] = {f: list(u) for f, u in value.items()} if key == "fix_urls" else value
+            doc[key] = getattr(self, key)
         return doc
 
 
